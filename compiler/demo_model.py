@@ -1,0 +1,244 @@
+"""Writes SD 1.x single-file checkpoints with seeded random weights in the real LDM key layout.
+
+Owns: the LDM key/shape layout of an SD 1.x checkpoint for a given config (UNet, VAE, CLIP-L
+text encoder), and a streaming .safetensors writer (one tensor in memory at a time). Used for
+the embedded default (`precast demo-model`: tiny, a few MB, every block kind) and by the
+benchmarks (full-size SD 1.5 shapes).
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from .sources.checkpoint import TEXT, UNET, VAE
+
+
+@dataclass(frozen=True)
+class SD1Config:
+    model_channels: int = 32
+    channel_mult: tuple[int, ...] = (1, 2, 2)
+    num_res_blocks: int = 2
+    attention_levels: tuple[int, ...] = (0, 1)     # levels with a SpatialTransformer
+    transformer_depth: int = 1
+    context_dim: int = 64                           # = text encoder width
+    vae_ch: int = 32
+    vae_mult: tuple[int, ...] = (1, 1, 2, 2)        # 4 levels: 8x downsampling, as in SD
+    vae_res_blocks: int = 1
+    latent_channels: int = 4
+    text_layers: int = 2
+    text_intermediate: int = 256
+    vocab: int = 49408
+    max_positions: int = 77
+
+
+TINY = SD1Config()
+SD15 = SD1Config(model_channels=320, channel_mult=(1, 2, 4, 4), num_res_blocks=2, attention_levels=(0, 1, 2),
+                 context_dim=768, vae_ch=128, vae_mult=(1, 2, 4, 4), vae_res_blocks=2, text_layers=12,
+                 text_intermediate=3072)
+
+
+def _conv(d: dict, name: str, cout: int, cin: int, k: int) -> None:
+    d[f"{name}.weight"] = (cout, cin, k, k)
+    d[f"{name}.bias"] = (cout,)
+
+
+def _lin(d: dict, name: str, cout: int, cin: int, bias: bool = True) -> None:
+    d[f"{name}.weight"] = (cout, cin)
+    if bias:
+        d[f"{name}.bias"] = (cout,)
+
+
+def _norm(d: dict, name: str, c: int) -> None:
+    d[f"{name}.weight"] = (c,)
+    d[f"{name}.bias"] = (c,)
+
+
+def _unet_res(d, p, cin, cout, temb):
+    _norm(d, f"{p}.in_layers.0", cin)
+    _conv(d, f"{p}.in_layers.2", cout, cin, 3)
+    _lin(d, f"{p}.emb_layers.1", cout, temb)
+    _norm(d, f"{p}.out_layers.0", cout)
+    _conv(d, f"{p}.out_layers.3", cout, cout, 3)
+    if cin != cout:
+        _conv(d, f"{p}.skip_connection", cout, cin, 1)
+
+
+def _unet_attn(d, p, c, ctx, depth):
+    _norm(d, f"{p}.norm", c)
+    _conv(d, f"{p}.proj_in", c, c, 1)
+    for j in range(depth):
+        b = f"{p}.transformer_blocks.{j}"
+        for a, kv in (("attn1", c), ("attn2", ctx)):
+            _lin(d, f"{b}.{a}.to_q", c, c, bias=False)
+            _lin(d, f"{b}.{a}.to_k", c, kv, bias=False)
+            _lin(d, f"{b}.{a}.to_v", c, kv, bias=False)
+            _lin(d, f"{b}.{a}.to_out.0", c, c)
+        for n in ("norm1", "norm2", "norm3"):
+            _norm(d, f"{b}.{n}", c)
+        _lin(d, f"{b}.ff.net.0.proj", 8 * c, c)
+        _lin(d, f"{b}.ff.net.2", c, 4 * c)
+    _conv(d, f"{p}.proj_out", c, c, 1)
+
+
+def unet_layout(cfg: SD1Config) -> dict[str, tuple[int, ...]]:
+    d: dict[str, tuple[int, ...]] = {}
+    mc, temb = cfg.model_channels, 4 * cfg.model_channels
+    _lin(d, "time_embed.0", temb, mc)
+    _lin(d, "time_embed.2", temb, temb)
+    _conv(d, "input_blocks.0.0", mc, 4, 3)
+    chans, ch, i = [mc], mc, 1
+    for level, mult in enumerate(cfg.channel_mult):
+        for _ in range(cfg.num_res_blocks):
+            _unet_res(d, f"input_blocks.{i}.0", ch, mult * mc, temb)
+            ch = mult * mc
+            if level in cfg.attention_levels:
+                _unet_attn(d, f"input_blocks.{i}.1", ch, cfg.context_dim, cfg.transformer_depth)
+            chans.append(ch)
+            i += 1
+        if level != len(cfg.channel_mult) - 1:
+            _conv(d, f"input_blocks.{i}.0.op", ch, ch, 3)
+            chans.append(ch)
+            i += 1
+    _unet_res(d, "middle_block.0", ch, ch, temb)
+    _unet_attn(d, "middle_block.1", ch, cfg.context_dim, cfg.transformer_depth)
+    _unet_res(d, "middle_block.2", ch, ch, temb)
+    i = 0
+    for level in reversed(range(len(cfg.channel_mult))):
+        out = cfg.channel_mult[level] * mc
+        for r in range(cfg.num_res_blocks + 1):
+            _unet_res(d, f"output_blocks.{i}.0", ch + chans.pop(), out, temb)
+            ch = out
+            slot = 1
+            if level in cfg.attention_levels:
+                _unet_attn(d, f"output_blocks.{i}.1", ch, cfg.context_dim, cfg.transformer_depth)
+                slot = 2
+            if level and r == cfg.num_res_blocks:
+                _conv(d, f"output_blocks.{i}.{slot}.conv", ch, ch, 3)
+            i += 1
+    _norm(d, "out.0", ch)
+    _conv(d, "out.2", 4, ch, 3)
+    return {UNET + k: v for k, v in d.items()}
+
+
+def _vae_res(d, p, cin, cout):
+    _norm(d, f"{p}.norm1", cin)
+    _conv(d, f"{p}.conv1", cout, cin, 3)
+    _norm(d, f"{p}.norm2", cout)
+    _conv(d, f"{p}.conv2", cout, cout, 3)
+    if cin != cout:
+        _conv(d, f"{p}.nin_shortcut", cout, cin, 1)
+
+
+def _vae_mid(d, p, c):
+    _vae_res(d, f"{p}.mid.block_1", c, c)
+    _norm(d, f"{p}.mid.attn_1.norm", c)
+    for n in ("q", "k", "v", "proj_out"):
+        _conv(d, f"{p}.mid.attn_1.{n}", c, c, 1)
+    _vae_res(d, f"{p}.mid.block_2", c, c)
+
+
+def vae_layout(cfg: SD1Config) -> dict[str, tuple[int, ...]]:
+    d: dict[str, tuple[int, ...]] = {}
+    z, chs = cfg.latent_channels, [cfg.vae_ch * m for m in cfg.vae_mult]
+    _conv(d, "encoder.conv_in", chs[0], 3, 3)
+    ch = chs[0]
+    for i, out in enumerate(chs):
+        for j in range(cfg.vae_res_blocks):
+            _vae_res(d, f"encoder.down.{i}.block.{j}", ch, out)
+            ch = out
+        if i != len(chs) - 1:
+            _conv(d, f"encoder.down.{i}.downsample.conv", ch, ch, 3)
+    _vae_mid(d, "encoder", ch)
+    _norm(d, "encoder.norm_out", ch)
+    _conv(d, "encoder.conv_out", 2 * z, ch, 3)
+    _conv(d, "quant_conv", 2 * z, 2 * z, 1)
+    _conv(d, "post_quant_conv", z, z, 1)
+    ch = chs[-1]
+    _conv(d, "decoder.conv_in", ch, z, 3)
+    _vae_mid(d, "decoder", ch)
+    for i in reversed(range(len(chs))):
+        for j in range(cfg.vae_res_blocks + 1):
+            _vae_res(d, f"decoder.up.{i}.block.{j}", ch, chs[i])
+            ch = chs[i]
+        if i:
+            _conv(d, f"decoder.up.{i}.upsample.conv", ch, ch, 3)
+    _norm(d, "decoder.norm_out", ch)
+    _conv(d, "decoder.conv_out", 3, ch, 3)
+    return {VAE + k: v for k, v in d.items()}
+
+
+def clip_layout(cfg: SD1Config) -> dict[str, tuple[int, ...]]:
+    d: dict[str, tuple[int, ...]] = {}
+    w = cfg.context_dim
+    d["embeddings.token_embedding.weight"] = (cfg.vocab, w)
+    d["embeddings.position_embedding.weight"] = (cfg.max_positions, w)
+    for i in range(cfg.text_layers):
+        p = f"encoder.layers.{i}"
+        _norm(d, f"{p}.layer_norm1", w)
+        for n in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            _lin(d, f"{p}.self_attn.{n}", w, w)
+        _norm(d, f"{p}.layer_norm2", w)
+        _lin(d, f"{p}.mlp.fc1", cfg.text_intermediate, w)
+        _lin(d, f"{p}.mlp.fc2", w, cfg.text_intermediate)
+    _norm(d, "final_layer_norm", w)
+    return {TEXT + k: v for k, v in d.items()}
+
+
+def sd1_layout(cfg: SD1Config) -> dict[str, tuple[int, ...]]:
+    return {**unet_layout(cfg), **vae_layout(cfg), **clip_layout(cfg)}
+
+
+def random_tensor(rng: np.random.Generator, key: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Weights scaled by fan-in so activations stay O(1) through deep stacks; norms near 1."""
+    if key.endswith(".bias"):
+        return (0.02 * rng.standard_normal(shape)).astype(np.float32)
+    is_norm = len(shape) == 1 and any(n in key for n in ("norm", "in_layers.0", "out_layers.0", "out.0.",
+                                                         "layer_norm", "ln_"))
+    if is_norm:
+        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    if "embedding" in key:
+        return (0.1 * rng.standard_normal(shape)).astype(np.float32)
+    fan_in = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+    return (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
+
+
+def write_safetensors(path: str, shapes: dict[str, tuple[int, ...]], dtype: str, make) -> None:
+    """Stream tensors into a .safetensors file (temp file + rename); `make(key, shape)` -> array."""
+    st = {"fp16": ("F16", np.float16, 2), "fp32": ("F32", np.float32, 4)}[dtype]
+    header, offset = {}, 0
+    for key in sorted(shapes):
+        n = int(np.prod(shapes[key])) * st[2]
+        header[key] = {"dtype": st[0], "shape": list(shapes[key]), "data_offsets": [offset, offset + n]}
+        offset += n
+    extra = {k: v for k, v in EXTRA_TENSORS.items()}
+    for key, arr in extra.items():
+        n = arr.nbytes
+        header[key] = {"dtype": "I64", "shape": list(arr.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    header["__metadata__"] = {"format": "pt"}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for key in sorted(shapes):
+            f.write(np.ascontiguousarray(make(key, shapes[key]), dtype=st[1]).tobytes())
+        for arr in extra.values():
+            f.write(arr.tobytes())
+    os.replace(tmp, path)
+
+
+# Buffers that real SD 1.x files carry beside the weights (not weights; exporters must skip them).
+EXTRA_TENSORS = {TEXT + "embeddings.position_ids": np.arange(77, dtype=np.int64)[None, :]}
+
+
+def write_demo_model(path: str, cfg: SD1Config = TINY, seed: int = 0, dtype: str = "fp16") -> dict:
+    """Write a deterministic SD 1.x checkpoint; returns {key: shape}."""
+    shapes = sd1_layout(cfg)
+    rng = np.random.default_rng(seed)
+    write_safetensors(str(path), shapes, dtype, lambda key, shape: random_tensor(rng, key, shape))
+    return shapes

@@ -1,0 +1,177 @@
+"""LDM UNet (SD 1.x layout: `input_blocks`, `middle_block`, `output_blocks`, `time_embed`, `out`).
+
+Owns: the UNet graph and its config inferred from tensor names and shapes (MODEL_FORMATS.md
+§1-2). The block tree mirrors the checkpoint: a block at `input_blocks.1.` reads
+`input_blocks.1.0.in_layers.0.weight`, so weights bind by name. Optimum names:
+sample, timestep, encoder_hidden_states -> out_sample; batch, height, width dynamic.
+Heads are not in the weights: SD 1.x uses 8 per attention (head_dim = channels / 8).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ..errors import BadInput
+from .onnx_graph import FLOAT, Graph
+
+RES_EPS, ATTN_GN_EPS, LN_EPS = 1e-5, 1e-6, 1e-5
+
+
+@dataclass(frozen=True)
+class UNetConfig:
+    in_channels: int
+    out_channels: int
+    model_channels: int
+    context_dim: int
+    channels: list[int]              # output channels of each input block
+    levels: list[int]                # resolution level of each input block
+    num_heads: list[int]             # attention heads per level
+    groups: int = 32
+    use_linear_projection: bool = False
+    n_output_blocks: int = 0
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+
+def _count(g: Graph, fmt: str) -> int:
+    n = 0
+    while any(k.startswith(g.prefix + fmt.format(n) + ".") for k in g.ckpt.refs):
+        n += 1
+    return n
+
+
+def unet_config(g: Graph, config_json: dict, overrides: dict) -> UNetConfig:
+    if not g.has("input_blocks.0.0.weight"):
+        raise BadInput(f"{g.ckpt.path}: no {g.prefix}input_blocks.0.0.weight")
+    mc, in_ch = g.shape("input_blocks.0.0.weight")[:2]
+    n_in = _count(g, "input_blocks.{}")
+    channels, levels, level = [mc], [0], 0
+    for i in range(1, n_in):
+        if g.has(f"input_blocks.{i}.0.op.weight"):
+            level += 1
+            channels.append(g.shape(f"input_blocks.{i}.0.op.weight")[0])
+        elif g.has(f"input_blocks.{i}.0.out_layers.3.weight"):
+            channels.append(g.shape(f"input_blocks.{i}.0.out_layers.3.weight")[0])
+        else:
+            raise BadInput(f"{g.ckpt.path}: input_blocks.{i} is neither a ResBlock nor a downsample")
+        levels.append(level)
+    ctx = [g.shape(k[len(g.prefix):])[1] for k in g.ckpt.refs
+           if k.startswith(g.prefix) and k.endswith("attn2.to_k.weight")]
+    proj = [g.shape(k[len(g.prefix):]) for k in g.ckpt.refs if k.startswith(g.prefix) and k.endswith("proj_in.weight")]
+    n_levels = level + 1
+    heads = overrides.get("num_heads")
+    if heads is None and config_json:
+        heads = config_json.get("num_attention_heads") or config_json.get("attention_head_dim")
+    if heads is None and overrides.get("head_dim"):
+        heads = [max(1, channels[levels.index(lv)] // int(overrides["head_dim"])) for lv in range(n_levels)]
+    heads = heads if heads is not None else 8
+    heads = [int(heads)] * n_levels if isinstance(heads, (int, float)) else [int(h) for h in heads]
+    if len(heads) != n_levels:
+        raise BadInput(f"unet.num_heads lists {len(heads)} values but the UNet has {n_levels} levels")
+    return UNetConfig(in_channels=in_ch, out_channels=g.shape("out.2.weight")[0], model_channels=mc,
+                      context_dim=ctx[0] if ctx else 0, channels=channels, levels=levels, num_heads=heads,
+                      groups=int(overrides.get("groups") or config_json.get("norm_num_groups", 32)),
+                      use_linear_projection=bool(proj) and len(proj[0]) == 2,
+                      n_output_blocks=_count(g, "output_blocks.{}"))
+
+
+def timestep_embedding(g: Graph, t: str, dim: int) -> str:
+    """Sinusoidal embedding, cos first (flip_sin_to_cos), computed in fp32."""
+    half = dim // 2
+    freqs = np.exp(-math.log(10000.0) * np.arange(half, dtype=np.float32) / np.float32(half)).astype(np.float32)
+    args = g.op("Mul", g.op("Unsqueeze", t, g.ints(1)), g.const(freqs[None, :], hint="freqs"))
+    return g.from_fp32(g.op("Concat", g.op("Cos", args), g.op("Sin", args), axis=-1))
+
+
+def resblock(g: Graph, x: str, emb: str, p: str, cfg: UNetConfig) -> str:
+    h = g.conv2d(g.silu(g.group_norm(x, f"{p}.in_layers.0", cfg.groups, RES_EPS)), f"{p}.in_layers.2")
+    e = g.linear(g.silu(emb), f"{p}.emb_layers.1")
+    h = g.op("Add", h, g.op("Unsqueeze", e, g.ints(2, 3)))
+    h = g.conv2d(g.silu(g.group_norm(h, f"{p}.out_layers.0", cfg.groups, RES_EPS)), f"{p}.out_layers.3")
+    skip = g.conv2d(x, f"{p}.skip_connection") if g.has(f"{p}.skip_connection.weight") else x
+    return g.op("Add", skip, h)
+
+
+def cross_attention(g: Graph, x: str, ctx: str, p: str, heads: int) -> str:
+    dim = g.shape(f"{p}.to_q.weight")[0]
+    q, k, v = g.linear(x, f"{p}.to_q"), g.linear(ctx, f"{p}.to_k"), g.linear(ctx, f"{p}.to_v")
+    return g.linear(g.attention(q, k, v, heads, dim), f"{p}.to_out.0")
+
+
+def geglu_ff(g: Graph, x: str, p: str) -> str:
+    value, gate = g.op("Split", g.linear(x, f"{p}.net.0.proj"), axis=-1, num_outputs=2, outputs=2)
+    return g.linear(g.op("Mul", value, g.gelu(gate)), f"{p}.net.2")
+
+
+def spatial_transformer(g: Graph, x: str, ctx: str, p: str, heads: int, cfg: UNetConfig) -> str:
+    inner = g.shape(f"{p}.proj_in.weight")[0]
+    h = g.group_norm(x, f"{p}.norm", cfg.groups, ATTN_GN_EPS)
+    linear = len(g.shape(f"{p}.proj_in.weight")) == 2
+    if not linear:
+        h = g.conv2d(h, f"{p}.proj_in")
+    h = g.op("Transpose", g.op("Reshape", h, g.ints(0, inner, -1)), perm=[0, 2, 1])  # [B, HW, C]
+    if linear:
+        h = g.linear(h, f"{p}.proj_in")
+    j = 0
+    while g.has(f"{p}.transformer_blocks.{j}.norm1.weight"):
+        b = f"{p}.transformer_blocks.{j}"
+        h = g.op("Add", h, cross_attention(g, n := g.layer_norm(h, f"{b}.norm1", LN_EPS), n, f"{b}.attn1", heads))
+        h = g.op("Add", h, cross_attention(g, g.layer_norm(h, f"{b}.norm2", LN_EPS), ctx, f"{b}.attn2", heads))
+        h = g.op("Add", h, geglu_ff(g, g.layer_norm(h, f"{b}.norm3", LN_EPS), f"{b}.ff"))
+        j += 1
+    if linear:
+        h = g.linear(h, f"{p}.proj_out")
+    shape = g.op("Shape", x)
+    out_ch = g.shape(f"{p}.proj_out.weight")[0] if linear else inner
+    hw = g.op("Concat", g.op("Slice", shape, g.ints(0), g.ints(1)), g.ints(out_ch),
+              g.op("Slice", shape, g.ints(2), g.ints(4)), axis=0)
+    h = g.op("Reshape", g.op("Transpose", h, perm=[0, 2, 1]), hw)
+    if not linear:
+        h = g.conv2d(h, f"{p}.proj_out")
+    return g.op("Add", h, x)
+
+
+def build_unet(g: Graph, cfg: UNetConfig) -> None:
+    sample = g.input("sample", g.dtype, ["batch", cfg.in_channels, "height", "width"])
+    t = g.input("timestep", FLOAT, ["steps"])
+    ctx = g.input("encoder_hidden_states", g.dtype, ["batch", "sequence", cfg.context_dim])
+    emb = g.linear(g.silu(g.linear(timestep_embedding(g, t, cfg.model_channels), "time_embed.0")), "time_embed.2")
+    if g.has("label_emb.0.0.weight"):
+        raise BadInput("class-conditioned (label_emb) UNets belong to SDXL, which is not supported yet")
+    h, skips = sample, []
+    for i in range(len(cfg.channels)):
+        p = f"input_blocks.{i}"
+        if i == 0:
+            h = g.conv2d(h, f"{p}.0")
+        elif g.has(f"{p}.0.op.weight"):
+            h = g.conv2d(h, f"{p}.0.op", stride=2, pad=1)
+        else:
+            h = resblock(g, h, emb, f"{p}.0", cfg)
+            if g.has(f"{p}.1.norm.weight"):
+                h = spatial_transformer(g, h, ctx, f"{p}.1", cfg.num_heads[cfg.levels[i]], cfg)
+        skips.append(h)
+    level = cfg.levels[-1]
+    j = 0
+    while g.has(f"middle_block.{j}.norm.weight") or g.has(f"middle_block.{j}.in_layers.0.weight"):
+        if g.has(f"middle_block.{j}.in_layers.0.weight"):
+            h = resblock(g, h, emb, f"middle_block.{j}", cfg)
+        else:
+            h = spatial_transformer(g, h, ctx, f"middle_block.{j}", cfg.num_heads[level], cfg)
+        j += 1
+    for i in range(cfg.n_output_blocks):
+        if not skips:
+            raise BadInput(f"{g.ckpt.path}: more output_blocks than input_blocks (output_blocks.{i})")
+        p = f"output_blocks.{i}"
+        h = resblock(g, g.op("Concat", h, skips.pop(), axis=1), emb, f"{p}.0", cfg)
+        slot = 1
+        if g.has(f"{p}.1.norm.weight"):
+            h = spatial_transformer(g, h, ctx, f"{p}.1", cfg.num_heads[level], cfg)
+            slot = 2
+        if g.has(f"{p}.{slot}.conv.weight"):
+            h = g.conv2d(g.upsample2x(h), f"{p}.{slot}.conv")
+            level -= 1
+    out = g.conv2d(g.silu(g.group_norm(h, "out.0", cfg.groups, RES_EPS)), "out.2")
+    g.output(out, "out_sample", g.dtype, ["batch", cfg.out_channels, "height", "width"])

@@ -1,0 +1,237 @@
+"""The ONNX graph under construction, its primitives, and streaming its weights to disk.
+
+Owns: turning builder calls (`g.conv2d(x, "input_blocks.0.0")`) into ONNX nodes; binding
+weights by their checkpoint name (the initializer keeps that name and shape, so a refit or a
+LoRA patch can find it); the fp16 policy (normalisations and softmax compute in fp32); and
+writing the model with weights streamed one tensor at a time into external data.
+
+Building a graph reads only the checkpoint header; tensor bytes are read in `save_model`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ..errors import BadInput
+
+OPSET = 21
+IR_VERSION = 10
+FLOAT, FLOAT16, INT64, INT32 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT64, TensorProto.INT32
+NP_OF = {FLOAT: np.float32, FLOAT16: np.float16}
+ALIGN_SMALL, ALIGN_LARGE, LARGE = 64, 4096, 1 << 20
+
+
+@dataclass(frozen=True)
+class Weight:
+    name: str                 # initializer name = component-relative checkpoint key
+    key: str                  # full canonical checkpoint key
+    shape: tuple[int, ...]
+    elem_type: int
+
+
+class Graph:
+    """Nodes, inputs, outputs and weight requests of one component graph."""
+
+    def __init__(self, name: str, ckpt, prefix: str, dtype: str):
+        if dtype not in ("fp32", "fp16"):
+            raise BadInput(f"--dtype {dtype!r}: choose fp32 or fp16")
+        self.name, self.ckpt, self.prefix = name, ckpt, prefix
+        self.dtype = FLOAT16 if dtype == "fp16" else FLOAT
+        self.nodes: list[onnx.NodeProto] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+        self.consts: list[onnx.TensorProto] = []
+        self.weights: dict[str, Weight] = {}
+        self.missing: list[str] = []
+        self._n = 0
+
+    # ---- names, weights, constants -------------------------------------------------
+    def _fresh(self, hint: str) -> str:
+        self._n += 1
+        return f"{hint}_{self._n}"
+
+    def has(self, key: str) -> bool:
+        return self.prefix + key in self.ckpt.refs
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.ckpt.shape(self.prefix + key)
+
+    def param(self, key: str, fp32: bool = False) -> str:
+        """Bind a checkpoint tensor (name relative to this component's prefix)."""
+        full = self.prefix + key
+        if full not in self.ckpt.refs:
+            self.missing.append(full)
+            return key
+        if key not in self.weights:
+            elem = FLOAT if fp32 else self.dtype
+            self.weights[key] = Weight(key, full, tuple(self.ckpt.shape(full)), elem)
+        return key
+
+    def const(self, value, elem_type: int | None = None, hint: str = "const") -> str:
+        arr = np.asarray(value)
+        if elem_type is not None:
+            arr = arr.astype(NP_OF.get(elem_type, {INT64: np.int64, INT32: np.int32}.get(elem_type)))
+        name = self._fresh(hint)
+        self.consts.append(numpy_helper.from_array(arr, name))
+        return name
+
+    def ints(self, *values: int) -> str:
+        return self.const(np.array(values, dtype=np.int64), hint="shape")
+
+    # ---- nodes ---------------------------------------------------------------------
+    def op(self, op_type: str, *inputs: str, outputs: int = 1, **attrs):
+        outs = [self._fresh(op_type.lower()) for _ in range(outputs)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=outs[0], **attrs))
+        return outs[0] if outputs == 1 else outs
+
+    def input(self, name: str, elem_type: int, shape: list) -> str:
+        self.inputs.append(helper.make_tensor_value_info(name, elem_type, shape))
+        return name
+
+    def output(self, value: str, name: str, elem_type: int, shape: list) -> None:
+        self.nodes.append(helper.make_node("Identity", [value], [name], name=f"output_{name}"))
+        self.outputs.append(helper.make_tensor_value_info(name, elem_type, shape))
+
+    def cast(self, x: str, elem_type: int) -> str:
+        return self.op("Cast", x, to=elem_type)
+
+    def to_fp32(self, x: str) -> str:
+        return x if self.dtype == FLOAT else self.cast(x, FLOAT)
+
+    def from_fp32(self, x: str) -> str:
+        return x if self.dtype == FLOAT else self.cast(x, self.dtype)
+
+    # ---- primitives ----------------------------------------------------------------
+    def linear(self, x: str, module: str, bias: bool | None = None) -> str:
+        """torch Linear: y = x @ W^T + b, W kept in checkpoint layout [out, in]."""
+        w = self.op("Transpose", self.param(f"{module}.weight"), perm=[1, 0])
+        y = self.op("MatMul", x, w)
+        if bias is None:
+            bias = self.has(f"{module}.bias")
+        return self.op("Add", y, self.param(f"{module}.bias")) if bias else y
+
+    def conv2d(self, x: str, module: str, stride: int = 1, pad: int | None = None) -> str:
+        kh, kw = self.shape(f"{module}.weight")[2:] if self.has(f"{module}.weight") else (1, 1)
+        p = kh // 2 if pad is None else pad
+        ins = [x, self.param(f"{module}.weight")]
+        if self.has(f"{module}.bias"):
+            ins.append(self.param(f"{module}.bias"))
+        return self.op("Conv", *ins, strides=[stride, stride], pads=[p, p, p, p], kernel_shape=[kh, kw])
+
+    def group_norm(self, x: str, module: str, groups: int, eps: float) -> str:
+        y = self.op("GroupNormalization", self.to_fp32(x), self.param(f"{module}.weight", fp32=True),
+                    self.param(f"{module}.bias", fp32=True), num_groups=groups, epsilon=eps)
+        return self.from_fp32(y)
+
+    def layer_norm(self, x: str, module: str, eps: float) -> str:
+        y = self.op("LayerNormalization", self.to_fp32(x), self.param(f"{module}.weight", fp32=True),
+                    self.param(f"{module}.bias", fp32=True), axis=-1, epsilon=eps)
+        return self.from_fp32(y)
+
+    def silu(self, x: str) -> str:
+        return self.op("Mul", x, self.op("Sigmoid", x))
+
+    def gelu(self, x: str) -> str:
+        return self.op("Gelu", x)
+
+    def quick_gelu(self, x: str) -> str:
+        return self.op("Mul", x, self.op("Sigmoid", self.op("Mul", x, self.const(np.array(1.702), self.dtype))))
+
+    def upsample2x(self, x: str) -> str:
+        """Nearest-neighbour x2, as torch's F.interpolate(scale_factor=2, mode="nearest")."""
+        return self.op("Resize", x, "", self.const(np.array([1, 1, 2, 2], np.float32), hint="scales"),
+                       mode="nearest", coordinate_transformation_mode="asymmetric", nearest_mode="floor")
+
+    def softmax(self, x: str) -> str:
+        return self.from_fp32(self.op("Softmax", self.to_fp32(x), axis=-1))
+
+    def attention(self, q: str, k: str, v: str, heads: int, dim: int, mask: str | None = None) -> str:
+        """Multi-head attention on [B, N, dim] inputs, written as MatMul/Softmax (every backend
+        fuses this pattern; ONNX Attention-23 crashes the TensorRT-RTX builder)."""
+        d = dim // heads
+        qh = self.op("Transpose", self.op("Reshape", q, self.ints(0, 0, heads, d)), perm=[0, 2, 1, 3])
+        kh = self.op("Transpose", self.op("Reshape", k, self.ints(0, 0, heads, d)), perm=[0, 2, 3, 1])
+        vh = self.op("Transpose", self.op("Reshape", v, self.ints(0, 0, heads, d)), perm=[0, 2, 1, 3])
+        scores = self.op("MatMul", qh, kh)
+        scores = self.op("Mul", self.to_fp32(scores), self.const(np.array(d ** -0.5, np.float32)))
+        if mask is not None:
+            scores = self.op("Add", scores, mask)
+        probs = self.from_fp32(self.op("Softmax", scores, axis=-1))
+        out = self.op("Transpose", self.op("MatMul", probs, vh), perm=[0, 2, 1, 3])
+        return self.op("Reshape", out, self.ints(0, 0, dim))
+
+    # ---- checks and output ---------------------------------------------------------
+    def check_coverage(self, scopes: list[str], ignore: Callable[[str], bool] = lambda k: False) -> None:
+        """Every requested key found, every key under `scopes` consumed, else one error listing them."""
+        used = {w.key for w in self.weights.values()}
+        unused = sorted(k for k in self.ckpt.refs
+                        if any(k.startswith(s) for s in scopes) and k not in used and not ignore(k))
+        if self.missing or unused:
+            parts = []
+            if self.missing:
+                parts.append(f"missing {len(self.missing)} tensor(s): {', '.join(sorted(set(self.missing))[:12])}")
+            if unused:
+                parts.append(f"{len(unused)} tensor(s) not used by the graph: {', '.join(unused[:12])}")
+            raise BadInput(f"{self.ckpt.path}: the {self.name} weights do not match the detected architecture "
+                           f"({'; '.join(parts)}). The checkpoint may be damaged, merged from different models, "
+                           "or of a family precast detected wrongly.")
+
+    def to_proto(self) -> onnx.GraphProto:
+        return helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, initializer=list(self.consts))
+
+
+def _cast_weight(arr: np.ndarray, elem_type: int) -> np.ndarray:
+    target = NP_OF[elem_type]
+    if arr.dtype != target:
+        arr = arr.astype(target)
+    return np.ascontiguousarray(arr)
+
+
+def save_model(graph: Graph, folder: str, on_weight: Callable[[int], None] | None = None,
+               metadata: dict[str, str] | None = None,
+               transform: Callable[[Weight, np.ndarray], np.ndarray] | None = None) -> tuple[str, str]:
+    """Write `folder/model.onnx` and `folder/model.onnx_data`, one tensor at a time.
+
+    `transform` may change a weight's values (for example a LoRA merge) before the cast.
+    Returns the two paths."""
+    os.makedirs(folder, exist_ok=True)
+    model_path = os.path.join(folder, "model.onnx")
+    data_name = "model.onnx_data"
+    initializers = []
+    offset = 0
+    with open(os.path.join(folder, data_name), "wb") as data:
+        for w in graph.weights.values():
+            arr = graph.ckpt.read(w.key)
+            if transform is not None:
+                arr = transform(w, arr)
+            raw = _cast_weight(arr, w.elem_type).tobytes()
+            align = ALIGN_LARGE if len(raw) >= LARGE else ALIGN_SMALL
+            pad = (-offset) % align
+            if pad:
+                data.write(b"\0" * pad)
+                offset += pad
+            data.write(raw)
+            t = TensorProto(name=w.name, data_type=w.elem_type, dims=list(w.shape),
+                            data_location=TensorProto.EXTERNAL)
+            for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(len(raw)))):
+                entry = t.external_data.add()
+                entry.key, entry.value = k, v
+            initializers.append(t)
+            offset += len(raw)
+            if on_weight is not None:
+                on_weight(len(raw))
+            del arr, raw
+    proto = graph.to_proto()
+    proto.initializer.extend(initializers)
+    model = helper.make_model(proto, opset_imports=[helper.make_opsetid("", OPSET)],
+                              producer_name="precast", producer_version="0.1.0", ir_version=IR_VERSION)
+    for k, v in sorted((metadata or {}).items()):
+        model.metadata_props.add(key=k, value=v)
+    with open(model_path, "wb") as f:
+        f.write(model.SerializeToString(deterministic=True))
+    return model_path, os.path.join(folder, data_name)

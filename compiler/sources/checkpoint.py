@@ -1,0 +1,183 @@
+"""Opens what a user points precast at and presents it as one set of canonical tensor names.
+
+Owns: recognising the input (single-file .safetensors, diffusers folder, pickled checkpoint),
+refusing pickles without ever unpickling them, and mapping every layout to the LDM
+single-file names (`model.diffusion_model.*`, `first_stage_model.*`,
+`cond_stage_model.transformer.text_model.*`) so that detection and graph builders see one
+layout. Tensors are read one at a time, on demand.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import BadInput
+from . import diffusers_names
+from .safetensors_file import SafetensorsFile
+
+PICKLE_SUFFIXES = {".ckpt", ".pt", ".pth", ".bin", ".pkl"}
+CONVERT_HINT = ("precast never unpickles checkpoints (a pickle can run arbitrary code). Convert it once, "
+                "in an environment you trust, to .safetensors, e.g. python -c \"import torch, safetensors.torch as st; "
+                "sd = torch.load('IN.ckpt', weights_only=True); sd = sd.get('state_dict', sd); "
+                "st.save_file({k: v.contiguous() for k, v in sd.items() if hasattr(v, 'contiguous')}, 'OUT.safetensors')\"")
+
+UNET = "model.diffusion_model."
+VAE = "first_stage_model."
+TEXT = "cond_stage_model.transformer.text_model."
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    file: SafetensorsFile
+    key: str                      # the name inside that file
+    shape: tuple[int, ...]        # the canonical shape (may differ by a reshape, e.g. Linear -> 1x1 conv)
+
+
+@dataclass
+class Checkpoint:
+    """Canonical tensor name -> where its bytes are; plus component configs from a diffusers folder."""
+    path: str
+    layout: str                                   # "single-file" | "diffusers"
+    refs: dict[str, TensorRef]
+    configs: dict[str, dict] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    def keys(self) -> list[str]:
+        return list(self.refs)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.refs[key].shape
+
+    def dtype(self, key: str) -> str:
+        ref = self.refs[key]
+        return ref.file.tensors[ref.key].dtype
+
+    def read(self, key: str) -> np.ndarray:
+        ref = self.refs[key]
+        return ref.file.read(ref.key).reshape(ref.shape)
+
+    def with_prefix(self, prefix: str) -> list[str]:
+        return [k for k in self.refs if k.startswith(prefix)]
+
+    def identity(self) -> str:
+        """A digest of the tensor table (names, dtypes, shapes, byte spans) and file sizes.
+
+        Cheap to compute (headers only); stands for the weights in output metadata."""
+        h = hashlib.sha256()
+        for key in sorted(self.refs):
+            ref = self.refs[key]
+            info = ref.file.tensors[ref.key]
+            h.update(f"{key}|{info.dtype}|{ref.shape}|{info.end - info.start}\n".encode())
+        return h.hexdigest()
+
+
+def _looks_like_pickle(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    return head[:1] == b"\x80" or head[:2] == b"PK"  # raw pickle protocol 2+ or torch's zip container
+
+
+def _refuse_pickle(path: Path) -> BadInput:
+    return BadInput(f"{path}: pickled checkpoint refused. {CONVERT_HINT}")
+
+
+def _normalise_single_file(keys: list[str]) -> dict[str, str]:
+    """Single-file variants -> canonical names: diffusion-only files without a prefix, and old
+    SD1 files whose text encoder lacks `text_model.`."""
+    bare_unet = any(k.startswith("input_blocks.") for k in keys) and not any(k.startswith(UNET) for k in keys)
+    out = {}
+    for k in keys:
+        c = k
+        if bare_unet and k.split(".")[0] in {"input_blocks", "middle_block", "output_blocks", "time_embed",
+                                             "out", "label_emb"}:
+            c = UNET + k
+        elif k.startswith("cond_stage_model.transformer.") and not k.startswith(TEXT) and \
+                k.split(".")[2] in {"embeddings", "encoder", "final_layer_norm"}:
+            c = TEXT + k[len("cond_stage_model.transformer."):]
+        out[k] = c
+    return out
+
+
+def open_single_file(path: Path) -> Checkpoint:
+    f = SafetensorsFile(path)
+    names = _normalise_single_file(f.keys())
+    refs = {canon: TensorRef(f, key, f.tensors[key].shape) for key, canon in names.items()}
+    return Checkpoint(str(path), "single-file", refs, metadata=f.metadata)
+
+
+def _component_file(folder: Path, name: str) -> Path | None:
+    d = folder / name
+    if not d.is_dir():
+        return None
+    for candidate in ("diffusion_pytorch_model.safetensors", "model.safetensors",
+                      "diffusion_pytorch_model.fp16.safetensors", "model.fp16.safetensors"):
+        if (d / candidate).is_file():
+            return d / candidate
+    if any(d.glob("*.safetensors.index.json")):
+        raise BadInput(f"{d}: sharded weights (*.safetensors.index.json) are not supported yet; "
+                       "save the component as one .safetensors file")
+    pickles = [p for p in d.iterdir() if p.suffix in PICKLE_SUFFIXES]
+    if pickles:
+        raise _refuse_pickle(pickles[0])
+    raise BadInput(f"{d}: no weights found (looked for diffusion_pytorch_model.safetensors, model.safetensors)")
+
+
+def _read_config(folder: Path, name: str) -> dict:
+    p = folder / name / "config.json"
+    if not p.is_file():
+        return {}
+    try:
+        cfg = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise BadInput(f"{p}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise BadInput(f"{p}: expected a JSON object")
+    return cfg
+
+
+def open_diffusers_folder(folder: Path) -> Checkpoint:
+    refs: dict[str, TensorRef] = {}
+    configs: dict[str, dict] = {}
+    found = []
+    for name, prefix, rename in (("unet", UNET, diffusers_names.unet_names),
+                                 ("vae", VAE, diffusers_names.vae_names),
+                                 ("text_encoder", TEXT, None)):
+        wpath = _component_file(folder, name)
+        if wpath is None:
+            continue
+        found.append(name)
+        f = SafetensorsFile(wpath)
+        configs[name] = _read_config(folder, name)
+        keys = f.keys()
+        if rename is not None:
+            mapping = rename(keys)
+        else:  # HF CLIPTextModel: text_model.* (some saves drop the text_model. prefix)
+            mapping = {k: (k[len("text_model."):] if k.startswith("text_model.") else k) for k in keys}
+        for key, canon in mapping.items():
+            shape = f.tensors[key].shape
+            if name == "vae" and ".mid.attn_1." in canon and canon.endswith(".weight") and len(shape) == 2:
+                shape = shape + (1, 1)  # diffusers stores the VAE attention as Linear; LDM as 1x1 conv
+            refs[prefix + canon] = TensorRef(f, key, shape)
+    if not found:
+        raise BadInput(f"{folder}: a folder, but not a diffusers model (no unet/, vae/ or text_encoder/ "
+                       "with .safetensors weights)")
+    return Checkpoint(str(folder), "diffusers", refs, configs=configs)
+
+
+def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    p = Path(path)
+    if not p.exists():
+        raise BadInput(f"{p}: no such file or folder")
+    if p.is_dir():
+        return open_diffusers_folder(p)
+    if p.suffix.lower() in PICKLE_SUFFIXES or _looks_like_pickle(p):
+        raise _refuse_pickle(p)
+    return open_single_file(p)

@@ -1,0 +1,81 @@
+"""Detects a checkpoint's model family from tensor names and shapes (MODEL_FORMATS.md §1).
+
+Owns: the family names and the evidence rules. Detection looks only at the header (names and
+shapes), never at tensor data.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import BadInput
+from .checkpoint import UNET, VAE, Checkpoint
+
+SUPPORTED = {"sd1"}
+LOOKED_FOR = (f"{UNET}input_blocks.0.0.weight (SD/SDXL UNet), joint_blocks.* (SD3), double_blocks.* (Flux), "
+              f"zero_convs.* (ControlNet), {VAE}decoder.conv_in.weight (VAE)")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str          # sd1 | sd2 | sdxl | sdxl-refiner | sd3 | flux | chroma | controlnet | vae
+    variant: str       # e.g. "inpaint", "v-pred", "" when plain
+    evidence: str      # the keys/shapes that decided it, for messages
+
+    @property
+    def supported(self) -> bool:
+        return self.name in SUPPORTED
+
+
+def _has(ckpt: Checkpoint, suffix: str) -> bool:
+    return any(k.endswith(suffix) for k in ckpt.refs)
+
+
+def _shape_of(ckpt: Checkpoint, suffix: str) -> tuple[int, ...] | None:
+    for k, ref in ckpt.refs.items():
+        if k.endswith(suffix):
+            return ref.shape
+    return None
+
+
+def detect_family(ckpt: Checkpoint) -> Family:
+    keys = ckpt.refs
+    if _has(ckpt, "joint_blocks.0.context_block.attn.qkv.weight"):
+        return Family("sd3", "", "joint_blocks.0.context_block.attn.qkv.weight")
+    if _has(ckpt, "double_blocks.0.img_attn.norm.key_norm.scale"):
+        if any("distilled_guidance_layer." in k for k in keys):
+            return Family("chroma", "", "double_blocks.* with distilled_guidance_layer.*")
+        variant = "dev" if any("guidance_in." in k for k in keys) else "schnell"
+        return Family("flux", variant, "double_blocks.0.img_attn.norm.key_norm.scale")
+    if _has(ckpt, "zero_convs.0.0.weight") and _has(ckpt, "input_hint_block.0.weight"):
+        return Family("controlnet", "", "zero_convs.0.0.weight + input_hint_block.0.weight")
+    conv_in = ckpt.refs.get(UNET + "input_blocks.0.0.weight")
+    if conv_in is not None:
+        in_ch = conv_in.shape[1] if len(conv_in.shape) == 4 else 0
+        variant = {9: "inpaint", 8: "instruct-pix2pix"}.get(in_ch, "")
+        label = ckpt.refs.get(UNET + "label_emb.0.0.weight")
+        ctx = [ref.shape[1] for k, ref in keys.items()
+               if k.startswith(UNET) and k.endswith("attn2.to_k.weight") and len(ref.shape) == 2]
+        if label is not None:
+            if any(k.startswith("conditioner.embedders.1.") for k in keys) or label.shape[1] == 2816:
+                return Family("sdxl", variant, f"label_emb.0.0.weight {list(label.shape)}")
+            return Family("sdxl-refiner", variant, f"label_emb.0.0.weight {list(label.shape)}")
+        proj_in = [ref.shape for k, ref in keys.items() if k.startswith(UNET) and k.endswith(".proj_in.weight")]
+        if any(k.startswith("cond_stage_model.model.") for k in keys):
+            return Family("sd2", variant, "cond_stage_model.model.* (OpenCLIP text encoder)")
+        if proj_in and len(proj_in[0]) == 2 or (ctx and ctx[0] == 1024):
+            return Family("sd2", variant, "linear proj_in / context 1024")
+        ev = f"input_blocks.0.0.weight {list(conv_in.shape)}, no label_emb"
+        if ctx:
+            ev += f", attn2.to_k context {ctx[0]}"
+        return Family("sd1", variant, ev)
+    if VAE + "decoder.conv_in.weight" in keys or "decoder.conv_in.weight" in keys:
+        return Family("vae", "", "decoder.conv_in.weight without a UNet")
+    raise BadInput(f"{ckpt.path}: not a recognised diffusion model checkpoint. Looked for: {LOOKED_FOR}. "
+                   f"Found {len(keys)} tensors, e.g. {', '.join(sorted(keys)[:3]) or 'none'}.")
+
+
+def require_supported(ckpt: Checkpoint, family: Family) -> None:
+    if not family.supported:
+        raise BadInput(f"{ckpt.path}: detected {family.name}{' (' + family.variant + ')' if family.variant else ''} "
+                       f"from {family.evidence}; {family.name} is not supported yet "
+                       f"(supported: {', '.join(sorted(SUPPORTED))}).")

@@ -1,0 +1,137 @@
+"""A strict, lazy reader for single-file .safetensors checkpoints.
+
+Owns: validating the header before any tensor is touched (header length within the file,
+known dtypes, offsets inside the data area, no overlaps, shape x dtype = byte length) and
+reading one tensor at a time with a positioned read, so the peak memory of a conversion is
+near the largest tensor rather than the whole model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import BadInput
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors spec caps the header at 100 MB
+
+# safetensors dtype -> (bytes per element, numpy dtype for the raw bytes)
+DTYPES: dict[str, tuple[int, str]] = {
+    "F64": (8, "<f8"), "F32": (4, "<f4"), "F16": (2, "<f2"), "BF16": (2, "<u2"),
+    "I64": (8, "<i8"), "I32": (4, "<i4"), "I16": (2, "<i2"), "I8": (1, "i1"),
+    "U64": (8, "<u8"), "U32": (4, "<u4"), "U16": (2, "<u2"), "U8": (1, "u1"),
+    "BOOL": (1, "?"), "F8_E4M3": (1, "u1"), "F8_E5M2": (1, "u1"),
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute offset in the file
+    end: int
+
+
+def _bad(path: str, what: str) -> BadInput:
+    return BadInput(f"{path}: not a valid .safetensors file: {what}. "
+                    "Re-download or re-save the checkpoint (a truncated download is the usual cause).")
+
+
+def parse_header(path: str, head: bytes, file_size: int) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Validate a safetensors header; `head` holds at least the first 8 + header-length bytes."""
+    if file_size < 8 or len(head) < 8:
+        raise _bad(path, f"file is {file_size} bytes, shorter than the 8-byte header length")
+    (n,) = struct.unpack("<Q", head[:8])
+    if n > MAX_HEADER_BYTES:
+        raise _bad(path, f"header length {n} exceeds the 100 MB limit")
+    if 8 + n > file_size:
+        raise _bad(path, f"header length {n} runs past the end of the {file_size}-byte file")
+    try:
+        header = json.loads(head[8:8 + n].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _bad(path, f"header is not valid UTF-8 JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise _bad(path, "header is not a JSON object")
+    data_start = 8 + n
+    data_size = file_size - data_start
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise _bad(path, "__metadata__ must map strings to strings")
+    tensors: dict[str, TensorInfo] = {}
+    spans = []
+    for key, entry in header.items():
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise _bad(path, f"tensor '{key}' entry must have exactly dtype, shape, data_offsets")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dtype not in DTYPES:
+            raise _bad(path, f"tensor '{key}' has unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+        if (not isinstance(shape, list) or
+                not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+            raise _bad(path, f"tensor '{key}' shape {shape!r} is not a list of non-negative integers")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or
+                not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+            raise _bad(path, f"tensor '{key}' data_offsets {offsets!r} is not [begin, end]")
+        begin, end = offsets
+        if not 0 <= begin <= end <= data_size:
+            raise _bad(path, f"tensor '{key}' data_offsets [{begin}, {end}] lie outside the "
+                             f"{data_size}-byte data area")
+        want = DTYPES[dtype][0] * int(np.prod(shape, dtype=np.int64)) if shape else DTYPES[dtype][0]
+        if end - begin != want:
+            raise _bad(path, f"tensor '{key}' holds {end - begin} bytes but {dtype}{shape} needs {want}")
+        tensors[key] = TensorInfo(dtype, tuple(shape), data_start + begin, data_start + end)
+        spans.append((begin, end, key))
+    spans.sort()
+    for (b0, e0, k0), (b1, e1, k1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise _bad(path, f"tensors '{k0}' and '{k1}' overlap in the data area")
+    return tensors, metadata
+
+
+def bf16_to_f32(raw: np.ndarray) -> np.ndarray:
+    return (raw.astype(np.uint32) << 16).view(np.float32)
+
+
+class SafetensorsFile:
+    """An open .safetensors file: header parsed and checked; tensors read on demand."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            raise BadInput(f"{self.path}: cannot open ({e.strerror})") from None
+        size = os.fstat(self._fd).st_size
+        head = os.pread(self._fd, 8, 0)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        if len(head) == 8 and 8 + n <= min(size, 8 + MAX_HEADER_BYTES):
+            head += os.pread(self._fd, n, 8)
+        self.tensors, self.metadata = parse_header(self.path, head, size)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self):
+        self.close()
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def read(self, key: str) -> np.ndarray:
+        """One tensor as numpy (BF16 widened to float32, F8 through ml_dtypes)."""
+        info = self.tensors[key]
+        raw = os.pread(self._fd, info.end - info.start, info.start)
+        if len(raw) != info.end - info.start:
+            raise _bad(self.path, f"tensor '{key}' could not be read in full (file changed while reading?)")
+        arr = np.frombuffer(raw, dtype=DTYPES[info.dtype][1]).reshape(info.shape)
+        if info.dtype == "BF16":
+            return bf16_to_f32(arr)
+        if info.dtype.startswith("F8"):
+            import ml_dtypes
+            kind = ml_dtypes.float8_e4m3fn if info.dtype == "F8_E4M3" else ml_dtypes.float8_e5m2
+            return arr.view(kind).astype(np.float32)
+        return arr
