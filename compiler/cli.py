@@ -83,3 +83,7 @@ def demo_model_cmd(out, seed):
         write_demo_model(out, seed=seed)
         click.echo(f"wrote {out} ({os.path.getsize(out) / 1e6:.1f} MB, tiny SD 1.x, seed {seed})")
     _run(go)
+
+
+if __name__ == "__main__":
+    main()

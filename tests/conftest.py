@@ -1,0 +1,31 @@
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def precast(*args, check=False, env=None):
+    """Run the real `precast` CLI in a subprocess; returns CompletedProcess."""
+    proc = subprocess.run([sys.executable, "-m", "precast.compiler.cli", *map(str, args)], capture_output=True,
+                          text=True, env={**os.environ, **(env or {})})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"precast {args} failed ({proc.returncode}):\n{proc.stderr}")
+    return proc
+
+
+def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
+    """max|ours - ref| / max|ref| (the issue's parity measure)."""
+    assert ours.shape == ref.shape, (ours.shape, ref.shape)
+    return float(np.abs(ours.astype(np.float64) - ref).max() / np.abs(ref).max())
+
+
+@pytest.fixture(scope="session")
+def demo_ckpt(tmp_path_factory):
+    from precast.compiler.demo_model import write_demo_model
+    path = tmp_path_factory.mktemp("demo") / "tiny.safetensors"
+    write_demo_model(str(path))
+    return path

@@ -1,0 +1,89 @@
+"""Test-only references: diffusers / transformers models (torch CPU) holding the same weights.
+
+Single-file checkpoints are converted with diffusers' own LDM converters (an independent
+reading of the key layout); diffusers folders are made with `save_pretrained`.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from diffusers import AutoencoderKL, UNet2DConditionModel
+from diffusers.loaders import single_file_utils as sfu
+from safetensors.torch import load_file
+from transformers import CLIPTextConfig, CLIPTextModel
+
+from precast.compiler.demo_model import SD1Config, random_tensor
+
+
+def unet_diffusers_config(cfg: SD1Config, heads=8) -> dict:
+    n = len(cfg.channel_mult)
+    return dict(sample_size=16, in_channels=4, out_channels=4, layers_per_block=cfg.num_res_blocks,
+                block_out_channels=[cfg.model_channels * m for m in cfg.channel_mult],
+                down_block_types=["CrossAttnDownBlock2D" if i in cfg.attention_levels else "DownBlock2D"
+                                  for i in range(n)],
+                up_block_types=["CrossAttnUpBlock2D" if i in cfg.attention_levels else "UpBlock2D"
+                                for i in reversed(range(n))],
+                cross_attention_dim=cfg.context_dim, attention_head_dim=heads,
+                transformer_layers_per_block=cfg.transformer_depth, norm_num_groups=32)
+
+
+def vae_diffusers_config(cfg: SD1Config) -> dict:
+    n = len(cfg.vae_mult)
+    return dict(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * n,
+                up_block_types=["UpDecoderBlock2D"] * n, block_out_channels=[cfg.vae_ch * m for m in cfg.vae_mult],
+                layers_per_block=cfg.vae_res_blocks, latent_channels=cfg.latent_channels, norm_num_groups=32)
+
+
+def clip_config(cfg: SD1Config, heads: int) -> CLIPTextConfig:
+    return CLIPTextConfig(vocab_size=cfg.vocab, hidden_size=cfg.context_dim, intermediate_size=cfg.text_intermediate,
+                          num_hidden_layers=cfg.text_layers, num_attention_heads=heads,
+                          max_position_embeddings=cfg.max_positions, hidden_act="quick_gelu")
+
+
+def models_from_single_file(path, cfg: SD1Config, unet_heads=8, text_heads=None):
+    """(unet, vae, text_encoder) built by diffusers/transformers from an LDM single file."""
+    sd = load_file(str(path))
+    sd = {k: v.float() if v.is_floating_point() else v for k, v in sd.items()}
+    ucfg, vcfg = unet_diffusers_config(cfg, unet_heads), vae_diffusers_config(cfg)
+    unet = UNet2DConditionModel(**ucfg)
+    unet.load_state_dict(sfu.convert_ldm_unet_checkpoint(sd, ucfg), strict=True)
+    vae = AutoencoderKL(**vcfg)
+    vae.load_state_dict(sfu.convert_ldm_vae_checkpoint(sd, vcfg), strict=True)
+    te = CLIPTextModel(clip_config(cfg, text_heads or max(1, cfg.context_dim // 64)))
+    te_sd = sfu.convert_ldm_clip_checkpoint(sd)  # -> text_model.*; transformers 5 names have no text_model.
+    if not any(k.startswith("text_model.") for k in te.state_dict()):
+        te_sd = {k.removeprefix("text_model."): v for k, v in te_sd.items()}
+    te.load_state_dict({k: v for k, v in te_sd.items() if not k.endswith("position_ids")}, strict=False)
+    missing = set(te.state_dict()) - set(te_sd)
+    assert not {m for m in missing if not m.endswith("position_ids")}, missing
+    return unet.eval(), vae.eval(), te.eval()
+
+
+def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Every parameter random (norm scales near 1), so a swapped weight/bias cannot hide."""
+    rng = np.random.default_rng(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            p.copy_(torch.from_numpy(random_tensor(rng, name, tuple(p.shape))))
+    return model.eval()
+
+
+@torch.no_grad()
+def run_unet(unet, sample, t, ctx):
+    return unet(torch.from_numpy(sample), torch.from_numpy(t), torch.from_numpy(ctx)).sample.numpy()
+
+
+@torch.no_grad()
+def run_vae_encoder(vae, x):
+    return vae.encode(torch.from_numpy(x)).latent_dist.parameters.numpy()
+
+
+@torch.no_grad()
+def run_vae_decoder(vae, z):
+    return vae.decode(torch.from_numpy(z)).sample.numpy()
+
+
+@torch.no_grad()
+def run_text_encoder(te, ids):
+    out = te(torch.from_numpy(ids.astype(np.int64)))
+    return out.last_hidden_state.numpy(), out.pooler_output.numpy()
