@@ -153,6 +153,9 @@ class Graph:
     def attention(self, q: str, k: str, v: str, heads: int, dim: int, mask: str | None = None) -> str:
         """Multi-head attention on [B, N, dim] inputs, written as MatMul/Softmax (every backend
         fuses this pattern; ONNX Attention-23 crashes the TensorRT-RTX builder)."""
+        if heads < 1 or dim % heads:
+            raise BadInput(f"{self.name}: {heads} attention heads do not divide the width {dim}; "
+                           f"pass a divisor with --set {self.name}.num_heads=N")
         d = dim // heads
         qh = self.op("Transpose", self.op("Reshape", q, self.ints(0, 0, heads, d)), perm=[0, 2, 1, 3])
         kh = self.op("Transpose", self.op("Reshape", k, self.ints(0, 0, heads, d)), perm=[0, 2, 3, 1])

@@ -99,6 +99,7 @@ class SafetensorsFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
+        self._fd = -1
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
         except OSError as e:
@@ -108,7 +109,11 @@ class SafetensorsFile:
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
         if len(head) == 8 and 8 + n <= min(size, 8 + MAX_HEADER_BYTES):
             head += os.pread(self._fd, n, 8)
-        self.tensors, self.metadata = parse_header(self.path, head, size)
+        try:
+            self.tensors, self.metadata = parse_header(self.path, head, size)
+        except BadInput:
+            self.close()
+            raise
 
     def close(self) -> None:
         if self._fd >= 0:

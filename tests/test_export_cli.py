@@ -1,0 +1,165 @@
+"""`precast export` as a user runs it: deterministic output, one clear error (exit 2) for every
+kind of bad input with nothing left behind, no torch needed, components replaced atomically."""
+import hashlib
+import json
+import pickle
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import precast
+from precast.compiler.sources.safetensors_file import SafetensorsFile
+
+
+def _digests(folder):
+    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_two_exports_are_byte_identical(demo_ckpt, tmp_path, dtype):
+    for name in ("a", "b"):
+        precast("export", demo_ckpt, "--out", tmp_path / name, "--dtype", dtype, check=True)
+    a, b = _digests(tmp_path / "a"), _digests(tmp_path / "b")
+    assert len(a) == 9 and a == b  # 4 x (model.onnx + model.onnx_data) + precast_export.json
+
+
+def test_export_runs_without_torch(demo_ckpt, tmp_path):
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['diffusers'] = None; "
+            "sys.modules['transformers'] = None; from precast.compiler.cli import main; main()")
+    proc = subprocess.run([sys.executable, "-c", code, "export", str(demo_ckpt), "--out", str(tmp_path / "o"),
+                           "--component", "unet", "--json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert [c["name"] for c in report["components"]] == ["unet"]
+    assert report["components"][0]["files"]["model.onnx_data"] == (tmp_path / "o/unet/model.onnx_data").stat().st_size
+
+
+def test_reexport_replaces_components_and_keeps_other_files(demo_ckpt, tmp_path):
+    out = tmp_path / "o"
+    precast("export", demo_ckpt, "--out", out, check=True)
+    (out / "notes.txt").write_text("mine")
+    precast("export", demo_ckpt, "--out", out, "--component", "unet", "--dtype", "fp16", check=True)
+    assert (out / "notes.txt").read_text() == "mine"
+    assert json.loads((out / "precast_export.json").read_text())["dtype"] == "fp16"
+    assert (out / "text_encoder/model.onnx").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]  # no staging folders left
+
+
+def _write_raw(path, header, data):
+    blob = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
+    return path
+
+
+def _bad_inputs(tmp, demo):
+    raw = demo.read_bytes()
+    cases = {}
+    cases["truncated"] = tmp / "truncated.safetensors"
+    cases["truncated"].write_bytes(raw[: len(raw) // 2])
+    cases["header-past-end"] = tmp / "hdr.safetensors"
+    cases["header-past-end"].write_bytes(struct.pack("<Q", len(raw) * 2) + raw[8:100])
+    cases["overlap"] = _write_raw(tmp / "overlap.safetensors", {
+        "model.diffusion_model.input_blocks.0.0.weight": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+        "model.diffusion_model.out.2.weight": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}, b"\0" * 16)
+    cases["unknown-dtype"] = _write_raw(tmp / "dtype.safetensors", {
+        "w": {"dtype": "I4", "shape": [2], "data_offsets": [0, 1]}}, b"\0")
+    cases["pickle"] = tmp / "model.ckpt"
+    cases["pickle"].write_bytes(pickle.dumps({"state_dict": {}}))
+    cases["pickle-named-safetensors"] = tmp / "disguised.safetensors"
+    cases["pickle-named-safetensors"].write_bytes(pickle.dumps({"a": 1}))
+    cases["not-sd"] = _write_raw(tmp / "bert.safetensors", {
+        "encoder.layer.0.attention.self.query.weight": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}},
+        b"\0" * 16)
+    return cases
+
+
+def test_bad_input_gives_one_clear_error_and_writes_nothing(demo_ckpt, tmp_path):
+    src = tmp_path / "inputs"
+    src.mkdir()
+    expect = {"truncated": "not a valid .safetensors", "header-past-end": "past the end",
+              "overlap": "overlap", "unknown-dtype": "unknown dtype", "pickle": "pickled checkpoint refused",
+              "pickle-named-safetensors": "pickled checkpoint refused", "not-sd": "not a recognised"}
+    for name, path in _bad_inputs(src, demo_ckpt).items():
+        out = tmp_path / f"out-{name}"
+        proc = precast("export", path, "--out", out)
+        assert proc.returncode == 2, (name, proc.stderr)
+        assert expect[name] in proc.stderr and str(path) in proc.stderr, (name, proc.stderr)
+        assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, (name, proc.stderr)
+        assert not out.exists(), name
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_pickle_is_never_unpickled(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+    path = tmp_path / "evil.ckpt"
+    path.write_bytes(pickle.dumps(Evil()))
+    proc = precast("export", path, "--out", tmp_path / "o")
+    assert proc.returncode == 2 and "safetensors" in proc.stderr  # the hint says how to convert
+    assert not marker.exists()
+
+
+def _retyped(demo, tmp, name, drop=(), add=None):
+    """A copy of the demo checkpoint with some tensors removed or added (header only)."""
+    f = SafetensorsFile(demo)
+    header, chunks, offset = {}, [], 0
+    tensors = {k: (info.dtype, info.shape, f.read(k)) for k, info in f.tensors.items() if k not in drop}
+    for k, (dt, shape, arr) in {**tensors, **(add or {})}.items():
+        data = (arr.astype(np.float16) if dt == "F16" else arr).tobytes()
+        header[k] = {"dtype": dt, "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
+        chunks.append(data)
+        offset += len(data)
+    return _write_raw(tmp / name, header, b"".join(chunks))
+
+
+def test_missing_and_unexpected_tensors_are_listed(demo_ckpt, tmp_path):
+    gone = "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight"
+    path = _retyped(demo_ckpt, tmp_path, "missing.safetensors", drop=[gone])
+    proc = precast("export", path, "--out", tmp_path / "o1", "--component", "unet")
+    assert proc.returncode == 2 and gone in proc.stderr and "missing 1 tensor" in proc.stderr
+    extra = "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn2.extra.weight"
+    path = _retyped(demo_ckpt, tmp_path, "extra.safetensors", add={extra: ("F16", (2,), np.ones(2))})
+    proc = precast("export", path, "--out", tmp_path / "o2", "--component", "unet")
+    assert proc.returncode == 2 and extra in proc.stderr and "not used" in proc.stderr
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+@pytest.mark.parametrize("keys, family", [
+    ({"model.diffusion_model.input_blocks.0.0.weight": [320, 4, 3, 3],
+      "model.diffusion_model.label_emb.0.0.weight": [1280, 2816],
+      "conditioner.embedders.1.model.ln_final.weight": [1280]}, "sdxl"),
+    ({"model.diffusion_model.input_blocks.0.0.weight": [384, 4, 3, 3],
+      "model.diffusion_model.label_emb.0.0.weight": [1536, 2560]}, "sdxl-refiner"),
+    ({"model.diffusion_model.input_blocks.0.0.weight": [320, 4, 3, 3],
+      "model.diffusion_model.input_blocks.1.1.proj_in.weight": [320, 320],
+      "cond_stage_model.model.token_embedding.weight": [49408, 1024]}, "sd2"),
+    ({"double_blocks.0.img_attn.norm.key_norm.scale": [128], "img_in.weight": [3072, 64]}, "flux"),
+    ({"joint_blocks.0.context_block.attn.qkv.weight": [4, 4]}, "sd3"),
+])
+def test_other_families_are_detected_and_refused(tmp_path, keys, family):
+    header, offset = {}, 0
+    for k, shape in keys.items():
+        n = 2 * int(np.prod(shape))
+        header[k] = {"dtype": "F16", "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    path = _write_raw(tmp_path / "m.safetensors", header, b"\0" * offset)
+    proc = precast("export", path, "--out", tmp_path / "o")
+    assert proc.returncode == 2
+    assert f"detected {family}" in proc.stderr and "not supported yet" in proc.stderr, proc.stderr
+
+
+def test_bad_options_are_named(demo_ckpt, tmp_path):
+    proc = precast("export", demo_ckpt, "--out", tmp_path / "o", "--component", "controlnet")
+    assert proc.returncode == 2 and "'controlnet'" in proc.stderr
+    proc = precast("export", demo_ckpt, "--out", tmp_path / "o", "--set", "unet.num_heads=3")
+    assert proc.returncode == 2 and "num_heads" in proc.stderr
+    proc = precast("export", tmp_path / "nothing.safetensors", "--out", tmp_path / "o")
+    assert proc.returncode == 2 and "no such file" in proc.stderr
+    assert not (tmp_path / "o").exists()
