@@ -85,5 +85,126 @@ def demo_model_cmd(out, seed):
     _run(go)
 
 
+def _options(values: tuple[str, ...]) -> dict:
+    import yaml
+    out = {}
+    for item in values:
+        key, eq, raw = item.partition("=")
+        if not eq or not key:
+            raise BadInput(f"--option {item!r}: expected KEY=VALUE, e.g. weight_streaming=true")
+        out[key] = yaml.safe_load(raw)
+    return out
+
+
+@main.command("compile")
+@click.argument("export_dir", type=click.Path())
+@click.option("--target", "targets", multiple=True, required=True, metavar="BACKEND[:ARG]",
+              help="onnxruntime | openvino[:CPU|GPU] | tensorrt-rtx[:sm_86,sm_89] | migraphx:GFX (repeatable).")
+@click.option("--component", "components", multiple=True, help="Components to compile (default: all exported).")
+@click.option("--batch", default="1", show_default=True, help="N or MIN:OPT:MAX (images per prompt).")
+@click.option("--height", default="512", show_default=True, help="Pixels: N or MIN:OPT:MAX.")
+@click.option("--width", default="512", show_default=True, help="Pixels: N or MIN:OPT:MAX.")
+@click.option("--tokens", default="77", show_default=True, help="Text length: N or MIN:OPT:MAX.")
+@click.option("--option", "options", multiple=True, metavar="KEY=VALUE",
+              help="Target option, e.g. precision=f32, weight_streaming=true, ir=true.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON record per artifact (hit/miss, time).")
+def compile_cmd(export_dir, targets, components, batch, height, width, tokens, options, as_json):
+    """Build engines for an export folder, through the cache."""
+    def go():
+        from .cache import Cache
+        from .engines import compile_component, read_export
+        from .profiles import ShapeProfile, parse_range
+        from .targets import parse_target
+        comps = read_export(export_dir)
+        names = list(components) or list(comps)
+        for n in names:
+            if n not in comps:
+                raise BadInput(f"--component {n!r}: {export_dir} has {', '.join(comps)}")
+        profile = ShapeProfile(parse_range(batch, "--batch"), parse_range(height, "--height"),
+                               parse_range(width, "--width"), parse_range(tokens, "--tokens"))
+        specs = [parse_target(t, _options(options)) for t in targets]
+        cache = Cache()
+        records = []
+        for spec in specs:
+            for n in names:
+                rec = compile_component(comps[n], spec, profile, cache, progress=not as_json)
+                records.append(rec)
+                if not as_json:
+                    click.echo(f"{rec['cache']:<4} {rec['component']:<13} {rec['target']:<28} "
+                               f"{rec['size'] / 1e6:8.1f} MB {rec['seconds']:7.2f} s  {rec['key'][:12]}")
+        if as_json:
+            click.echo(json.dumps({"artifacts": records, "cache": str(cache.root)}, indent=2))
+    _run(go)
+
+
+@main.group("cache")
+def cache_group():
+    """Inspect and manage the engine cache ($PRECAST_CACHE or the user cache folder)."""
+
+
+@cache_group.command("ls")
+@click.option("--json", "as_json", is_flag=True)
+def cache_ls(as_json):
+    def go():
+        from .cache import Cache
+        cache = Cache()
+        entries = [e.summary() for e in cache.list()]
+        if as_json:
+            click.echo(json.dumps({"root": str(cache.root), "entries": entries}, indent=2))
+            return
+        for e in entries:
+            m = e["metadata"]
+            click.echo(f"{e['key'][:12]}  {m.get('component', '?'):<13} {m.get('backend', '?'):<13} "
+                       f"{e['size'] / 1e6:8.1f} MB  {m.get('fingerprint', '')}")
+        click.echo(f"{len(entries)} entries, {sum(e['size'] for e in entries) / 1e6:.1f} MB in {cache.root}")
+    _run(go)
+
+
+@cache_group.command("show")
+@click.argument("key")
+@click.option("--json", "as_json", is_flag=True)
+def cache_show(key, as_json):
+    def go():
+        from .cache import Cache
+        cache = Cache()
+        entry = cache.find(key)
+        problem = cache.verify(entry)
+        info = {**entry.summary(), "verified": problem is None, "problem": problem}
+        click.echo(json.dumps(info, indent=2) if as_json else "\n".join(
+            [f"key       {entry.key}", f"path      {entry.path}", f"verified  {problem or 'ok'}"] +
+            [f"{k:<9} {v}" for k, v in sorted(entry.metadata.items()) if not isinstance(v, (dict, list))] +
+            [f"file      {n}  {f['size']} B  sha256 {f['sha256'][:16]}" for n, f in entry.files.items()]))
+    _run(go)
+
+
+@cache_group.command("rm")
+@click.argument("keys", nargs=-1, required=True)
+@click.option("--json", "as_json", is_flag=True)
+def cache_rm(keys, as_json):
+    def go():
+        from .cache import Cache
+        cache = Cache()
+        removed = []
+        for k in keys:
+            entry = cache.find(k)
+            cache.remove(entry)
+            removed.append(entry.key)
+        click.echo(json.dumps({"removed": removed}) if as_json else f"removed {len(removed)} entries")
+    _run(go)
+
+
+@cache_group.command("gc")
+@click.option("--max-size", default=None, help="Keep at most this much (e.g. 20G), least recently used first out.")
+@click.option("--json", "as_json", is_flag=True)
+def cache_gc(max_size, as_json):
+    def go():
+        from .cache import Cache, parse_size
+        result = Cache().gc(parse_size(max_size) if max_size else None)
+        click.echo(json.dumps(result, indent=2) if as_json else
+                   f"removed {len(result['removed'])} entries, {result['stale_temp_folders']} stale temp folders; "
+                   f"{result['size'] / 1e6:.1f} MB left")
+    _run(go)
+
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,202 @@
+"""Content-addressed artifact cache.
+
+Owns: where artifacts live (platformdirs user cache, or $PRECAST_CACHE), the key (sha256 over
+what decides an artifact's bytes), and the guarantees: an entry is complete and verified or
+absent. Builds go to a private temp folder renamed into place; a file lock makes two builders
+of one key build once; every read re-checks each file's sha256, and a damaged entry is evicted
+and rebuilt, never returned.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .errors import BadInput
+
+ENTRY_FILE = "entry.json"
+
+
+def cache_root() -> Path:
+    env = os.environ.get("PRECAST_CACHE")
+    if env:
+        return Path(env)
+    import platformdirs
+    return Path(platformdirs.user_cache_dir("precast"))
+
+
+def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def cache_key(parts: dict) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+@dataclass
+class Entry:
+    key: str
+    path: Path
+    files: dict[str, dict]      # name -> {size, sha256}
+    metadata: dict
+
+    @property
+    def size(self) -> int:
+        return sum(f["size"] for f in self.files.values())
+
+    def summary(self) -> dict:
+        return {"key": self.key, "path": str(self.path), "size": self.size, "files": self.files,
+                "metadata": self.metadata, "last_used": os.path.getmtime(self.path / ENTRY_FILE)}
+
+
+class Cache:
+    def __init__(self, root: str | os.PathLike | None = None):
+        self.root = Path(root) if root else cache_root()
+        self.entries, self.tmp, self.locks = self.root / "entries", self.root / "tmp", self.root / "locks"
+
+    def _dir(self, key: str) -> Path:
+        return self.entries / key[:2] / key
+
+    def _lock(self, key: str):
+        from filelock import FileLock
+        self.locks.mkdir(parents=True, exist_ok=True)
+        return FileLock(str(self.locks / f"{key}.lock"))
+
+    # ---- reading ------------------------------------------------------------------
+    def _load(self, path: Path) -> Entry:
+        info = json.loads((path / ENTRY_FILE).read_text())
+        return Entry(info["key"], path, info["files"], info["metadata"])
+
+    def verify(self, entry: Entry) -> str | None:
+        """None when every file is present with its recorded size and sha256; else what is wrong."""
+        present = {p.name for p in entry.path.iterdir()} - {ENTRY_FILE}
+        if present != set(entry.files):
+            return f"files {sorted(present ^ set(entry.files))} missing or unexpected"
+        for name, rec in entry.files.items():
+            p = entry.path / name
+            if p.stat().st_size != rec["size"] or sha256_file(p) != rec["sha256"]:
+                return f"{name} does not match its sha256"
+        return None
+
+    def get(self, key: str) -> tuple[Entry | None, str | None]:
+        """(verified entry, None) or (None, why it was evicted / None when absent)."""
+        path = self._dir(key)
+        if not path.exists():
+            return None, None
+        try:
+            entry = self._load(path)
+            problem = self.verify(entry)
+        except (OSError, ValueError, KeyError) as e:
+            problem = f"unreadable entry ({e})"
+        if problem:
+            shutil.rmtree(path, ignore_errors=True)
+            return None, problem
+        os.utime(path / ENTRY_FILE)  # last use, for gc
+        return entry, None
+
+    # ---- writing ------------------------------------------------------------------
+    def get_or_build(self, key: str, build: Callable[[Path], dict]) -> tuple[Entry, bool, str | None]:
+        """(entry, hit, eviction reason). `build(folder)` writes the artifact files and returns metadata."""
+        with self._lock(key):
+            entry, evicted = self.get(key)
+            if entry is not None:
+                return entry, True, None
+            self.tmp.mkdir(parents=True, exist_ok=True)
+            work = self.tmp / f"{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            work.mkdir()
+            try:
+                metadata = build(work)
+                files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
+                         for p in sorted(work.iterdir()) if p.is_file()}
+                info = {"key": key, "files": files, "metadata": metadata, "created": time.time()}
+                tmp_entry = work / (ENTRY_FILE + ".tmp")
+                tmp_entry.write_text(json.dumps(info, indent=2, sort_keys=True))
+                with open(tmp_entry) as f:
+                    os.fsync(f.fileno())
+                os.rename(tmp_entry, work / ENTRY_FILE)
+                target = self._dir(key)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.rename(work, target)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+            return self._load(target), False, evicted
+
+    # ---- management ---------------------------------------------------------------
+    def list(self) -> list[Entry]:
+        out = []
+        for path in sorted(self.entries.glob("*/*")):
+            try:
+                out.append(self._load(path))
+            except (OSError, ValueError, KeyError):
+                continue
+        return out
+
+    def find(self, prefix: str) -> Entry:
+        matches = [e for e in self.list() if e.key.startswith(prefix)]
+        if len(matches) != 1:
+            raise BadInput(f"cache key {prefix!r}: {'no entry' if not matches else f'{len(matches)} entries'} "
+                           "match; `precast cache ls` lists the keys")
+        return matches[0]
+
+    def remove(self, entry: Entry) -> None:
+        with self._lock(entry.key):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+    def gc(self, max_size: int | None = None) -> dict:
+        """Drop damaged entries and abandoned temp folders; then least recently used entries
+        until the cache holds at most `max_size` bytes."""
+        removed, reasons = [], {}
+        for e in self.list():
+            entry, why = self.get(e.key)
+            if entry is None and why:
+                removed.append(e.key)
+                reasons[e.key] = why
+        stale = 0
+        if self.tmp.exists():
+            for work in self.tmp.iterdir():
+                pid = work.name.split("-")[1] if work.name.count("-") >= 2 else ""
+                if not (pid.isdigit() and _alive(int(pid))):
+                    shutil.rmtree(work, ignore_errors=True)
+                    stale += 1
+        if max_size is not None:
+            entries = sorted(self.list(), key=lambda e: os.path.getmtime(e.path / ENTRY_FILE))
+            total = sum(e.size for e in entries)
+            for e in entries:
+                if total <= max_size:
+                    break
+                self.remove(e)
+                total -= e.size
+                removed.append(e.key)
+                reasons[e.key] = "least recently used"
+        return {"removed": removed, "reasons": reasons, "stale_temp_folders": stale,
+                "size": sum(e.size for e in self.list())}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def parse_size(text: str) -> int:
+    units = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "G": 1 << 30, "GB": 1 << 30}
+    t = text.strip().upper()
+    num = t.rstrip("KMGB")
+    try:
+        return int(float(num) * units[t[len(num):]])
+    except (ValueError, KeyError):
+        raise BadInput(f"--max-size {text!r}: expected a size like 500M or 20G") from None

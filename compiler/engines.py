@@ -1,0 +1,86 @@
+"""Component ONNX -> engine artifact for one target, through the content-addressed cache.
+
+Owns: the cache key of an artifact (sha256 over the graph, the weights, the component's input
+shapes, target and build options, the fingerprint class and toolchain versions) and the
+compile step that reports, per artifact, cache hit or miss and time.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .cache import Cache, cache_key, sha256_file
+from .errors import BadInput
+from .profiles import ShapeProfile
+from .targets import BuildJob, TargetSpec, get_target
+
+PRECAST_VERSION = "0.1.0"
+
+
+@dataclass(frozen=True)
+class ExportedComponent:
+    name: str
+    onnx_path: Path
+    inputs: list[dict]
+    outputs: list[dict]
+
+
+def read_export(folder: str | Path) -> dict[str, ExportedComponent]:
+    """The components of a `precast export` folder (its precast_export.json)."""
+    folder = Path(folder)
+    index = folder / "precast_export.json"
+    if not index.is_file():
+        raise BadInput(f"{folder}: not a precast export folder (no precast_export.json); run `precast export` first")
+    try:
+        report = json.loads(index.read_text())
+        comps = {c["name"]: ExportedComponent(c["name"], folder / c["path"], c["inputs"], c["outputs"])
+                 for c in report["components"]}
+    except (ValueError, KeyError, TypeError) as e:
+        raise BadInput(f"{index}: damaged ({e}); export again") from None
+    for c in comps.values():
+        if not c.onnx_path.is_file():
+            raise BadInput(f"{c.onnx_path}: missing; export again")
+    return comps
+
+
+def artifact_key(comp: ExportedComponent, spec: TargetSpec, shapes: dict, toolchain: dict, fingerprint: str) -> str:
+    data = comp.onnx_path.with_name(comp.onnx_path.name + "_data")
+    return cache_key({
+        "graph_sha256": sha256_file(comp.onnx_path),
+        "weights_sha256": sha256_file(data) if data.exists() else "",
+        "component": comp.name,
+        "shapes": {k: [list(s) for s in v] for k, v in sorted(shapes.items())},
+        "target": spec.describe(),
+        "fingerprint": fingerprint,
+        "toolchain": {**toolchain, "precast": PRECAST_VERSION},
+    })
+
+
+def compile_component(comp: ExportedComponent, spec: TargetSpec, profile: ShapeProfile, cache: Cache,
+                      progress: bool = True) -> dict:
+    target = get_target(spec.backend)
+    t0 = time.perf_counter()
+    toolchain = target.toolchain()            # BadInput here when the backend is not installed
+    fingerprint = target.fingerprint(spec).to_string()
+    shapes = profile.input_shapes(comp.name, comp.inputs)
+    key = artifact_key(comp, spec, shapes, toolchain, fingerprint)
+    job = BuildJob(comp.onnx_path, comp.name, comp.inputs, shapes, progress)
+
+    def build(folder: Path) -> dict:
+        b0 = time.perf_counter()
+        meta = target.build(job, spec, folder)
+        return {**meta, "component": comp.name, "backend": spec.backend, "target": spec.describe(),
+                "fingerprint": fingerprint, "toolchain": {**toolchain, "precast": PRECAST_VERSION},
+                "shapes": {k: [list(s) for s in v] for k, v in shapes.items()}, "static": job.static,
+                "inputs": comp.inputs, "outputs": comp.outputs, "build_seconds": round(time.perf_counter() - b0, 3)}
+
+    entry, hit, evicted = cache.get_or_build(key, build)
+    record = {"component": comp.name, "backend": spec.backend, "target": spec.label(), "key": key,
+              "cache": "hit" if hit else "miss", "seconds": round(time.perf_counter() - t0, 3),
+              "fingerprint": fingerprint, "path": str(entry.path), "entry": entry.metadata.get("entry"),
+              "size": entry.size}
+    if evicted:
+        record["evicted"] = evicted
+    return record

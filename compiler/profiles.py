@@ -1,0 +1,72 @@
+"""Shape profiles: the batch, image size and token length an engine must accept.
+
+Owns: `ShapeProfile` (min/opt/max per dimension, in pixels and tokens as a user thinks of
+them) and its translation into each component's input shapes (latents are 1/8 of the image,
+the UNet batch doubles for classifier-free guidance).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .errors import BadInput
+
+Range = tuple[int, int, int]  # min, opt, max
+
+
+def parse_range(text: str | int, what: str) -> Range:
+    """'512' -> (512, 512, 512); '256:512:768' -> (256, 512, 768)."""
+    parts = [p for p in str(text).split(":")]
+    try:
+        vals = [int(p) for p in parts]
+    except ValueError:
+        raise BadInput(f"{what} {text!r}: expected N or MIN:OPT:MAX (integers)") from None
+    if len(vals) == 1:
+        vals = vals * 3
+    if len(vals) != 3 or not 0 < vals[0] <= vals[1] <= vals[2]:
+        raise BadInput(f"{what} {text!r}: expected N or MIN:OPT:MAX with 0 < MIN <= OPT <= MAX")
+    return tuple(vals)  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class ShapeProfile:
+    batch: Range = (1, 1, 1)
+    height: Range = (512, 512, 512)
+    width: Range = (512, 512, 512)
+    tokens: Range = (77, 77, 77)
+    cfg_doubling: bool = True          # the UNet sees 2x batch (unconditional + conditional)
+    latent_factor: int = 8
+
+    @property
+    def static(self) -> bool:
+        return all(r[0] == r[2] for r in (self.batch, self.height, self.width, self.tokens))
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+    def check(self) -> None:
+        for name, r in (("height", self.height), ("width", self.width)):
+            if any(v % self.latent_factor for v in r):
+                raise BadInput(f"profile {name} {r}: must be multiples of {self.latent_factor}")
+
+    def input_shapes(self, component: str, inputs: list[dict]) -> dict[str, tuple[tuple[int, ...], ...]]:
+        """{input name: (min, opt, max) shapes} for the component's declared inputs."""
+        self.check()
+        b = tuple(2 * v for v in self.batch) if component == "unet" and self.cfg_doubling else self.batch
+        lh = tuple(v // self.latent_factor for v in self.height)
+        lw = tuple(v // self.latent_factor for v in self.width)
+        symbolic = {"batch": b, "steps": b, "sequence": self.tokens, "height": self.height, "width": self.width,
+                    "latent_height": lh, "latent_width": lw}
+        if component == "unet":
+            symbolic.update(height=lh, width=lw)
+        out = {}
+        for inp in inputs:
+            dims = []
+            for d in inp["shape"]:
+                if isinstance(d, int) and d > 0:
+                    dims.append((d, d, d))
+                elif d in symbolic:
+                    dims.append(symbolic[d])
+                else:
+                    raise BadInput(f"{component} input {inp['name']}: no profile value for dimension {d!r}")
+            out[inp["name"]] = tuple(tuple(dim[i] for dim in dims) for i in range(3))
+        return out
