@@ -1,0 +1,119 @@
+"""Engines through the cache: OpenVINO and ONNX Runtime run and agree; TensorRT-RTX AOT engines
+carry the compute capabilities asked for; rebuilds are cache hits; MIGraphX without ROCm is a
+clear error."""
+import json
+
+import numpy as np
+import pytest
+
+from conftest import precast, rel_err
+from precast.compiler.cache import Cache
+from precast.runtime.sessions import OnnxRuntimeSession, open_artifact
+from precast.runtime.trt_header import read_header
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory):
+    from precast.compiler.demo_model import write_demo_model
+    tmp = tmp_path_factory.mktemp("engines")
+    write_demo_model(str(tmp / "tiny.safetensors"))
+    precast("export", tmp / "tiny.safetensors", "--out", tmp / "onnx", check=True)
+    return tmp / "onnx"
+
+
+@pytest.fixture()
+def cache_env(tmp_path):
+    return {"PRECAST_CACHE": str(tmp_path / "cache")}
+
+
+def _compile(export_dir, env, *args):
+    proc = precast("compile", export_dir, *args, "--height", "64", "--width", "64", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)["artifacts"]
+
+
+def _unet_feeds(seed=0):
+    rng = np.random.default_rng(seed)
+    return {"sample": rng.standard_normal((2, 4, 8, 8)).astype(np.float32), "timestep": np.array([500.0, 20.0], np.float32),
+            "encoder_hidden_states": rng.standard_normal((2, 77, 64)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("component, feeds", [
+    ("unet", _unet_feeds()),
+    ("vae_decoder", {"latent_sample": np.random.default_rng(1).standard_normal((1, 4, 8, 8)).astype(np.float32)}),
+    ("text_encoder", {"input_ids": np.array([[49406, 320, 1125, 49407] + [49407] * 73], np.int32)}),
+])
+def test_openvino_end_to_end_matches_onnxruntime(export_dir, cache_env, component, feeds):
+    (rec,) = _compile(export_dir, cache_env, "--target", "openvino", "--component", component)
+    assert rec["cache"] == "miss" and rec["fingerprint"].startswith("openvino/")
+    entry, _ = Cache(cache_env["PRECAST_CACHE"]).get(rec["key"])
+    assert entry.metadata["compile_config"]["INFERENCE_PRECISION_HINT"] == "f32"  # no AMX here
+    ov_out = open_artifact(entry.path, entry.metadata).run(feeds)
+    ref_out = OnnxRuntimeSession(export_dir / component / "model.onnx").run(feeds)
+    for name, want in ref_out.items():
+        assert rel_err(ov_out[name], want) <= 1e-4, name
+    (again,) = _compile(export_dir, cache_env, "--target", "openvino", "--component", component)
+    assert again["cache"] == "hit" and again["key"] == rec["key"]
+
+
+def test_onnxruntime_artifact_is_simplified_and_equal(export_dir, cache_env):
+    (rec,) = _compile(export_dir, cache_env, "--target", "onnxruntime", "--component", "unet")
+    entry, _ = Cache(cache_env["PRECAST_CACHE"]).get(rec["key"])
+    assert entry.metadata["simplified"] is True
+    feeds = _unet_feeds(3)
+    got = open_artifact(entry.path, entry.metadata).run(feeds)["out_sample"]
+    want = OnnxRuntimeSession(export_dir / "unet/model.onnx").run(feeds)["out_sample"]
+    assert rel_err(got, want) <= 1e-5
+
+
+def test_tensorrt_rtx_engines_for_sm86_and_the_default_set(export_dir, cache_env):
+    recs = _compile(export_dir, cache_env, "--target", "tensorrt-rtx:sm_86", "--target", "tensorrt-rtx",
+                    "--component", "vae_decoder")
+    cache = Cache(cache_env["PRECAST_CACHE"])
+    for rec, want in zip(recs, [("sm_86",), ("sm_80", "sm_86", "sm_89", "sm_120", "sm_121")]):
+        assert rec["cache"] == "miss"
+        entry, _ = cache.get(rec["key"])
+        header = read_header((entry.path / "model.engine").read_bytes()[:64])
+        assert header.compute_capabilities == want
+        assert tuple(entry.metadata["compute_capabilities"]) == want
+        assert rec["fingerprint"].split("/")[3] == ",".join(want)
+        assert header.version == entry.metadata["toolchain"]["tensorrt-rtx"]
+        assert header.size == (entry.path / "model.engine").stat().st_size
+    again = _compile(export_dir, cache_env, "--target", "tensorrt-rtx:sm_86", "--target", "tensorrt-rtx",
+                     "--component", "vae_decoder")
+    assert [r["cache"] for r in again] == ["hit", "hit"]
+    assert [r["key"] for r in again] == [r["key"] for r in recs]
+
+
+def test_different_profiles_and_options_are_different_keys(export_dir, cache_env):
+    (a,) = _compile(export_dir, cache_env, "--target", "openvino", "--component", "vae_decoder")
+    proc = precast("compile", export_dir, "--target", "openvino", "--component", "vae_decoder", "--height", "128",
+                   "--width", "64", "--json", env=cache_env)
+    (b,) = json.loads(proc.stdout)["artifacts"]
+    (c,) = _compile(export_dir, cache_env, "--target", "openvino", "--component", "vae_decoder",
+                    "--option", "precision=bf16")
+    assert len({a["key"], b["key"], c["key"]}) == 3 and b["cache"] == c["cache"] == "miss"
+
+
+def test_refittable_tensorrt_build_says_it_needs_a_driver(export_dir, cache_env):
+    proc = precast("compile", export_dir, "--target", "tensorrt-rtx:sm_86", "--option", "refittable=true",
+                   "--component", "vae_decoder", env=cache_env)
+    assert proc.returncode == 2 and "GPU driver" in proc.stderr
+
+
+def test_migraphx_without_rocm_is_a_clear_error(export_dir, cache_env):
+    proc = precast("compile", export_dir, "--target", "migraphx:gfx1100", "--component", "unet", env=cache_env)
+    assert proc.returncode == 2 and "ROCm" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cache_commands(export_dir, cache_env):
+    recs = _compile(export_dir, cache_env, "--target", "onnxruntime", "--component", "vae_decoder",
+                    "--component", "vae_encoder")
+    ls = json.loads(precast("cache", "ls", "--json", env=cache_env, check=True).stdout)
+    assert sorted(e["key"] for e in ls["entries"]) == sorted(r["key"] for r in recs)
+    show = json.loads(precast("cache", "show", recs[0]["key"][:10], "--json", env=cache_env, check=True).stdout)
+    assert show["verified"] is True and show["metadata"]["component"] == "vae_decoder"
+    assert precast("cache", "show", "ffffffff", env=cache_env).returncode == 2
+    precast("cache", "rm", recs[0]["key"][:10], env=cache_env, check=True)
+    gc = json.loads(precast("cache", "gc", "--max-size", "1K", "--json", env=cache_env, check=True).stdout)
+    assert gc["removed"] == [recs[1]["key"]] and gc["size"] == 0
