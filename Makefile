@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	# torch is a test-only reference (diffusers/transformers parity); the CPU build lies on local disk.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[compiler,onnxruntime,openvino,test]'
+	$(BIN)/pip install -q -e '.[compiler,onnxruntime,openvino,tensorrt-rtx,test]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -5,7 +5,7 @@ What it measures, in one run:
 1. A full-size SD 1.5 single-file checkpoint (real LDM key layout, deterministic random fp16
    weights, ~2.1 GB) is written once into the work folder and reused while it still matches.
 2. precast: `precast export CKPT --component unet` in a fresh process, for --dtype fp32 and
-   --dtype fp16: wall time of the process and its own peak RSS (from wait4's rusage).
+   --dtype fp16: wall time of the process and its own peak RSS (VmHWM at its exit).
 3. Peer: in a fresh process, diffusers' UNet2DConditionModel (SD 1.5 config) is built, loaded
    with the same weights through diffusers' LDM converter, and exported by torch.onnx.export
    (the classic TorchScript exporter, dynamo=False; the default dynamo exporter only if the
@@ -83,19 +83,39 @@ def ensure_checkpoint(path: Path) -> float:
 
 
 # ---- running a measured child -----------------------------------------------------------
-def run_measured(cmd: list[str], log: Path) -> dict:
-    """Run `cmd` as a fresh process (output to `log`); its wall time and its own peak RSS.
+# Runs a module or script in the child and, at its exit, writes the child's own peak RSS
+# (VmHWM, KiB) to a file. Not ru_maxrss: Linux carries the high-water mark of the memory the
+# process had before exec() into it, and Python starts children with vfork, so ru_maxrss
+# (from getrusage in the child or wait4 in the parent) is at least the parent's own peak.
+PEAK_WRAPPER = """
+import atexit, re, runpy, sys
+peak_file, kind, target = sys.argv[1:4]
+def _write_peak():
+    status = open("/proc/self/status").read()
+    open(peak_file, "w").write(re.search(r"VmHWM:\\s+(\\d+) kB", status).group(1))
+atexit.register(_write_peak)
+sys.argv = [target, *sys.argv[4:]]
+if kind == "module":
+    runpy.run_module(target, run_name="__main__", alter_sys=True)
+else:
+    runpy.run_path(target, run_name="__main__")
+"""
 
-    The peak comes from the kernel: wait4() returns the child's rusage, whose ru_maxrss (KiB
-    on Linux) is that process's high-water mark, not the parent's."""
+
+def run_measured(kind: str, target: str, args: list[str], log: Path) -> dict:
+    """Run module or script `target` with `args` in a fresh process (output to `log`, page
+    cache writeback settled first); its wall time and its own peak RSS in MB (MiB)."""
+    os.sync()  # do not bill one run for the writeback of the files the previous one wrote
+    peak_file = log.with_suffix(".peak")
+    peak_file.unlink(missing_ok=True)
+    cmd = [sys.executable, "-c", PEAK_WRAPPER, str(peak_file), kind, target, *args]
     t0 = time.perf_counter()
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=HERE.parent)
-        _, status, usage = os.wait4(proc.pid, 0)
+        rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=HERE.parent).returncode
     wall = time.perf_counter() - t0
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return {"cmd": cmd, "rc": proc.returncode, "wall_s": round(wall, 2),
-            "peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "log": str(log)}
+    peak = int(peak_file.read_text()) / 1024 if peak_file.exists() else None
+    return {"cmd": [target, *args], "rc": rc, "wall_s": round(wall, 2),
+            "peak_rss_mb": None if peak is None else round(peak, 1), "log": str(log)}
 
 
 def _tail(log: str, n: int = 30) -> str:
@@ -104,10 +124,9 @@ def _tail(log: str, n: int = 30) -> str:
 
 def run_precast(ckpt: Path, out: Path, dtype: str, logs: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "precast.compiler.cli", "export", str(ckpt), "--component", "unet",
-           "--out", str(out), "--dtype", dtype, "--json"]
+    args = ["export", str(ckpt), "--component", "unet", "--out", str(out), "--dtype", dtype, "--json"]
     print(f"precast export --dtype {dtype} ...", flush=True)
-    res = run_measured(cmd, logs / f"precast_{dtype}.log")
+    res = run_measured("module", "precast.compiler.cli", args, logs / f"precast_{dtype}.log")
     if res["rc"] != 0:
         raise SystemExit(f"precast export failed (rc {res['rc']}):\n{_tail(res['log'])}")
     text = Path(res["log"]).read_text()
@@ -123,9 +142,9 @@ def run_peer(ckpt: Path, out: Path, logs: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     timings = out / "timings.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--peer-child", str(ckpt), str(out), str(timings)]
+    args = ["--peer-child", str(ckpt), str(out), str(timings)]
     print("peer: diffusers UNet2DConditionModel + torch.onnx.export ...", flush=True)
-    res = run_measured(cmd, logs / "peer.log")
+    res = run_measured("path", str(Path(__file__).resolve()), args, logs / "peer.log")
     if res["rc"] != 0:
         raise SystemExit(f"peer export failed (rc {res['rc']}):\n{_tail(res['log'])}")
     res.update(json.loads(timings.read_text()))
@@ -238,9 +257,10 @@ def machine() -> dict:
 
 
 def summarize(precast_runs: dict[str, dict], peer: dict) -> list[dict]:
-    rows = [{"tool": f"peer: diffusers + torch.onnx.export [{peer['exporter']}], fp32",
+    rows = [{"tool": "peer: diffusers + torch.onnx.export, fp32",
              "time_s": peer["total_s"], "wall_s": peer["wall_s"], "peak_rss_mb": peer["peak_rss_mb"],
-             "detail": f"build+load {peer['build_load_s']:.1f} s + export {peer['export_s']:.1f} s"}]
+             "detail": f"build+load {peer['build_load_s']:.1f} s + export {peer['export_s']:.1f} s; "
+                       f"exporter: {peer['exporter']}"}]
     for dtype, r in precast_runs.items():
         speed = peer["total_s"] / r["wall_s"]
         rows.append({"tool": f"precast export --dtype {dtype}", "time_s": r["wall_s"], "wall_s": r["wall_s"],
@@ -253,15 +273,16 @@ def summarize(precast_runs: dict[str, dict], peer: dict) -> list[dict]:
 
 
 def print_table(rows: list[dict], par: dict) -> None:
-    head = f"{'tool':<58} {'time (s)':>9} {'peak RSS (MB)':>14} {'speed ratio':>12}  {'>=10x':>5} {'<=1.5GB':>7}"
+    head = f"{'tool':<44} {'time (s)':>9} {'peak RSS (MB)':>14} {'speed ratio':>12}  {'>=10x':>5} {'<=1.5GB':>7}"
     print("\n" + head + "\n" + "-" * len(head))
     for r in rows:
         ratio = f"{r['speedup']:.1f}x" if "speedup" in r else "1.0x"
-        print(f"{r['tool']:<58} {r['time_s']:>9.1f} {r['peak_rss_mb']:>14.0f} {ratio:>12}  "
+        print(f"{r['tool']:<44} {r['time_s']:>9.1f} {r['peak_rss_mb']:>14.0f} {ratio:>12}  "
               f"{r.get('speed_floor', ''):>5} {r.get('rss_floor', ''):>7}")
         print(f"    {r['detail']}")
-    print("speed ratio = peer (build+load+export) / precast process wall time; "
-          "both processes' wall times: " + ", ".join(f"{r['tool'].split(':')[0]} {r['wall_s']:.1f} s" for r in rows))
+    print("speed ratio = peer (build+load+export, torch import excluded) / precast process wall time")
+    print("process wall times (interpreter start and imports included): "
+          + ", ".join(f"{r['tool'].split(',')[0]} {r['wall_s']:.1f} s" for r in rows))
     for dtype, p in par.items():
         err = "n/a (" + p.get("error", "") + ")" if p["rel_err"] is None else f"{p['rel_err']:.2e}"
         print(f"parity precast {dtype} vs peer: max|a-b|/max|b| = {err}  (tol {PARITY_TOL[dtype]:g}) "

@@ -127,7 +127,7 @@ def compile_cmd(export_dir, targets, components, batch, height, width, tokens, o
         records = []
         for spec in specs:
             for n in names:
-                rec = compile_component(comps[n], spec, profile, cache, progress=not as_json)
+                rec, _ = compile_component(comps[n], spec, profile, cache, progress=not as_json)
                 records.append(rec)
                 if not as_json:
                     click.echo(f"{rec['cache']:<4} {rec['component']:<13} {rec['target']:<28} "
@@ -203,6 +203,139 @@ def cache_gc(max_size, as_json):
         click.echo(json.dumps(result, indent=2) if as_json else
                    f"removed {len(result['removed'])} entries, {result['stale_temp_folders']} stale temp folders; "
                    f"{result['size'] / 1e6:.1f} MB left")
+    _run(go)
+
+
+@main.command("plan")
+@click.argument("recipe", type=click.Path())
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "github"]), default="table", show_default=True)
+def plan_cmd(recipe, fmt):
+    """Print RECIPE's build matrix: one entry per component x target, with what each job needs."""
+    def go():
+        from .plan import github_matrix, make_plan
+        from .recipe import load_recipe
+        entries = make_plan(load_recipe(recipe))
+        if fmt == "github":
+            click.echo(json.dumps(github_matrix(entries), separators=(",", ":")))
+        elif fmt == "json":
+            click.echo(json.dumps({"recipe": recipe, "entries": [e.describe() for e in entries]}, indent=2))
+        else:
+            for e in entries:
+                click.echo(f"{e.id:<44} {e.needs}")
+    _run(go)
+
+
+@main.command("build")
+@click.argument("recipe", type=click.Path())
+@click.option("--out", required=True, type=click.Path(), help="Bundle folder to write.")
+@click.option("--only", multiple=True, help="Build only this plan entry (repeatable).")
+@click.option("--shard", default=None, help="Build shard i of n of the plan, e.g. 2/3.")
+@click.option("--json", "as_json", is_flag=True, help="Report each artifact (cache hit/miss, time) as JSON.")
+def build_cmd(recipe, out, only, shard, as_json):
+    """Build RECIPE's engines through the cache into a bundle."""
+    def go():
+        from .bundle import build_bundle
+        from .recipe import load_recipe
+        report = build_bundle(load_recipe(recipe), out, tuple(only), shard, progress=not as_json)
+        if as_json:
+            click.echo(json.dumps(report, indent=2))
+            return
+        for r in report["artifacts"]:
+            click.echo(f"{r['cache']:<4} {r['component']:<13} {r.get('target', r['backend']):<30} {r['seconds']:7.2f} s")
+        click.echo(f"bundle {report['bundle']} in {report['seconds']:.1f} s")
+    _run(go)
+
+
+@main.group("bundle")
+def bundle_group():
+    """Merge, pack, unpack, verify and inspect engine bundles."""
+
+
+@bundle_group.command("merge")
+@click.argument("bundles", nargs=-1, required=True, type=click.Path())
+@click.option("--out", required=True, type=click.Path())
+@click.option("--json", "as_json", is_flag=True)
+def bundle_merge(bundles, out, as_json):
+    """Join shard bundles of one recipe into one bundle."""
+    def go():
+        from .bundle import merge_bundles
+        r = merge_bundles(list(bundles), out)
+        click.echo(json.dumps(r) if as_json else f"merged {len(bundles)} bundles -> {out} ({r['artifacts']} artifacts)")
+    _run(go)
+
+
+@bundle_group.command("pack")
+@click.argument("bundle", type=click.Path())
+@click.option("--out", required=True, type=click.Path(), help="FILE.tar, FILE.tar.gz or FILE.tar.zst")
+@click.option("--json", "as_json", is_flag=True)
+def bundle_pack(bundle, out, as_json):
+    """Verify BUNDLE and pack it into one archive."""
+    def go():
+        from .bundle_archive import pack_bundle
+        r = pack_bundle(bundle, out)
+        click.echo(json.dumps(r) if as_json else f"packed {r['files']} files -> {out} ({r['size'] / 1e6:.1f} MB)")
+    _run(go)
+
+
+@bundle_group.command("unpack")
+@click.argument("archive", type=click.Path())
+@click.option("--out", required=True, type=click.Path())
+@click.option("--json", "as_json", is_flag=True)
+def bundle_unpack(archive, out, as_json):
+    """Unpack ARCHIVE safely (no absolute paths, '..', links or devices) and verify it."""
+    def go():
+        from .bundle_archive import unpack_bundle
+        r = unpack_bundle(archive, out)
+        click.echo(json.dumps(r) if as_json else f"unpacked {r['files']} entries -> {out}; verified")
+    _run(go)
+
+
+@bundle_group.command("verify")
+@click.argument("bundle", type=click.Path())
+@click.option("--json", "as_json", is_flag=True)
+def bundle_verify(bundle, as_json):
+    """Check every file of BUNDLE against its manifest (size and sha256). Exit 1 when any differs."""
+    def go():
+        from ..runtime.manifest import ManifestError, verify_bundle
+        try:
+            problems = verify_bundle(bundle)
+        except ManifestError as e:
+            raise BadInput(str(e)) from None
+        if as_json:
+            click.echo(json.dumps({"bundle": bundle, "ok": not problems, "problems": problems}, indent=2))
+        else:
+            for p in problems:
+                click.echo(f"FAIL {p}", err=True)
+            click.echo(f"{bundle}: {'ok' if not problems else f'{len(problems)} problem(s)'}")
+        if problems:
+            sys.exit(1)
+    _run(go)
+
+
+@bundle_group.command("inspect")
+@click.argument("bundle", type=click.Path())
+@click.option("--json", "as_json", is_flag=True)
+def bundle_inspect(bundle, as_json):
+    """Show what BUNDLE holds: model, components, artifacts with their fingerprints."""
+    def go():
+        from ..runtime.manifest import ManifestError, read_manifest
+        try:
+            m = read_manifest(bundle)
+        except ManifestError as e:
+            raise BadInput(str(e)) from None
+        if as_json:
+            click.echo(json.dumps(m.data, indent=2))
+            return
+        model = m.model
+        click.echo(f"model      {model['family']} {model['variant']}  source {model['source']}  "
+                   f"sha256 {model['source_sha256'][:16]}")
+        for name, c in sorted(m.components.items()):
+            click.echo(f"component  {name:<13} {c['dtype']}  " +
+                       ", ".join(i['name'] for i in c['inputs']) + " -> " + ", ".join(o['name'] for o in c['outputs']))
+        for a in m.artifacts():
+            size = sum(m.files[f]["size"] for f in a.files) / 1e6
+            click.echo(f"artifact   {a.component:<13} {a.backend:<13} {size:8.1f} MB  {a.fingerprint}")
+        click.echo(f"files      {len(m.files)}, {sum(f['size'] for f in m.files.values()) / 1e6:.1f} MB")
     _run(go)
 
 

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cache import Cache, cache_key, sha256_file
+from .cache import Cache, Entry, cache_key, sha256_file
 from .errors import BadInput
 from .profiles import ShapeProfile
 from .targets import BuildJob, TargetSpec, get_target
@@ -59,7 +59,8 @@ def artifact_key(comp: ExportedComponent, spec: TargetSpec, shapes: dict, toolch
 
 
 def compile_component(comp: ExportedComponent, spec: TargetSpec, profile: ShapeProfile, cache: Cache,
-                      progress: bool = True) -> dict:
+                      progress: bool = True) -> tuple[dict, Entry]:
+    """Build (or fetch) one artifact; returns (report record, verified cache entry)."""
     target = get_target(spec.backend)
     t0 = time.perf_counter()
     toolchain = target.toolchain()            # BadInput here when the backend is not installed
@@ -83,4 +84,4 @@ def compile_component(comp: ExportedComponent, spec: TargetSpec, profile: ShapeP
               "size": entry.size}
     if evicted:
         record["evicted"] = evicted
-    return record
+    return record, entry

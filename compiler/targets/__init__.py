@@ -6,12 +6,22 @@ from .base import POSITIONAL, BuildJob, Target, TargetSpec
 from .migraphx import MigraphxTarget
 from .onnxruntime import OnnxRuntimeTarget
 from .openvino import OpenVinoTarget
-from .tensorrt_rtx import TensorRtRtxTarget
+from .tensorrt_rtx import TensorRtRtxTarget, requested_ccs
 
 TARGETS: dict[str, Target] = {t.name: t for t in (OnnxRuntimeTarget(), OpenVinoTarget(), TensorRtRtxTarget(),
                                                    MigraphxTarget())}
 ALIASES = {"ort": "onnxruntime", "ov": "openvino", "trt": "tensorrt-rtx", "tensorrt": "tensorrt-rtx",
            "trt-rtx": "tensorrt-rtx", "mx": "migraphx"}
+
+
+BOOL = (True, False)
+OPTIONS: dict[str, dict[str, tuple]] = {   # option -> allowed values (empty: free-form)
+    "onnxruntime": {"simplify": BOOL},
+    "openvino": {"device": (), "precision": ("f32", "bf16", "f16"), "performance_hint": ("LATENCY", "THROUGHPUT"),
+                 "num_streams": (), "threads": (), "ir": BOOL, "compress_to_fp16": BOOL},
+    "tensorrt-rtx": {"compute_capabilities": (), "weight_streaming": BOOL, "refittable": BOOL, "strip_weights": BOOL},
+    "migraphx": {"gfx": (), "fp16": BOOL, "fast_math": BOOL},
+}
 
 
 def get_target(name: str) -> Target:
@@ -31,8 +41,19 @@ def parse_target(text: str, options: dict | None = None) -> TargetSpec:
         if field is None:
             raise BadInput(f"target {text!r}: {target.name} takes no argument")
         opts[field] = arg.split(",") if field == "compute_capabilities" else arg
+    allowed = OPTIONS[target.name]
+    for k, v in opts.items():
+        if k not in allowed:
+            raise BadInput(f"target {target.name}: unknown option {k!r}; allowed: {', '.join(sorted(allowed))}")
+        if allowed[k] and v not in allowed[k]:
+            raise BadInput(f"target {target.name}: {k}={v!r}; allowed: {', '.join(map(str, allowed[k]))}")
     frozen = {k: tuple(v) if isinstance(v, list) else v for k, v in opts.items()}
-    return TargetSpec(target.name, tuple(sorted(frozen.items())))
+    spec = TargetSpec(target.name, tuple(sorted(frozen.items())))
+    if target.name == "tensorrt-rtx":
+        requested_ccs(spec)  # names each unknown compute capability
+    if target.name == "migraphx" and spec.get("gfx") and not str(spec.get("gfx")).startswith("gfx"):
+        raise BadInput(f"target migraphx: gfx {spec.get('gfx')!r}: expected a gfx name such as gfx1100 or gfx90a:sramecc+:xnack-")
+    return spec
 
 
 __all__ = ["BuildJob", "TargetSpec", "TARGETS", "get_target", "parse_target"]

@@ -1,0 +1,237 @@
+"""Engine bundles: build one from a recipe (through the cache), merge shards, verify.
+
+Owns: the bundle layout -- `manifest.json`, `onnx/<component>/` (the exported graph and its
+weights, shared by ONNX Runtime and by OpenVINO's compile-on-load fallback), and
+`artifacts/<component>/<target>-<key>/` -- and storing weights once: an artifact whose files
+are byte-identical to files already in the bundle points at them instead of copying.
+Bundles are written to a staging folder and renamed into place.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from ..runtime.manifest import MANIFEST, SCHEMA, read_manifest, sha256_file, verify_bundle
+from .cache import Cache, Entry, cache_key
+from .engines import PRECAST_VERSION, ExportedComponent, compile_component
+from .errors import BadInput
+from .plan import _slug, make_plan, select
+from .recipe import Recipe
+
+DEMO_FILE = "tiny-sd15-seed0.safetensors"
+
+
+def materialize_source(recipe: Recipe, cache: Cache) -> Path:
+    """The checkpoint path; the embedded demo is written once into the cache folder."""
+    if not recipe.source.startswith("demo:"):
+        return Path(recipe.source)
+    from .demo_model import write_demo_model
+    path = cache.root / "demo" / DEMO_FILE
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_demo_model(str(path), seed=0)
+    return path
+
+
+def source_digest(path: Path) -> str:
+    if path.is_file():
+        return sha256_file(path)
+    parts = {p.relative_to(path).as_posix(): sha256_file(p) for p in sorted(path.rglob("*"))
+             if p.is_file() and p.suffix in (".safetensors", ".json")}
+    return cache_key(parts)
+
+
+def cached_export(cache: Cache, source: Path, digest: str, component: str, dtype: str, overrides: dict,
+                  progress: bool) -> tuple[Entry, bool]:
+    """One component's ONNX export, as a cache entry: (verified entry, hit)."""
+    from .export import export
+    key = cache_key({"kind": "export", "source_sha256": digest, "component": component, "dtype": dtype,
+                     "overrides": overrides, "precast": PRECAST_VERSION})
+
+    def build(folder: Path) -> dict:
+        work = folder / "export"
+        report = export(source, work, [component], dtype, overrides, progress=progress)
+        for f in (work / component).iterdir():
+            os.rename(f, folder / f.name)
+        shutil.rmtree(work)
+        comp = report["components"][0]
+        return {"kind": "export", "component": component, "dtype": dtype, "family": report["family"],
+                "variant": report["variant"], "inputs": comp["inputs"], "outputs": comp["outputs"],
+                "config": comp["config"], "entry": "model.onnx"}
+
+    entry, hit, _ = cache.get_or_build(key, build)
+    return entry, hit
+
+
+class BundleWriter:
+    """Files going into a staging bundle folder, deduplicated by content."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.files: dict[str, dict] = {}
+
+    def _folder_with(self, records: dict[str, dict]) -> str | None:
+        """A folder already in the bundle holding every one of these files (same names, same bytes)."""
+        folders = {rel.rsplit("/", 1)[0] for rel in self.files}
+        for folder in sorted(folders):
+            if all(self.files.get(f"{folder}/{n}", {}).get("sha256") == r["sha256"] for n, r in records.items()):
+                return folder
+        return None
+
+    def add(self, src: Path, records: dict[str, dict], dest: str) -> dict[str, str]:
+        """Place the files of `src` (name -> {size, sha256}) under `dest`; returns name -> bundle path."""
+        existing = self._folder_with(records)
+        if existing is not None:
+            return {n: f"{existing}/{n}" for n in records}
+        (self.root / dest).mkdir(parents=True, exist_ok=True)
+        for name, rec in records.items():
+            target = self.root / dest / name
+            try:
+                os.link(src / name, target)      # cache files are never written in place
+            except OSError:
+                shutil.copyfile(src / name, target)
+            self.files[f"{dest}/{name}"] = {"size": rec["size"], "sha256": rec["sha256"]}
+        return {n: f"{dest}/{n}" for n in records}
+
+
+def write_manifest(root: Path, manifest: dict) -> None:
+    manifest["artifacts"] = sorted(manifest["artifacts"], key=lambda a: a["id"])
+    manifest["files"] = dict(sorted(manifest["files"].items()))
+    (root / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def commit_bundle(staging: Path, out: Path) -> None:
+    """Rename the finished staging folder to `out`, replacing an existing bundle there."""
+    if out.exists():
+        if not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).exists()):
+            shutil.rmtree(staging, ignore_errors=True)
+            raise BadInput(f"--out {out}: exists and is not a precast bundle; choose another folder")
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.rename(out, old)
+        os.rename(staging, out)
+        shutil.rmtree(old)
+    else:
+        os.rename(staging, out)
+
+
+def _artifact_metadata(meta: dict) -> dict:
+    keep = ("compile_config", "device", "precision", "static", "compute_capabilities", "header", "weight_streaming",
+            "refittable", "simplified", "gfx", "input_dims", "fp16")
+    return {k: meta[k] for k in keep if k in meta}
+
+
+def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), shard: str | None = None,
+                 progress: bool = True, cache: Cache | None = None) -> dict:
+    from .sources.checkpoint import open_checkpoint
+    from .sources.detect import detect_family, require_supported
+    t0 = time.perf_counter()
+    out = Path(out)
+    cache = cache or Cache()
+    entries = select(make_plan(recipe), only, shard)
+    if recipe.loras or recipe.embeddings:
+        raise BadInput(f"{recipe.path}: loras / embeddings: LoRA and textual-inversion support is not in this "
+                       "version yet; remove them from the recipe")
+    source = materialize_source(recipe, cache)
+    ckpt = open_checkpoint(source)
+    family = detect_family(ckpt)
+    require_supported(ckpt, family)
+    if recipe.family and recipe.family != family.name:
+        raise BadInput(f"{recipe.path}: family {recipe.family!r} but {source} is {family.name} ({family.evidence})")
+    digest = source_digest(source)
+    staging = out.parent / f".{out.name}.building-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    writer = BundleWriter(staging)
+    manifest = {"schema": SCHEMA, "precast": PRECAST_VERSION, "name": recipe.name,
+                "model": {"family": family.name, "variant": family.variant,
+                          "source": recipe.source if recipe.source.startswith("demo:") else Path(recipe.source).name,
+                          "source_sha256": digest, "loras": [], "embeddings": []},
+                "components": {}, "artifacts": [], "files": writer.files}
+    report = []
+    try:
+        exported = {}
+        for comp in sorted({e.component for e in entries}):
+            c0 = time.perf_counter()
+            entry, hit = cached_export(cache, source, digest, comp, recipe.precision[comp], recipe.overrides, progress)
+            meta = entry.metadata
+            placed = writer.add(entry.path, entry.files, f"onnx/{comp}")
+            exported[comp] = ExportedComponent(comp, entry.path / "model.onnx", meta["inputs"], meta["outputs"])
+            manifest["components"][comp] = {
+                "onnx": placed["model.onnx"], "files": sorted(placed.values()), "dtype": meta["dtype"],
+                "inputs": meta["inputs"], "outputs": meta["outputs"], "config": meta["config"],
+                "profiles": [p.describe() for p in recipe.profiles]}
+            report.append({"entry": f"{comp}.onnx", "component": comp, "backend": "onnx", "cache": "hit" if hit else "miss",
+                           "seconds": round(time.perf_counter() - c0, 3)})
+        for e in entries:
+            for profile in recipe.profiles:
+                rec, entry = compile_component(exported[e.component], e.target, profile, cache, progress)
+                meta = entry.metadata
+                placed = writer.add(entry.path, entry.files,
+                                    f"artifacts/{e.component}/{_slug(e.target)}-{rec['key'][:12]}")
+                manifest["artifacts"].append({
+                    "id": f"{e.id}/{rec['key'][:12]}", "plan_entry": e.id, "component": e.component,
+                    "backend": e.target.backend, "fingerprint": rec["fingerprint"], "target": e.target.describe(),
+                    "profile": profile.describe(), "shapes": meta["shapes"], "entry": placed[meta["entry"]],
+                    "files": sorted(placed.values()), "size": sum(f["size"] for f in entry.files.values()),
+                    "sha256": entry.files[meta["entry"]]["sha256"], "build_options": e.target.describe(),
+                    "toolchain": meta["toolchain"], "metadata": _artifact_metadata(meta)})
+                report.append({**{k: rec[k] for k in ("component", "backend", "target", "cache", "seconds", "key",
+                                                      "fingerprint")}, "entry": e.id})
+        write_manifest(staging, manifest)
+        commit_bundle(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return {"bundle": str(out), "artifacts": report, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def merge_bundles(inputs: list[str | Path], out: str | Path) -> dict:
+    """Join shard bundles of one model into one; the same artifact in two shards must agree."""
+    out = Path(out)
+    manifests = []
+    for b in inputs:
+        problems = verify_bundle(b)
+        if problems:
+            raise BadInput(f"{b}: does not verify ({problems[0]}); rebuild that shard")
+        manifests.append(read_manifest(b))
+    first = manifests[0].data
+    for m in manifests[1:]:
+        if m.model != first["model"]:
+            raise BadInput(f"{m.root}: built from another model or LoRA set than {manifests[0].root}; "
+                           "merge shards of one recipe only")
+    staging = out.parent / f".{out.name}.merging-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    merged = {"schema": SCHEMA, "precast": first["precast"], "name": first["name"], "model": first["model"],
+              "components": {}, "artifacts": [], "files": {}}
+    seen = {}
+    try:
+        for m in manifests:
+            for name, comp in m.components.items():
+                if merged["components"].setdefault(name, comp) != comp:
+                    raise BadInput(f"{m.root}: component {name} differs from another shard's; rebuild the shards "
+                                   "from one recipe with one precast version")
+            for rel, rec in m.files.items():
+                if rel in merged["files"]:
+                    if merged["files"][rel] != rec:
+                        raise BadInput(f"{m.root}: {rel} differs from the same file in another shard")
+                    continue
+                (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.link(m.root / rel, staging / rel)
+                except OSError:
+                    shutil.copyfile(m.root / rel, staging / rel)
+                merged["files"][rel] = rec
+            for a in m.data["artifacts"]:
+                if a["id"] in seen and seen[a["id"]] != a:
+                    raise BadInput(f"{m.root}: artifact {a['id']} differs from another shard's")
+                if a["id"] not in seen:
+                    seen[a["id"]] = a
+                    merged["artifacts"].append(a)
+        write_manifest(staging, merged)
+        commit_bundle(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return {"bundle": str(out), "artifacts": len(merged["artifacts"]), "files": len(merged["files"])}

@@ -1,0 +1,216 @@
+"""Build recipes: YAML that says what to build, validated with errors that name file:line and field.
+
+Owns: the recipe schema (model source, family, components, precision per component, LoRAs and
+embeddings, shape profiles, targets) and its validation. Paths are relative to the recipe's
+folder; `demo:tiny-sd15` names the embedded default checkpoint (written on demand, no download).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .errors import BadInput
+from .profiles import ShapeProfile, parse_range
+from .targets import TargetSpec, get_target, parse_target
+
+COMPONENTS = ("text_encoder", "unet", "vae_encoder", "vae_decoder")
+PRECISIONS = ("fp32", "fp16")
+TOP_FIELDS = {"name", "model", "components", "precision", "loras", "embeddings", "profiles", "targets"}
+MODEL_FIELDS = {"source", "family", "set"}
+PROFILE_FIELDS = {"batch", "height", "width", "tokens", "static"}
+DEMO_SOURCES = {"demo:tiny-sd15"}
+
+
+@dataclass(frozen=True)
+class Lora:
+    path: str
+    strength: float = 1.0
+    te_strength: float | None = None
+
+
+@dataclass(frozen=True)
+class Recipe:
+    path: str
+    name: str
+    source: str                         # absolute path, or demo:<name>
+    family: str | None
+    overrides: dict
+    components: tuple[str, ...]
+    precision: dict[str, str]           # component -> fp32 | fp16
+    loras: tuple[Lora, ...]
+    embeddings: tuple[str, ...]
+    profiles: tuple[ShapeProfile, ...]
+    targets: tuple[TargetSpec, ...]
+    lines: dict = field(default_factory=dict, compare=False)
+
+
+class _Doc:
+    """A YAML document as plain data, remembering the line of every value by its field path."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            node = yaml.compose(path.read_text())
+        except OSError as e:
+            raise BadInput(f"{path}: cannot read recipe ({e.strerror})") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark else str(path)
+            raise BadInput(f"{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+        self.lines: dict[str, int] = {}
+        self.data = self._plain(node, "") if node is not None else {}
+
+    def _plain(self, node, where: str):
+        self.lines[where] = node.start_mark.line + 1
+        if isinstance(node, yaml.MappingNode):
+            out = {}
+            for k, v in node.value:
+                key = str(k.value)
+                sub = f"{where}.{key}" if where else key
+                self.lines[sub] = k.start_mark.line + 1
+                out[key] = self._plain(v, sub)
+                self.lines[sub] = k.start_mark.line + 1
+            return out
+        if isinstance(node, yaml.SequenceNode):
+            return [self._plain(v, f"{where}[{i}]") for i, v in enumerate(node.value)]
+        return yaml.safe_load(yaml.serialize(node))
+
+    def error(self, where: str, message: str) -> BadInput:
+        line = self.lines.get(where) or self.lines.get(where.rsplit(".", 1)[0]) or 1
+        return BadInput(f"{self.path}:{line}: {where or 'recipe'}: {message}")
+
+
+def _check_keys(doc: _Doc, where: str, value, allowed: set[str]) -> dict:
+    if not isinstance(value, dict):
+        raise doc.error(where, f"expected a mapping with {', '.join(sorted(allowed))}")
+    for k in value:
+        if k not in allowed:
+            sub = f"{where}.{k}" if where else k
+            raise doc.error(sub, f"unknown field {k!r}; allowed: {', '.join(sorted(allowed))}")
+    return value
+
+
+def _range(doc: _Doc, where: str, value, default: int):
+    if value is None:
+        return (default,) * 3
+    if isinstance(value, dict):
+        _check_keys(doc, where, value, {"min", "opt", "max"})
+        value = f"{value.get('min')}:{value.get('opt', value.get('min'))}:{value.get('max', value.get('opt'))}"
+    elif isinstance(value, list):
+        value = ":".join(str(v) for v in value)
+    try:
+        return parse_range(value, where)
+    except BadInput as e:
+        raise doc.error(where, str(e).split(": ", 1)[-1]) from None
+
+
+def _profiles(doc: _Doc, value) -> tuple[ShapeProfile, ...]:
+    if value is None:
+        return (ShapeProfile(),)
+    value = _check_keys(doc, "profiles", value, PROFILE_FIELDS)
+    if "static" in value:
+        if set(value) != {"static"}:
+            raise doc.error("profiles", "give either min/opt/max ranges or a `static:` list, not both")
+        if not isinstance(value["static"], list) or not value["static"]:
+            raise doc.error("profiles.static", "expected a list of {batch, height, width[, tokens]}")
+        out = []
+        for i, shape in enumerate(value["static"]):
+            w = f"profiles.static[{i}]"
+            _check_keys(doc, w, shape, {"batch", "height", "width", "tokens"})
+            out.append(_one_profile(doc, w, shape, static=True))
+        return tuple(out)
+    return (_one_profile(doc, "profiles", value),)
+
+
+def _one_profile(doc, where, value, static=False) -> ShapeProfile:
+    p = ShapeProfile(batch=_range(doc, f"{where}.batch", value.get("batch"), 1),
+                     height=_range(doc, f"{where}.height", value.get("height"), 512),
+                     width=_range(doc, f"{where}.width", value.get("width"), 512),
+                     tokens=_range(doc, f"{where}.tokens", value.get("tokens"), 77))
+    if static and not p.static:
+        raise doc.error(where, "static shapes take single values, not ranges")
+    try:
+        p.check()
+    except BadInput as e:
+        raise doc.error(where, str(e)) from None
+    return p
+
+
+def _targets(doc: _Doc, value) -> tuple[TargetSpec, ...]:
+    if not isinstance(value, list) or not value:
+        raise doc.error("targets", "expected a non-empty list, e.g. [onnxruntime, {openvino: {device: CPU}}, "
+                                   "{tensorrt-rtx: {compute_capabilities: [sm_86]}}]")
+    out = []
+    for i, item in enumerate(value):
+        where = f"targets[{i}]"
+        if isinstance(item, str):
+            name, opts = item, {}
+        elif isinstance(item, dict) and len(item) == 1:
+            name, opts = next(iter(item.items()))
+            opts = opts or {}
+            if not isinstance(opts, dict):
+                raise doc.error(f"{where}.{name}", "expected a mapping of target options")
+        else:
+            raise doc.error(where, "expected a backend name or {backend: {options}}")
+        try:
+            if get_target(str(name)).name == "onnxruntime":
+                opts = {"simplify": False, **opts}  # in a bundle the artifact is the shared ONNX: weights once
+            out.append(parse_target(str(name), opts))
+        except BadInput as e:
+            raise doc.error(where, str(e)) from None
+    return tuple(out)
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    path = Path(path)
+    doc = _Doc(path)
+    data = _check_keys(doc, "", doc.data, TOP_FIELDS)
+    model = _check_keys(doc, "model", data.get("model"), MODEL_FIELDS)
+    source = model.get("source")
+    if not isinstance(source, str) or not source:
+        raise doc.error("model.source", "expected a checkpoint path (.safetensors file or diffusers folder) "
+                                        f"or one of {', '.join(sorted(DEMO_SOURCES))}")
+    if source.startswith("demo:"):
+        if source not in DEMO_SOURCES:
+            raise doc.error("model.source", f"unknown demo model {source!r}; known: {', '.join(sorted(DEMO_SOURCES))}")
+    else:
+        resolved = (path.parent / source).resolve()
+        if not resolved.exists():
+            raise doc.error("model.source", f"{resolved} does not exist")
+        source = str(resolved)
+    comps = data.get("components", list(COMPONENTS))
+    if not isinstance(comps, list) or not comps:
+        raise doc.error("components", f"expected a list drawn from {', '.join(COMPONENTS)}")
+    for i, c in enumerate(comps):
+        if c not in COMPONENTS:
+            raise doc.error(f"components[{i}]", f"unknown component {c!r}; allowed: {', '.join(COMPONENTS)}")
+    precision = data.get("precision", "fp32")
+    if isinstance(precision, str):
+        precision = {"default": precision}
+    _check_keys(doc, "precision", precision, {"default", *COMPONENTS})
+    for k, v in precision.items():
+        if v not in PRECISIONS:
+            raise doc.error(f"precision.{k}" if len(precision) > 1 or k != "default" else "precision",
+                            f"{v!r} is not a precision; allowed: {', '.join(PRECISIONS)}")
+    per_comp = {c: precision.get(c, precision.get("default", "fp32")) for c in comps}
+    loras = []
+    for i, item in enumerate(data.get("loras") or []):
+        w = f"loras[{i}]"
+        item = {"path": item} if isinstance(item, str) else _check_keys(doc, w, item, {"path", "strength", "te_strength"})
+        if not isinstance(item.get("path"), str):
+            raise doc.error(w, "expected {path: FILE, strength: S}")
+        for key in ("strength", "te_strength"):
+            if key in item and not isinstance(item[key], (int, float)):
+                raise doc.error(f"{w}.{key}", f"expected a number, got {item[key]!r}")
+        loras.append(Lora(str((path.parent / item["path"]).resolve()), float(item.get("strength", 1.0)),
+                          None if item.get("te_strength") is None else float(item["te_strength"])))
+    embeddings = tuple(str((path.parent / e).resolve()) for e in (data.get("embeddings") or []))
+    overrides = model.get("set") or {}
+    if not isinstance(overrides, dict):
+        raise doc.error("model.set", "expected {component: {field: value}}, e.g. {unet: {num_heads: 8}}")
+    name = data.get("name") or path.stem
+    return Recipe(str(path), str(name), source, model.get("family"), overrides, tuple(comps), per_comp,
+                  tuple(loras), embeddings, _profiles(doc, data.get("profiles")), _targets(doc, data.get("targets")),
+                  lines=doc.lines)

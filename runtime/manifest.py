@@ -1,0 +1,110 @@
+"""Bundle manifests: reading them and verifying every file a bundle holds.
+
+Owns: the manifest schema the runtime reads (schema version, model, components with IO and
+shape profiles, artifacts with fingerprint spec, files and sha256) and `verify_bundle`, which
+names every changed, missing or unexpected file. Standard library only: the runtime is thin.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+SCHEMA = 1
+MANIFEST = "manifest.json"
+
+
+class ManifestError(ValueError):
+    """The bundle's manifest is missing, unreadable or from an unknown schema."""
+
+
+def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Artifact:
+    id: str
+    component: str
+    backend: str
+    fingerprint: str
+    entry: str                  # path of the file a session opens, relative to the bundle
+    files: tuple[str, ...]      # every file it needs, relative to the bundle
+    shapes: dict                # input -> [min, opt, max]
+    metadata: dict              # backend details (compile config, CCs, ...)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    root: Path
+    data: dict
+
+    @property
+    def model(self) -> dict:
+        return self.data["model"]
+
+    @property
+    def components(self) -> dict[str, dict]:
+        return self.data["components"]
+
+    @property
+    def files(self) -> dict[str, dict]:
+        return self.data["files"]
+
+    def artifacts(self, component: str | None = None) -> list[Artifact]:
+        out = []
+        for a in self.data["artifacts"]:
+            if component is None or a["component"] == component:
+                out.append(Artifact(a["id"], a["component"], a["backend"], a["fingerprint"], a["entry"],
+                                    tuple(a["files"]), a.get("shapes", {}), a.get("metadata", {})))
+        return out
+
+
+def read_manifest(bundle: str | Path) -> Manifest:
+    root = Path(bundle)
+    path = root / MANIFEST
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ManifestError(f"{root}: not a precast bundle (no {MANIFEST})") from None
+    except (OSError, ValueError) as e:
+        raise ManifestError(f"{path}: unreadable ({e})") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise ManifestError(f"{path}: schema {data.get('schema') if isinstance(data, dict) else '?'} "
+                            f"is not {SCHEMA}; this precast reads schema {SCHEMA}")
+    for key in ("model", "components", "artifacts", "files"):
+        if key not in data:
+            raise ManifestError(f"{path}: missing field {key!r}")
+    return Manifest(root, data)
+
+
+def verify_file(root: Path, rel: str, record: dict) -> str | None:
+    p = root / rel
+    if not p.is_file() or p.is_symlink():
+        return f"{rel}: missing"
+    if p.stat().st_size != record["size"]:
+        return f"{rel}: size {p.stat().st_size}, manifest says {record['size']}"
+    if sha256_file(p) != record["sha256"]:
+        return f"{rel}: sha256 differs from the manifest (changed or damaged)"
+    return None
+
+
+def verify_bundle(bundle: str | Path) -> list[str]:
+    """Problems found, one line each naming the file; empty when the bundle is intact."""
+    m = read_manifest(bundle)
+    problems = [p for rel, rec in sorted(m.files.items()) if (p := verify_file(m.root, rel, rec))]
+    listed = set(m.files) | {MANIFEST}
+    for p in sorted(m.root.rglob("*")):
+        rel = p.relative_to(m.root).as_posix()
+        if (p.is_file() or p.is_symlink()) and rel not in listed:
+            problems.append(f"{rel}: not listed in the manifest")
+    for a in m.artifacts():
+        for rel in a.files:
+            if rel not in m.files:
+                problems.append(f"{rel}: artifact {a.id} needs it but the manifest does not list it")
+    return problems

@@ -1,0 +1,175 @@
+"""Recipes -> plans -> bundles: the tiny default builds for three backends and verifies; a second
+build is all cache hits; shards merge into the unsharded bundle; damage is named; archives
+unpack safely or not at all; recipe mistakes point at file:line."""
+import io
+import json
+import shutil
+import tarfile
+
+import pytest
+
+from conftest import ROOT, precast
+
+TINY = f"{ROOT}/recipes/tiny-sd15.yaml"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return {"PRECAST_CACHE": str(tmp_path_factory.mktemp("bundle-cache"))}
+
+
+@pytest.fixture(scope="module")
+def bundle(env, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bundles") / "tiny"
+    proc = precast("build", TINY, "--out", out, "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    return out, json.loads(proc.stdout)
+
+
+def test_tiny_builds_for_three_backends_and_verifies(bundle, env):
+    out, report = bundle
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert sorted({a["backend"] for a in manifest["artifacts"]}) == ["onnxruntime", "openvino", "tensorrt-rtx"]
+    assert sorted(manifest["components"]) == ["text_encoder", "unet", "vae_decoder"]
+    assert manifest["model"]["family"] == "sd1" and len(manifest["model"]["source_sha256"]) == 64
+    trt = [a for a in manifest["artifacts"] if a["backend"] == "tensorrt-rtx"]
+    assert all(a["fingerprint"].split("/")[3] == "sm_86" for a in trt)
+    assert precast("bundle", "verify", out).returncode == 0
+    again = json.loads(precast("build", TINY, "--out", out, "--json", env=env, check=True).stdout)
+    assert {a["cache"] for a in again["artifacts"]} == {"hit"} and len(again["artifacts"]) == 12
+
+
+def test_weights_are_stored_once_for_onnxruntime(bundle):
+    out, _ = bundle
+    manifest = json.loads((out / "manifest.json").read_text())
+    for a in manifest["artifacts"]:
+        if a["backend"] == "onnxruntime":
+            assert a["entry"] == manifest["components"][a["component"]]["onnx"]
+    data_files = [f for f in manifest["files"] if f.endswith("onnx_data")]
+    assert len(data_files) == 3
+
+
+def _artifact_bytes(folder):
+    m = json.loads((folder / "manifest.json").read_text())
+    return m, {rel: rec["sha256"] for rel, rec in m["files"].items()}
+
+
+def test_shards_merge_into_the_unsharded_bundle(bundle, env, tmp_path):
+    out, _ = bundle
+    shards = []
+    for i in (1, 2, 3):
+        s = tmp_path / f"shard{i}"
+        precast("build", TINY, "--out", s, "--shard", f"{i}/3", env=env, check=True)
+        shards.append(s)
+    sizes = [len(json.loads((s / "manifest.json").read_text())["artifacts"]) for s in shards]
+    assert sizes == [3, 3, 3]
+    precast("bundle", "merge", *shards, "--out", tmp_path / "merged", check=True)
+    (m1, f1), (m2, f2) = _artifact_bytes(out), _artifact_bytes(tmp_path / "merged")
+    assert m1 == m2 and f1 == f2
+    assert (tmp_path / "merged/manifest.json").read_bytes() == (out / "manifest.json").read_bytes()
+
+
+def test_only_builds_one_entry(env, tmp_path):
+    proc = precast("build", TINY, "--out", tmp_path / "one", "--only", "unet.openvino-CPU", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    m = json.loads((tmp_path / "one/manifest.json").read_text())
+    assert [a["plan_entry"] for a in m["artifacts"]] == ["unet.openvino-CPU"] and list(m["components"]) == ["unet"]
+    bad = precast("build", TINY, "--out", tmp_path / "two", "--only", "unet.nothing", env=env)
+    assert bad.returncode == 2 and "unet.openvino-CPU" in bad.stderr
+
+
+def test_one_changed_byte_is_named(bundle, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(bundle[0], copy)
+    blob = next(copy.rglob("model.blob"))
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 1
+    blob.write_bytes(bytes(data))
+    proc = precast("bundle", "verify", copy)
+    rel = blob.relative_to(copy).as_posix()
+    assert proc.returncode == 1 and rel in proc.stderr and "sha256" in proc.stderr
+    (copy / "stray.txt").write_text("x")
+    assert "stray.txt: not listed" in precast("bundle", "verify", copy).stderr
+
+
+@pytest.mark.parametrize("suffix", [".tar", ".tar.gz", ".tar.zst"])
+def test_pack_and_unpack_round_trip(bundle, tmp_path, suffix):
+    archive = tmp_path / f"b{suffix}"
+    precast("bundle", "pack", bundle[0], "--out", archive, check=True)
+    precast("bundle", "unpack", archive, "--out", tmp_path / "u", check=True)
+    assert _artifact_bytes(tmp_path / "u") == _artifact_bytes(bundle[0])
+    again = tmp_path / f"again{suffix}"
+    precast("bundle", "pack", bundle[0], "--out", again, check=True)
+    assert again.read_bytes() == archive.read_bytes()  # deterministic archives
+
+
+def _hostile(path, kind):
+    with tarfile.open(path, "w") as tar:
+        ok = tarfile.TarInfo("manifest.json")
+        ok.size = 2
+        tar.addfile(ok, io.BytesIO(b"{}"))
+        if kind == "dotdot":
+            info = tarfile.TarInfo("../x")
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+        elif kind == "absolute":
+            info = tarfile.TarInfo("/tmp/precast-absolute-x")
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+        elif kind == "symlink":
+            info = tarfile.TarInfo("onnx/link")
+            info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+            tar.addfile(info)
+        elif kind == "hardlink":
+            info = tarfile.TarInfo("onnx/hard")
+            info.type, info.linkname = tarfile.LNKTYPE, "manifest.json"
+            tar.addfile(info)
+        elif kind == "device":
+            info = tarfile.TarInfo("dev")
+            info.type = tarfile.CHRTYPE
+            tar.addfile(info)
+
+
+@pytest.mark.parametrize("kind, why", [("dotdot", ".."), ("absolute", "absolute path"), ("symlink", "link"),
+                                       ("hardlink", "link"), ("device", "device")])
+def test_hostile_archives_are_refused_before_writing(tmp_path, kind, why):
+    archive = tmp_path / "evil.tar"
+    _hostile(archive, kind)
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = precast("bundle", "unpack", archive, "--out", work / "out")
+    assert proc.returncode == 2 and why in proc.stderr and "nothing was written" in proc.stderr
+    assert list(work.iterdir()) == []
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("text, line, words", [
+    ("model:\n  source: demo:tiny-sd15\ntargets: [onnxruntime]\nprecison: fp16\n", 4, "unknown field 'precison'"),
+    ("model:\n  source: demo:tiny-sd15\nprecision: fp8\ntargets: [onnxruntime]\n", 3, "fp8"),
+    ("model:\n  source: demo:tiny-sd15\ntargets:\n  - onnxruntime\n  - tensorrt-rtx: {compute_capabilities: [sm_99]}\n",
+     5, "sm_99"),
+    ("model:\n  source: missing.safetensors\ntargets: [onnxruntime]\n", 2, "does not exist"),
+    ("model:\n  source: demo:tiny-sd15\nprofiles:\n  height: {min: 256, opt: 100, max: 768}\ntargets: [openvino]\n",
+     4, "MIN <= OPT <= MAX"),
+    ("model:\n  source: demo:tiny-sd15\ncomponents: [unet, controlnet]\ntargets: [onnxruntime]\n", 3, "controlnet"),
+    ("model:\n  source: demo:tiny-sd15\ntargets: [cuda]\n", 3, "choose one of"),
+    ("model: [1\n", 2, "not valid YAML"),
+])
+def test_recipe_errors_name_file_line_and_field(tmp_path, text, line, words):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(text)
+    proc = precast("plan", recipe)
+    assert proc.returncode == 2, proc.stdout
+    assert f"{recipe}:{line}:" in proc.stderr and words in proc.stderr, proc.stderr
+
+
+def test_plan_formats(tmp_path):
+    github = json.loads(precast("plan", TINY, "--format", "github", check=True).stdout)
+    assert len(github["include"]) == 9 and all({"entry", "component", "target", "runs-on"} <= set(i)
+                                                for i in github["include"])
+    recipe = tmp_path / "amd.yaml"
+    recipe.write_text("model:\n  source: demo:tiny-sd15\ncomponents: [unet]\n"
+                      "targets:\n  - migraphx: {gfx: gfx1100}\n  - openvino: {device: GPU}\n")
+    entries = json.loads(precast("plan", recipe, "--format", "json", check=True).stdout)["entries"]
+    needs = {e["backend"]: e["needs"] for e in entries}
+    assert "gfx1100" in needs["migraphx"] and "GPU" in needs["openvino"]
