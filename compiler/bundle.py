@@ -180,11 +180,28 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
                     "toolchain": meta["toolchain"], "metadata": _artifact_metadata(meta)})
                 report.append({**{k: rec[k] for k in ("component", "backend", "target", "cache", "seconds", "key",
                                                       "fingerprint")}, "entry": e.id})
+        if "text_encoder" in manifest["components"]:
+            add_tokenizer(writer, source)
         write_manifest(staging, manifest)
         commit_bundle(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return {"bundle": str(out), "artifacts": report, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def add_tokenizer(writer: BundleWriter, source: Path) -> None:
+    """tokenizer/{vocab.json, merges.txt}: the diffusers folder's own, else the CLIP BPE precast ships."""
+    from ..runtime.tokenizer import ClipTokenizer
+    folder = writer.root / "tokenizer"
+    folder.mkdir(parents=True, exist_ok=True)
+    theirs = source / "tokenizer" if source.is_dir() else None
+    if theirs is not None and (theirs / "vocab.json").is_file() and (theirs / "merges.txt").is_file():
+        for name in ("vocab.json", "merges.txt"):
+            shutil.copyfile(theirs / name, folder / name)
+    else:
+        ClipTokenizer.shipped().write_files(folder)
+    for p in sorted(folder.iterdir()):
+        writer.files[f"tokenizer/{p.name}"] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
 
 
 def merge_bundles(inputs: list[str | Path], out: str | Path) -> dict:

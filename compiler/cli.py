@@ -1,32 +1,21 @@
-"""The `precast` command line.
+"""The build commands of `precast` (export, compile, cache, plan, build, bundle, demo-model).
 
-Owns: argument parsing, progress and `--json` output, and the exit codes: 0 ok, 1 internal
-failure, 2 bad input (one line naming the file, key or field and the fix; no traceback).
+Owns: their argument parsing, progress and `--json` output. The top-level `precast` command
+(precast.runtime.cli) loads this module only when one of these commands runs, so the
+runtime's commands work without the compiler's dependencies.
 """
 from __future__ import annotations
 
 import json
 import sys
-import traceback
 
 import click
 
+from ..runtime.cli import run_cli
 from .errors import BadInput
 
 
-def _run(fn):
-    try:
-        return fn()
-    except BadInput as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        click.echo("interrupted", err=True)
-        sys.exit(130)
-    except Exception:  # a bug in precast, not the user's input
-        traceback.print_exc()
-        click.echo("error: internal failure (a bug in precast); please report it with the trace above", err=True)
-        sys.exit(1)
+_run = run_cli  # user mistakes -> one line + exit 2; bugs -> trace + exit 1
 
 
 def _parse_sets(values: tuple[str, ...]) -> dict:

@@ -50,3 +50,11 @@ def cpu_name(root: str = "/") -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def default_precision(device: str, isa: str) -> str:
+    """OpenVINO inference precision: bf16 only where AMX makes it faster (measured here without
+    AMX: SD1.5 UNet 6.9 s bf16 vs 5.0 s f32); f16 on GPUs."""
+    if device.upper().startswith("CPU"):
+        return "bf16" if isa.endswith("+amx") else "f32"
+    return "f16"

@@ -37,10 +37,16 @@ class OnnxRuntimeSession:
 
 
 class OpenVinoSession:
-    def __init__(self, blob_path: Path, device: str, config: dict):
+    """A compiled blob imported with its recorded config, or (`from_onnx`) the bundle's ONNX
+    compiled at load time -- the fallback when no blob serves this machine."""
+
+    def __init__(self, path: Path, device: str, config: dict, from_onnx: bool = False):
         import openvino as ov
         core = ov.Core()
-        self._cm = core.import_model(Path(blob_path).read_bytes(), device, config)
+        if from_onnx:
+            self._cm = core.compile_model(core.read_model(str(path)), device, config)
+        else:
+            self._cm = core.import_model(Path(path).read_bytes(), device, config)
         self.input_names = [p.get_any_name() for p in self._cm.inputs]
         self.output_names = [p.get_any_name() for p in self._cm.outputs]
         self._types = {p.get_any_name(): np.dtype(p.get_element_type().to_dtype()) for p in self._cm.inputs}
@@ -49,6 +55,90 @@ class OpenVinoSession:
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         res = self._request.infer(_cast(feeds, self._types))
         return {name: np.array(res[port]) for name, port in zip(self.output_names, self._cm.outputs)}
+
+
+class TensorRtRtxSession:
+    """A TensorRT-RTX engine on an NVIDIA GPU, driven through cuda-bindings (no torch, no pycuda).
+
+    Written against the documented API (TensorRT-RTX 1.7 python bindings, cuda.bindings.runtime);
+    NOT VERIFIED ON HARDWARE: no NVIDIA GPU is reachable where this was written."""
+
+    def __init__(self, engine_path: Path, device_index: int = 0, weight_budget: int | None = None):
+        import tensorrt_rtx as trt
+        from cuda.bindings import runtime as cudart
+        self._trt, self._cudart = trt, cudart
+        _cuda_check(cudart.cudaSetDevice(device_index))
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        runtime = trt.Runtime(self._logger)
+        blob = Path(engine_path).read_bytes()
+        validity, diagnostics = runtime.get_engine_validity(blob)
+        if validity == trt.EngineValidity.INVALID:
+            raise RuntimeError(f"TensorRT-RTX says the engine is invalid here (diagnostics bitmask {int(diagnostics)})")
+        self._engine = runtime.deserialize_cuda_engine(blob)
+        if weight_budget is not None:
+            self._engine.weight_streaming_budget_v2 = int(weight_budget)
+        config = self._engine.create_runtime_config()
+        self._context = self._engine.create_execution_context(config)
+        self._stream = _cuda_check(cudart.cudaStreamCreate())
+        names = [self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)]
+        is_input = {n: self._engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT for n in names}
+        self.input_names = [n for n in names if is_input[n]]
+        self.output_names = [n for n in names if not is_input[n]]
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        trt, cudart, ctx = self._trt, self._cudart, self._context
+        buffers = []
+        try:
+            for name in self.input_names:
+                arr = np.ascontiguousarray(feeds[name], dtype=trt.nptype(self._engine.get_tensor_dtype(name)))
+                ctx.set_input_shape(name, arr.shape)
+                ptr = _cuda_check(cudart.cudaMallocAsync(arr.nbytes, self._stream))
+                buffers.append(ptr)
+                _cuda_check(cudart.cudaMemcpyAsync(ptr, arr.ctypes.data, arr.nbytes,
+                                                   cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, self._stream))
+                ctx.set_tensor_address(name, ptr)
+            outputs = {}
+            for name in self.output_names:
+                shape = tuple(ctx.get_tensor_shape(name))
+                out = np.empty(shape, dtype=trt.nptype(self._engine.get_tensor_dtype(name)))
+                ptr = _cuda_check(cudart.cudaMallocAsync(out.nbytes, self._stream))
+                buffers.append(ptr)
+                ctx.set_tensor_address(name, ptr)
+                outputs[name] = (out, ptr)
+            if not ctx.execute_async_v3(self._stream):
+                raise RuntimeError("TensorRT-RTX execution failed")
+            for out, ptr in outputs.values():
+                _cuda_check(cudart.cudaMemcpyAsync(out.ctypes.data, ptr, out.nbytes,
+                                                   cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self._stream))
+            _cuda_check(cudart.cudaStreamSynchronize(self._stream))
+            return {name: out for name, (out, _) in outputs.items()}
+        finally:
+            for ptr in buffers:
+                cudart.cudaFreeAsync(ptr, self._stream)
+
+
+def _cuda_check(result):
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        raise RuntimeError(f"CUDA error {err}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+class MigraphxSession:
+    """A compiled MIGraphX program (.mxr). Written against migraphx's documented Python API;
+    NOT VERIFIED ON HARDWARE (no AMD GPU / ROCm reachable where this was written)."""
+
+    def __init__(self, mxr_path: Path, output_names: list[str]):
+        import migraphx
+        self._mx = migraphx
+        self._program = migraphx.load(str(mxr_path), format="msgpack")
+        self.input_names = list(self._program.get_parameter_names())
+        self.output_names = list(output_names)
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        args = {k: self._mx.argument(np.ascontiguousarray(v)) for k, v in feeds.items()}
+        results = self._program.run(args)
+        return {name: np.array(r) for name, r in zip(self.output_names, results)}
 
 
 _ORT_TYPES = {"tensor(float)": np.dtype(np.float32), "tensor(float16)": np.dtype(np.float16),
@@ -60,8 +150,10 @@ def _cast(feeds: dict[str, np.ndarray], types: dict) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v, dtype=types.get(k) or v.dtype) for k, v in feeds.items()}
 
 
-def open_artifact(folder: str | Path, metadata: dict, device: str | None = None) -> Session:
-    """A session for an artifact folder, given its metadata (cache entry / bundle manifest)."""
+def open_artifact(folder: str | Path, metadata: dict, device: str | None = None,
+                  output_names: list[str] | None = None, device_index: int = 0,
+                  weight_budget: int | None = None) -> Session:
+    """A session for an artifact, given its metadata (cache entry or bundle manifest entry)."""
     folder = Path(folder)
     backend = metadata["backend"]
     entry = folder / metadata["entry"]
@@ -69,4 +161,8 @@ def open_artifact(folder: str | Path, metadata: dict, device: str | None = None)
         return OnnxRuntimeSession(entry)
     if backend == "openvino":
         return OpenVinoSession(entry, device or metadata.get("device", "CPU"), metadata.get("compile_config", {}))
-    raise ValueError(f"no session for backend {backend!r} yet")
+    if backend == "tensorrt-rtx":
+        return TensorRtRtxSession(entry, device_index, weight_budget)
+    if backend == "migraphx":
+        return MigraphxSession(entry, output_names or [])
+    raise ValueError(f"no session for backend {backend!r}")

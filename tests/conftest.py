@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def precast(*args, check=False, env=None):
     """Run the real `precast` CLI in a subprocess; returns CompletedProcess."""
-    proc = subprocess.run([sys.executable, "-m", "precast.compiler.cli", *map(str, args)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "precast.runtime.cli", *map(str, args)], capture_output=True,
                           text=True, env={**os.environ, **(env or {})})
     if check and proc.returncode != 0:
         raise AssertionError(f"precast {args} failed ({proc.returncode}):\n{proc.stderr}")

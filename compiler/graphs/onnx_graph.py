@@ -10,8 +10,10 @@ Building a graph reads only the checkpoint header; tensor bytes are read in `sav
 from __future__ import annotations
 
 import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import onnx
@@ -195,10 +197,37 @@ def _cast_weight(arr: np.ndarray, elem_type: int) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
+def _prepared(graph: Graph, transform) -> Iterator[tuple[Weight, np.ndarray]]:
+    """Weights read, transformed and cast on a worker thread, at most two ahead of the writer:
+    reading/converting overlaps writing, and memory stays near three tensors."""
+    def prepare(w: Weight) -> np.ndarray:
+        arr = graph.ckpt.read(w.key)
+        if transform is not None:
+            arr = transform(w, arr)
+        return _cast_weight(arr, w.elem_type)
+
+    weights = list(graph.weights.values())
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = deque(pool.submit(prepare, w) for w in weights[:2])
+        for i, w in enumerate(weights):
+            arr = pending.popleft().result()
+            if i + 2 < len(weights):
+                pending.append(pool.submit(prepare, weights[i + 2]))
+            yield w, arr
+
+
+def _data_size(graph: Graph) -> int:
+    offset = 0
+    for w in graph.weights.values():
+        size = int(np.prod(w.shape, dtype=np.int64)) * np.dtype(NP_OF[w.elem_type]).itemsize
+        offset += (-offset) % (ALIGN_LARGE if size >= LARGE else ALIGN_SMALL) + size
+    return offset
+
+
 def save_model(graph: Graph, folder: str, on_weight: Callable[[int], None] | None = None,
                metadata: dict[str, str] | None = None,
                transform: Callable[[Weight, np.ndarray], np.ndarray] | None = None) -> tuple[str, str]:
-    """Write `folder/model.onnx` and `folder/model.onnx_data`, one tensor at a time.
+    """Write `folder/model.onnx` and `folder/model.onnx_data`, streaming one tensor at a time.
 
     `transform` may change a weight's values (for example a LoRA merge) before the cast.
     Returns the two paths."""
@@ -208,27 +237,27 @@ def save_model(graph: Graph, folder: str, on_weight: Callable[[int], None] | Non
     initializers = []
     offset = 0
     with open(os.path.join(folder, data_name), "wb") as data:
-        for w in graph.weights.values():
-            arr = graph.ckpt.read(w.key)
-            if transform is not None:
-                arr = transform(w, arr)
-            raw = _cast_weight(arr, w.elem_type).tobytes()
-            align = ALIGN_LARGE if len(raw) >= LARGE else ALIGN_SMALL
+        data.truncate(_data_size(graph))  # sized up front: ext4 writes into it measurably faster here
+        for w, arr in _prepared(graph, transform):
+            size = arr.nbytes
+            align = ALIGN_LARGE if size >= LARGE else ALIGN_SMALL
             pad = (-offset) % align
             if pad:
-                data.write(b"\0" * pad)
+                data.seek(pad, os.SEEK_CUR)  # the gap is already zeros
                 offset += pad
-            data.write(raw)
+            data.write(memoryview(arr).cast("B") if size >= LARGE else arr.tobytes())  # large: no copy
             t = TensorProto(name=w.name, data_type=w.elem_type, dims=list(w.shape),
                             data_location=TensorProto.EXTERNAL)
-            for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(len(raw)))):
+            for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(size))):
                 entry = t.external_data.add()
                 entry.key, entry.value = k, v
             initializers.append(t)
-            offset += len(raw)
+            offset += size
             if on_weight is not None:
-                on_weight(len(raw))
-            del arr, raw
+                on_weight(size)
+            del arr
+        if data.tell() != offset:
+            raise RuntimeError(f"weights file is {data.tell()} bytes, expected {offset}")
     proto = graph.to_proto()
     proto.initializer.extend(initializers)
     model = helper.make_model(proto, opset_imports=[helper.make_opsetid("", OPSET)],

@@ -1,0 +1,168 @@
+"""The `precast` command: runtime commands here, build commands loaded from the compiler on demand.
+
+Owns: the top-level command group (`doctor`, `generate` need only the runtime's dependencies;
+`export`, `build`, `bundle`, ... are imported from precast.compiler.cli only when invoked) and
+the exit codes: 0 ok, 1 failure, 2 bad input (one line, no traceback).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import traceback
+
+import click
+
+from .errors import UserError
+
+BUILD_COMMANDS = ("bundle", "build", "cache", "compile", "demo-model", "export", "plan")
+
+
+def run_cli(fn):
+    """Run a command body: user mistakes -> one line + exit 2; bugs -> trace + exit 1."""
+    try:
+        return fn()
+    except UserError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+    except Exception:
+        traceback.print_exc()
+        click.echo("error: internal failure (a bug in precast); please report it with the trace above", err=True)
+        sys.exit(1)
+
+
+class PrecastGroup(click.Group):
+    def list_commands(self, ctx):
+        return sorted(set(super().list_commands(ctx)) | set(BUILD_COMMANDS))
+
+    def get_command(self, ctx, name):
+        if name in self.commands or name not in BUILD_COMMANDS:
+            return super().get_command(ctx, name)
+        try:
+            compiler_cli = importlib.import_module("precast.compiler.cli")
+        except ImportError as e:
+            @click.command(name, context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+            def missing():
+                click.echo(f"error: `precast {name}` is a build command and needs the compiler's dependencies "
+                           f"(pip install 'precast[compiler]'): {e}", err=True)
+                sys.exit(2)
+            return missing
+        return compiler_cli.main.get_command(ctx, name)
+
+
+@click.group(cls=PrecastGroup)
+@click.version_option(package_name="precast")
+def main() -> None:
+    """precast: compile diffusion models ahead of time; run them with a thin runtime."""
+
+
+def _parse_size(size: str) -> tuple[int, int]:
+    w, sep, h = size.lower().partition("x")
+    if not sep or not w.isdigit() or not h.isdigit() or int(w) <= 0 or int(h) <= 0:
+        raise UserError(f"--size {size!r}: expected WIDTHxHEIGHT, e.g. 512x512")
+    return int(w), int(h)
+
+
+@main.command("doctor")
+@click.argument("bundle", required=False, type=click.Path())
+@click.option("--backend", default=None, help="Module assignment, e.g. te=cpu,vae=gpu0,unet=gpu0.")
+@click.option("--params-backend", default=None, help="Where weights live, e.g. cpu (offload).")
+@click.option("--size", default=None, help="WIDTHxHEIGHT to check engines against (default: the bundle's profile).")
+@click.option("--sysroot", default="/", hidden=True, help="Read devices from a recorded tree (tests).")
+@click.option("--json", "as_json", is_flag=True)
+def doctor_cmd(bundle, backend, params_backend, size, sysroot, as_json):
+    """Show devices, installed backends, and what in BUNDLE would load where, and why."""
+    def go():
+        import os
+        from .assign import COMPONENT_MODULE, assign_modules
+        from .devices import apply_device_override, discover_devices
+        from .manifest import ManifestError, read_manifest
+        from .select import installed_backends, select_all
+        devices, warning = apply_device_override(discover_devices(sysroot, os.environ), os.environ)
+        placements = assign_modules(devices, backend, params_backend)
+        installed = installed_backends()
+        out = {"devices": [d.describe() for d in devices], "installed_backends": installed,
+               "device_warning": warning,
+               "assignment": {m: {"device": p.device.id, "params": p.params.id} for m, p in placements.items()}}
+        if bundle:
+            from .pipeline import requests
+            try:
+                m = read_manifest(bundle)
+            except ManifestError as e:
+                raise UserError(str(e)) from None
+            if size:
+                w, h = _parse_size(size)
+            else:
+                prof = next(iter(m.components.values()))["profiles"][0]
+                w, h = prof["width"][1], prof["height"][1]
+            sels = select_all(m, placements, devices, requests(m, 1, h, w), installed)
+            out["components"] = {c: {"module": COMPONENT_MODULE.get(c, "diffusion"),
+                                     "choice": s.choice.describe() if s.choice else None,
+                                     "then": [v.describe() for v in s.viable[1:]], "passed_over": s.refused}
+                                 for c, s in sels.items()}
+        if as_json:
+            click.echo(json.dumps(out, indent=2))
+            return
+        if warning:
+            click.echo(f"warning: {warning}", err=True)
+        for i, d in enumerate(devices):
+            mem = f"{d.memory / 2**30:.1f} GiB" if d.memory else "? GiB"
+            click.echo(f"device {i}  {d.id:<7} {d.kind:<10} {d.arch:<14} {mem:>9}  {d.name}"
+                       + (f"  driver {d.driver}" if d.driver else ""))
+        click.echo("backends  " + (", ".join(f"{k} {v}" for k, v in sorted(installed.items())) or "none"))
+        for m_, p in placements.items():
+            click.echo(f"assign    {m_:<10} -> {p.device.id}" + (f" (weights on {p.params.id})" if p.offload else ""))
+        for c, info in out.get("components", {}).items():
+            ch = info["choice"]
+            click.echo(f"{c:<13} -> " + (f"{ch['device']} via {ch['backend']}: {ch['artifact']}"
+                                         + (f"  [{ch['note']}]" if ch['note'] else "") if ch else "NOTHING CAN RUN"))
+            for r in info["passed_over"]:
+                click.echo(f"{'':16}passed over: {r.split(': ', 1)[1]}")
+    run_cli(go)
+
+
+@main.command("generate")
+@click.argument("bundle", type=click.Path())
+@click.option("--prompt", required=True)
+@click.option("--negative", default="", show_default=True)
+@click.option("--steps", default=20, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--size", default="512x512", show_default=True, help="WIDTHxHEIGHT in pixels.")
+@click.option("--guidance", default=7.5, show_default=True, type=float)
+@click.option("--scheduler", default="euler", show_default=True, help="euler | dpm++2m")
+@click.option("--out", required=True, type=click.Path(), help="PNG file to write.")
+@click.option("--backend", default=None, help="Module assignment, e.g. te=cpu,vae=gpu0,unet=gpu0.")
+@click.option("--params-backend", default=None, help="Where weights live, e.g. cpu (offload).")
+@click.option("--sysroot", default="/", hidden=True)
+@click.option("--json", "as_json", is_flag=True, help="Print what ran where as JSON.")
+def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, scheduler, out, backend, params_backend,
+                 sysroot, as_json):
+    """Text to image with BUNDLE, each module on its device; prints what ran where."""
+    def go():
+        import time
+        from .pipeline import Txt2Img, describe_where, to_uint8
+        from .png import write_png
+        w, h = _parse_size(size)
+        t0 = time.perf_counter()
+        pipe = Txt2Img(bundle, backend, params_backend, width=w, height=h, sysroot=sysroot)
+        t1 = time.perf_counter()
+        image = pipe(prompt, negative, steps, seed, guidance, scheduler, progress=not as_json)
+        write_png(out, to_uint8(image))
+        report = {**pipe.report(), "out": out, "load_seconds": round(t1 - t0, 3),
+                  "generate_seconds": round(time.perf_counter() - t1, 3)}
+        if as_json:
+            click.echo(json.dumps(report, indent=2))
+        else:
+            if pipe.device_warning:
+                click.echo(f"warning: {pipe.device_warning}", err=True)
+            describe_where(report, sys.stdout)
+            click.echo(f"wrote {out} ({w}x{h}, {steps} steps, seed {seed}) in "
+                       f"{report['load_seconds']:.1f} s load + {report['generate_seconds']:.1f} s")
+    run_cli(go)
+
+
+if __name__ == "__main__":
+    main()
