@@ -44,10 +44,12 @@ class PrecastGroup(click.Group):
         try:
             compiler_cli = importlib.import_module("precast.compiler.cli")
         except ImportError as e:
+            why = str(e)
+
             @click.command(name, context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
             def missing():
                 click.echo(f"error: `precast {name}` is a build command and needs the compiler's dependencies "
-                           f"(pip install 'precast[compiler]'): {e}", err=True)
+                           f"(pip install 'precast[compiler]'): {why}", err=True)
                 sys.exit(2)
             return missing
         return compiler_cli.main.get_command(ctx, name)

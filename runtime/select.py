@@ -94,7 +94,10 @@ def select_component(manifest: Manifest, component: str, placement: Placement, d
                      request: dict[str, tuple[int, ...]], installed: dict[str, str],
                      verify: bool = True) -> Selection:
     sel = Selection(component)
-    order = [placement.device] + [d for d in devices if d.id != placement.device.id]
+    if placement.device.kind == "cpu":  # pinned to the CPU: stay there (engines, then the ONNX)
+        order = [placement.device]
+    else:  # the assigned GPU, the other devices in rank order (CPU last), then the ONNX on the CPU
+        order = [placement.device] + [d for d in devices if d.id != placement.device.id]
     artifacts = manifest.artifacts(component)
     checked: dict[str, str | None] = {}
 

@@ -47,14 +47,21 @@ class OpenVinoSession:
             self._cm = core.compile_model(core.read_model(str(path)), device, config)
         else:
             self._cm = core.import_model(Path(path).read_bytes(), device, config)
-        self.input_names = [p.get_any_name() for p in self._cm.inputs]
-        self.output_names = [p.get_any_name() for p in self._cm.outputs]
-        self._types = {p.get_any_name(): np.dtype(p.get_element_type().to_dtype()) for p in self._cm.inputs}
+        self.input_names = [_port_name(p) for p in self._cm.inputs]
+        self.output_names = [_port_name(p) for p in self._cm.outputs]
+        self._types = {n: np.dtype(p.get_element_type().to_dtype()) for n, p in zip(self.input_names, self._cm.inputs)}
         self._request = self._cm.create_infer_request()
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         res = self._request.infer(_cast(feeds, self._types))
         return {name: np.array(res[port]) for name, port in zip(self.output_names, self._cm.outputs)}
+
+
+def _port_name(port) -> str:
+    """The model-level name of an OpenVINO port (a tensor may carry internal names too)."""
+    names = sorted(port.get_names())
+    public = [n for n in names if not n.rsplit("_", 1)[-1].isdigit()]
+    return (public or names or [port.get_any_name()])[0]
 
 
 class TensorRtRtxSession:

@@ -50,6 +50,7 @@ class Graph:
         self.consts: list[onnx.TensorProto] = []
         self.weights: dict[str, Weight] = {}
         self.missing: list[str] = []
+        self.renames: dict[str, str] = {}
         self._n = 0
 
     # ---- names, weights, constants -------------------------------------------------
@@ -96,7 +97,12 @@ class Graph:
         return name
 
     def output(self, value: str, name: str, elem_type: int, shape: list) -> None:
-        self.nodes.append(helper.make_node("Identity", [value], [name], name=f"output_{name}"))
+        """Declare a graph output: the producing tensor is renamed to `name` (no Identity node,
+        so every backend sees exactly one name for it)."""
+        if value in self.renames or any(v.name == value for v in self.inputs):
+            self.nodes.append(helper.make_node("Identity", [value], [name], name=f"output_{name}"))
+        else:
+            self.renames[value] = name
         self.outputs.append(helper.make_tensor_value_info(name, elem_type, shape))
 
     def cast(self, x: str, elem_type: int) -> str:
@@ -187,7 +193,15 @@ class Graph:
                            "or of a family precast detected wrongly.")
 
     def to_proto(self) -> onnx.GraphProto:
-        return helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, initializer=list(self.consts))
+        r = self.renames
+        nodes = []
+        for n in self.nodes:
+            n2 = onnx.NodeProto()
+            n2.CopyFrom(n)
+            n2.input[:] = [r.get(i, i) for i in n.input]
+            n2.output[:] = [r.get(o, o) for o in n.output]
+            nodes.append(n2)
+        return helper.make_graph(nodes, self.name, self.inputs, self.outputs, initializer=list(self.consts))
 
 
 def _cast_weight(arr: np.ndarray, elem_type: int) -> np.ndarray:

@@ -1,0 +1,103 @@
+"""Engine selection on recorded machines: an engine built for another GPU is passed over with the
+reason, a damaged artifact is refused, a load failure falls back -- and the runtime says why."""
+import json
+import shutil
+
+import pytest
+
+from conftest import ROOT, precast
+from precast.runtime.assign import assign_modules
+from precast.runtime.devices import discover_devices
+from precast.runtime.manifest import read_manifest
+from precast.runtime.select import installed_backends, load_component, select_component
+
+MACHINES = f"{ROOT}/tests/data/machines"
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("selection")
+    env = {"PRECAST_CACHE": str(tmp / "cache")}
+    out = {}
+    for cc in ("sm_89", "sm_86"):
+        recipe = tmp / f"{cc}.yaml"
+        recipe.write_text("model: {source: demo:tiny-sd15}\ncomponents: [vae_decoder]\n"
+                          "profiles: {batch: 1, height: 64, width: 64}\n"
+                          f"targets: [{{tensorrt-rtx: {{compute_capabilities: [{cc}]}}}}, {{openvino: {{device: CPU}}}}]\n")
+        precast("build", recipe, "--out", tmp / cc, env=env, check=True)
+        out[cc] = tmp / cc
+    return out
+
+
+def doctor(bundle, machine=None, *args):
+    extra = ["--sysroot", f"{MACHINES}/{machine}"] if machine else []
+    proc = precast("doctor", bundle, "--json", *extra, *args)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_sm89_engine_on_an_sm86_machine_falls_back_with_the_reason(bundles):
+    report = doctor(bundles["sm_89"], "rtx3060-desktop")
+    assert report["devices"][0]["id"] == "cuda0" and report["devices"][0]["arch"] == "sm_86"
+    vae = report["components"]["vae_decoder"]
+    assert vae["module"] == "vae"
+    reasons = " | ".join(vae["passed_over"])
+    assert "engine built for sm_89; device is sm_86" in reasons
+    # the recorded desktop's CPU is x86-64-v3; our OpenVINO blob was compiled for this machine's ISA
+    assert "blob compiled for" in reasons
+    assert vae["choice"]["device"] == "cpu" and vae["choice"]["artifact"] == "onnx"
+
+
+def test_matching_engine_is_chosen_for_the_gpu(bundles):
+    vae = doctor(bundles["sm_86"], "rtx3060-desktop")["components"]["vae_decoder"]
+    assert vae["choice"]["device"] == "cuda0" and vae["choice"]["backend"] == "tensorrt-rtx"
+    assert vae["then"][-1]["artifact"] == "onnx"  # the CPU fallback stays in line behind it
+
+
+def test_assignment_moves_a_module_to_the_cpu(bundles):
+    vae = doctor(bundles["sm_86"], "rtx3060-desktop", "--backend", "vae=cpu")["components"]["vae_decoder"]
+    assert vae["choice"]["device"] == "cpu"
+
+
+def test_engine_that_cannot_load_here_falls_back_at_load_time(bundles):
+    """The sm_86 engine passes every check on the recorded RTX 3060, but this machine has no GPU:
+    loading fails, the reason is kept, and the next candidate runs."""
+    m = read_manifest(bundles["sm_86"])
+    devices = discover_devices(f"{MACHINES}/rtx3060-desktop", {})
+    placement = assign_modules(devices)["vae"]
+    sel = select_component(m, "vae_decoder", placement, devices, {"latent_sample": (1, 4, 8, 8)},
+                           installed_backends())
+    assert sel.choice.backend == "tensorrt-rtx"
+    session, cand, reasons = load_component(sel, ["sample"])
+    assert cand.backend == "openvino" and cand.device.id == "cpu"
+    assert any("tensorrt-rtx on cuda0 failed to load" in r for r in reasons)
+    out = session.run({"latent_sample": __import__("numpy").zeros((1, 4, 8, 8), "float32")})
+    assert out["sample"].shape == (1, 3, 64, 64)
+
+
+def test_corrupted_artifact_is_refused(bundles, tmp_path):
+    copy = tmp_path / "b"
+    shutil.copytree(bundles["sm_89"], copy)
+    blob = next(copy.rglob("model.blob"))
+    data = bytearray(blob.read_bytes())
+    data[100] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    vae = doctor(copy)["components"]["vae_decoder"]   # this machine: the blob would otherwise be chosen
+    assert any("sha256 differs" in r for r in vae["passed_over"])
+    assert vae["choice"]["artifact"] == "onnx" and vae["choice"]["backend"] == "openvino"
+    intact = doctor(bundles["sm_89"])["components"]["vae_decoder"]
+    assert intact["choice"]["artifact"] != "onnx"
+
+
+def test_profile_that_does_not_cover_the_request(bundles):
+    vae = doctor(bundles["sm_86"], "rtx3060-desktop", "--size", "128x128")["components"]["vae_decoder"]
+    assert any("outside the engine's profile" in r for r in vae["passed_over"])
+    assert vae["choice"]["artifact"] == "onnx"
+
+
+def test_device_override_warning(bundles):
+    proc = precast("doctor", "--sysroot", f"{MACHINES}/laptop-igpu-dgpu", env={"PRECAST_DEVICE": "nothing"})
+    assert proc.returncode == 0 and "nothing" in proc.stderr
+    report = json.loads(precast("doctor", "--json", "--sysroot", f"{MACHINES}/laptop-igpu-dgpu",
+                                env={"PRECAST_DEVICE": "xpu0"}).stdout)
+    assert [d["id"] for d in report["devices"]] == ["xpu0", "cuda0", "cpu"]
