@@ -17,10 +17,14 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
+# The main job on the embedded default: tiny SD 1.x checkpoint -> bundle for this machine -> image.
 demo: setup
 	mkdir -p $(DEMO)
-	$(BIN)/precast demo-model --out $(DEMO)/tiny-sd15.safetensors
-	$(BIN)/precast export $(DEMO)/tiny-sd15.safetensors --out $(DEMO)/onnx
+	$(BIN)/precast plan recipes/tiny-sd15.yaml
+	$(BIN)/precast build recipes/tiny-sd15.yaml --out $(DEMO)/bundle
+	$(BIN)/precast bundle verify $(DEMO)/bundle
+	$(BIN)/precast doctor $(DEMO)/bundle
+	$(BIN)/precast generate $(DEMO)/bundle --prompt "a photo of a cat" --steps 20 --size 64x64 --out $(DEMO)/cat.png
 
 test: setup
 	$(BIN)/python -m pytest -q
