@@ -1,8 +1,11 @@
-"""CLIP text encoder (HF layout: `embeddings.*`, `encoder.layers.N.*`, `final_layer_norm`).
+"""CLIP text encoders: HF layout (`embeddings.*`, `encoder.layers.N.*`) and OpenCLIP layout
+(`token_embedding`, `transformer.resblocks.N.*` with fused `attn.in_proj_weight`).
 
-Owns: the text-encoder graph and its config inferred from tensor shapes. Inputs/outputs follow
-optimum: input_ids -> last_hidden_state, pooler_output. Heads are not in the weights: CLIP
-uses 64-wide heads (CLIP-L 12, OpenCLIP-H 16, bigG 20); a diffusers folder's config.json or an
+Owns: the text-encoder graph for every family, its config inferred from tensor shapes, and
+which hidden state each family uses (SD 1.x: last layer + final LayerNorm; SD 2.x: penultimate
++ final LayerNorm; SDXL: penultimate without it, plus bigG's projected pooled output). The fused
+OpenCLIP q/k/v projection is bound as one weight and split in the graph, not copied around.
+Heads are not in the weights: CLIP uses 64-wide heads; a diffusers folder's config.json or an
 override (`text_encoder.num_heads`) says otherwise.
 """
 from __future__ import annotations
@@ -14,9 +17,20 @@ import numpy as np
 from ..errors import BadInput
 from .onnx_graph import INT32, Graph
 
+# Parameter names per layout: (token table, position table, final norm, layer prefix format).
+LAYOUTS = {
+    "hf": dict(tok="embeddings.token_embedding.weight", pos="embeddings.position_embedding.weight",
+               final="final_layer_norm", layer="encoder.layers.{}", ln1="layer_norm1", ln2="layer_norm2",
+               out="self_attn.out_proj", fc1="mlp.fc1", fc2="mlp.fc2", proj="text_projection.weight"),
+    "openclip": dict(tok="token_embedding.weight", pos="positional_embedding", final="ln_final",
+                     layer="transformer.resblocks.{}", ln1="ln_1", ln2="ln_2", out="attn.out_proj",
+                     fc1="mlp.c_fc", fc2="mlp.c_proj", proj="text_projection"),
+}
+
 
 @dataclass(frozen=True)
 class ClipTextConfig:
+    layout: str                      # hf | openclip
     vocab: int
     hidden: int
     layers: int
@@ -26,71 +40,128 @@ class ClipTextConfig:
     activation: str = "quick_gelu"   # quick_gelu (CLIP-L) | gelu (OpenCLIP)
     eps: float = 1e-5
     eos_token_id: int = 49407        # pooled output = hidden state at the first EOS
-    skip_layers: int = 0             # clip skip: 0 = last layer
-    final_norm: bool = True
+    hidden_layer: int = 0            # whose output the UNet reads (1-based; layers = last)
+    hidden_norm: bool = True         # final LayerNorm on that output
+    hidden_name: str = "last_hidden_state"
+    pooled: str = "pooler_output"    # pooler_output (from the hidden output) | text_embeds (last layer, projected) | none
 
     def describe(self) -> dict:
         return asdict(self)
 
 
-def clip_text_config(g: Graph, config_json: dict, overrides: dict) -> ClipTextConfig:
-    vocab, hidden = g.shape("embeddings.token_embedding.weight")
+def detect_layout(g: Graph) -> str:
+    if g.has(LAYOUTS["openclip"]["tok"]):
+        return "openclip"
+    if g.has(LAYOUTS["hf"]["tok"]):
+        return "hf"
+    raise BadInput(f"{g.ckpt.path}: no text-encoder token embedding under {g.prefix} "
+                   "(looked for embeddings.token_embedding.weight and token_embedding.weight)")
+
+
+def clip_text_config(g: Graph, config_json: dict, overrides: dict, role: str = "sd1") -> ClipTextConfig:
+    """role: sd1 | sd2 | sdxl-l (SDXL's CLIP-L) | sdxl-g (SDXL's / the refiner's bigG)."""
+    layout = detect_layout(g)
+    L = LAYOUTS[layout]
+    vocab, hidden = g.shape(L["tok"])
     layers = 0
-    while g.has(f"encoder.layers.{layers}.layer_norm1.weight"):
+    while g.has(f"{L['layer'].format(layers)}.{L['ln1']}.weight"):
         layers += 1
     if layers == 0:
-        raise BadInput(f"{g.ckpt.path}: text encoder has no encoder.layers.0.* tensors")
+        raise BadInput(f"{g.ckpt.path}: text encoder under {g.prefix} has no layers")
     heads = overrides.get("num_heads") or config_json.get("num_attention_heads") or max(1, hidden // 64)
     if hidden % int(heads):
         raise BadInput(f"text_encoder.num_heads={heads} does not divide the hidden size {hidden}")
-    eos = config_json.get("eos_token_id", 49407)
+    default_act = "quick_gelu" if layout == "hf" and role in ("sd1", "sdxl-l") else "gelu"
+    # SD 2.x single files hold all 24 OpenCLIP layers and use the penultimate; diffusers folders
+    # already dropped the last one. SDXL reads the penultimate of both encoders, un-normalised.
+    if role == "sd2":
+        hidden_layer, norm, name, pooled = (layers - 1 if layout == "openclip" else layers), True, \
+            "last_hidden_state", "pooler_output"
+    elif role in ("sdxl-l", "sdxl-g"):
+        hidden_layer, norm, name = layers - 1, False, f"hidden_states.{layers - 1}"
+        pooled = "text_embeds" if role == "sdxl-g" else "none"
+    else:
+        hidden_layer, norm, name, pooled = layers, True, "last_hidden_state", "pooler_output"
+    skip = int(overrides.get("clip_skip", 1)) - 1
+    if skip:
+        hidden_layer -= skip
+        if not 1 <= hidden_layer <= layers:
+            raise BadInput(f"text_encoder.clip_skip={skip + 1}: the encoder has {layers} layers")
     return ClipTextConfig(
-        vocab=vocab, hidden=hidden, layers=layers, heads=int(heads),
-        intermediate=g.shape("encoder.layers.0.mlp.fc1.weight")[0],
-        max_positions=g.shape("embeddings.position_embedding.weight")[0],
-        activation=overrides.get("activation") or config_json.get("hidden_act", "quick_gelu"),
+        layout=layout, vocab=vocab, hidden=hidden, layers=layers, heads=int(heads),
+        intermediate=g.shape(f"{L['layer'].format(0)}.{L['fc1']}.weight")[0], max_positions=g.shape(L["pos"])[0],
+        activation=overrides.get("activation") or config_json.get("hidden_act", default_act),
         eps=float(config_json.get("layer_norm_eps", 1e-5)),
-        eos_token_id=int(overrides.get("eos_token_id", eos)),
-        skip_layers=int(overrides.get("clip_skip", 1)) - 1)
+        eos_token_id=int(overrides.get("eos_token_id", config_json.get("eos_token_id", 49407))),
+        hidden_layer=hidden_layer, hidden_norm=norm, hidden_name=name, pooled=pooled)
 
 
 def _causal_mask(n: int) -> np.ndarray:
     return np.triu(np.full((n, n), np.finfo(np.float32).min, dtype=np.float32), k=1)
 
 
+def _qkv(g: Graph, h: str, p: str, cfg: ClipTextConfig) -> tuple[str, str, str]:
+    if cfg.layout == "hf":
+        return tuple(g.linear(h, f"{p}.self_attn.{n}_proj") for n in "qkv")
+    # OpenCLIP: one fused [3d, d] projection (rows q | k | v), split after the MatMul
+    fused = g.op("Add", g.op("MatMul", h, g.op("Transpose", g.param(f"{p}.attn.in_proj_weight"), perm=[1, 0])),
+                 g.param(f"{p}.attn.in_proj_bias"))
+    return tuple(g.op("Split", fused, axis=-1, num_outputs=3, outputs=3))
+
+
+def _layer_keys(g: Graph, p: str) -> list[str]:
+    return [k[len(g.prefix):] for k in g.ckpt.refs if k.startswith(f"{g.prefix}{p}.")]
+
+
+def _eos_position(g: Graph, ids: str, cfg: ClipTextConfig) -> str:
+    if cfg.eos_token_id == 2:  # transformers' legacy rule: EOS is the largest id
+        return g.op("ArgMax", ids, axis=1, keepdims=1)
+    is_eos = g.cast(g.op("Equal", ids, g.const(np.array(cfg.eos_token_id, np.int32))), INT32)
+    return g.op("ArgMax", is_eos, axis=1, keepdims=1)
+
+
 def build_clip_text(g: Graph, cfg: ClipTextConfig) -> None:
+    if cfg.activation not in ("quick_gelu", "gelu"):
+        raise BadInput(f"text encoder activation {cfg.activation!r} is not supported (quick_gelu, gelu)")
+    L = LAYOUTS[cfg.layout]
     ids = g.input("input_ids", INT32, ["batch", "sequence"])
     seq = g.op("Shape", ids, start=1, end=2)
     zero = g.ints(0)
-    x = g.op("Gather", g.param("embeddings.token_embedding.weight"), ids, axis=0)
-    pos = g.op("Slice", g.param("embeddings.position_embedding.weight"), zero, seq, zero)
-    x = g.op("Add", x, pos)
+    x = g.op("Gather", g.param(L["tok"]), ids, axis=0)
+    x = g.op("Add", x, g.op("Slice", g.param(L["pos"]), zero, seq, zero))
     mask = g.op("Slice", g.const(_causal_mask(cfg.max_positions), hint="causal_mask"),
                 g.ints(0, 0), g.op("Concat", seq, seq, axis=0), g.ints(0, 1))
     act = g.quick_gelu if cfg.activation == "quick_gelu" else g.gelu
-    if cfg.activation not in ("quick_gelu", "gelu"):
-        raise BadInput(f"text encoder activation {cfg.activation!r} is not supported (quick_gelu, gelu)")
+    run = cfg.layers if cfg.pooled == "text_embeds" else cfg.hidden_layer
+    hidden = None
     for i in range(cfg.layers):
-        p = f"encoder.layers.{i}"
-        if i >= cfg.layers - cfg.skip_layers:
-            for name in ("layer_norm1", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                         "self_attn.out_proj", "layer_norm2", "mlp.fc1", "mlp.fc2"):
-                g.param(f"{p}.{name}.weight"), g.param(f"{p}.{name}.bias")  # skipped layers still belong here
+        p = L["layer"].format(i)
+        if i >= run:  # layers after the one the model reads: belong to the checkpoint, not the graph
+            g.skip(_layer_keys(g, p))
             continue
-        h = g.layer_norm(x, f"{p}.layer_norm1", cfg.eps)
-        q, k, v = (g.linear(h, f"{p}.self_attn.{n}_proj") for n in "qkv")
-        a = g.attention(q, k, v, cfg.heads, cfg.hidden, mask=mask)
-        x = g.op("Add", x, g.linear(a, f"{p}.self_attn.out_proj"))
-        h = act(g.linear(g.layer_norm(x, f"{p}.layer_norm2", cfg.eps), f"{p}.mlp.fc1"))
-        x = g.op("Add", x, g.linear(h, f"{p}.mlp.fc2"))
-    last = g.layer_norm(x, "final_layer_norm", cfg.eps) if cfg.final_norm else x
-    if not cfg.final_norm:
-        g.param("final_layer_norm.weight", fp32=True), g.param("final_layer_norm.bias", fp32=True)
-    if cfg.eos_token_id == 2:  # transformers' legacy rule: EOS is the largest id
-        eos_pos = g.op("ArgMax", ids, axis=1, keepdims=1)
-    else:
-        is_eos = g.cast(g.op("Equal", ids, g.const(np.array(cfg.eos_token_id, np.int32))), INT32)
-        eos_pos = g.op("ArgMax", is_eos, axis=1, keepdims=1)
-    pooled = g.op("GatherND", last, eos_pos, batch_dims=1)
-    g.output(last, "last_hidden_state", g.dtype, ["batch", "sequence", cfg.hidden])
-    g.output(pooled, "pooler_output", g.dtype, ["batch", cfg.hidden])
+        h = g.layer_norm(x, f"{p}.{L['ln1']}", cfg.eps)
+        q, k, v = _qkv(g, h, p, cfg)
+        x = g.op("Add", x, g.linear(g.attention(q, k, v, cfg.heads, cfg.hidden, mask=mask), f"{p}.{L['out']}"))
+        h = act(g.linear(g.layer_norm(x, f"{p}.{L['ln2']}", cfg.eps), f"{p}.{L['fc1']}"))
+        x = g.op("Add", x, g.linear(h, f"{p}.{L['fc2']}"))
+        if i + 1 == cfg.hidden_layer:
+            hidden = x
+    used_final = cfg.hidden_norm or cfg.pooled == "text_embeds"
+    out = g.layer_norm(hidden, L["final"], cfg.eps) if cfg.hidden_norm else hidden
+    g.output(out, cfg.hidden_name, g.dtype, ["batch", "sequence", cfg.hidden])
+    eos = _eos_position(g, ids, cfg)
+    if cfg.pooled == "pooler_output":
+        g.output(g.op("GatherND", out, eos, batch_dims=1), "pooler_output", g.dtype, ["batch", cfg.hidden])
+    elif cfg.pooled == "text_embeds":
+        pooled = g.op("GatherND", g.layer_norm(x, L["final"], cfg.eps), eos, batch_dims=1)
+        if cfg.layout == "hf":
+            proj = g.linear(pooled, "text_projection", bias=False)
+            dim = g.shape(L["proj"])[0]
+        else:
+            proj = g.op("MatMul", pooled, g.param(L["proj"]))
+            dim = g.shape(L["proj"])[1]
+        g.output(proj, "text_embeds", g.dtype, ["batch", dim])
+    if not used_final:
+        g.skip([k for k in _layer_keys(g, L["final"])])
+    if cfg.pooled != "text_embeds" and g.has(L["proj"]):
+        g.skip([L["proj"]])

@@ -51,6 +51,7 @@ class Graph:
         self.weights: dict[str, Weight] = {}
         self.missing: list[str] = []
         self.renames: dict[str, str] = {}
+        self.skipped: set[str] = set()   # checkpoint keys known to be unused by this graph
         self._n = 0
 
     # ---- names, weights, constants -------------------------------------------------
@@ -74,6 +75,11 @@ class Graph:
             elem = FLOAT if fp32 else self.dtype
             self.weights[key] = Weight(key, full, tuple(self.ckpt.shape(full)), elem)
         return key
+
+    def skip(self, keys: list[str]) -> None:
+        """Mark tensors of this component that the graph deliberately does not use (e.g. the
+        last CLIP layer when the model reads the penultimate one): not written, not reported."""
+        self.skipped.update(self.prefix + k for k in keys)
 
     def const(self, value, elem_type: int | None = None, hint: str = "const") -> str:
         arr = np.asarray(value)
@@ -179,7 +185,7 @@ class Graph:
     # ---- checks and output ---------------------------------------------------------
     def check_coverage(self, scopes: list[str], ignore: Callable[[str], bool] = lambda k: False) -> None:
         """Every requested key found, every key under `scopes` consumed, else one error listing them."""
-        used = {w.key for w in self.weights.values()}
+        used = {w.key for w in self.weights.values()} | self.skipped
         unused = sorted(k for k in self.ckpt.refs
                         if any(k.startswith(s) for s in scopes) and k not in used and not ignore(k))
         if self.missing or unused:
