@@ -30,6 +30,17 @@ def _parse_sets(values: tuple[str, ...]) -> dict:
     return out
 
 
+def _parse_lora(item: str) -> tuple[str, float]:
+    """'PATH' or 'PATH:STRENGTH' (a path may itself hold ':'; only a trailing number is a strength)."""
+    path, colon, tail = item.rpartition(":")
+    if colon and path:
+        try:
+            return path, float(tail)
+        except ValueError:
+            pass
+    return item, 1.0
+
+
 @click.group()
 @click.version_option(package_name="precast")
 def main() -> None:
@@ -44,12 +55,24 @@ def main() -> None:
 @click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True)
 @click.option("--set", "sets", multiple=True, metavar="COMPONENT.FIELD=VALUE",
               help="Override what the weights cannot say, e.g. unet.num_heads=8, text_encoder.num_heads=12.")
+@click.option("--vae-dtype", type=click.Choice(["auto", "fp32", "fp16"]), default="auto", show_default=True,
+              help="VAE precision; auto = --dtype, except fp32 for SDXL (its VAE overflows in fp16).")
+@click.option("--lora", "loras", multiple=True, metavar="PATH[:STRENGTH]",
+              help="Merge a LoRA / LyCORIS file into the weights (repeatable; strength default 1.0).")
+@click.option("--lora-te-strength", type=float, default=None,
+              help="Strength for the text-encoder part of every --lora (default: each LoRA's own strength).")
+@click.option("--allow-unmatched", is_flag=True,
+              help="Merge a LoRA even when some of its tensors name no weight of the model (they are listed).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout.")
-def export_cmd(checkpoint, out, components, dtype, sets, as_json):
+def export_cmd(checkpoint, out, components, dtype, sets, vae_dtype, loras, lora_te_strength, allow_unmatched,
+               as_json):
     """Export CHECKPOINT (.safetensors file or diffusers folder) to ONNX, without torch."""
     def go():
         from .export import export
-        report = export(checkpoint, out, list(components) or None, dtype, _parse_sets(sets), progress=not as_json)
+        specs = [(*_parse_lora(item), lora_te_strength) for item in loras]
+        report = export(checkpoint, out, list(components) or None, dtype, _parse_sets(sets), progress=not as_json,
+                        vae_dtype=vae_dtype, loras=specs, allow_unmatched=allow_unmatched,
+                        warn=lambda msg: click.echo(f"warning: {msg}", err=True))
         if as_json:
             click.echo(json.dumps(report, indent=2))
         else:

@@ -19,6 +19,9 @@ from .sources.checkpoint import TEXT, UNET, VAE
 
 @dataclass(frozen=True)
 class SD1Config:
+    """An LDM checkpoint's shape. The defaults are the tiny SD 1.x demo; SD 2.x and SDXL set
+    family-specific fields (linear projections, per-level depth, OpenCLIP / two text encoders)."""
+    family: str = "sd1"                             # sd1 | sd2 | sdxl | sdxl-refiner
     model_channels: int = 32
     channel_mult: tuple[int, ...] = (1, 2, 2)
     num_res_blocks: int = 2
@@ -33,9 +36,29 @@ class SD1Config:
     text_intermediate: int = 256
     vocab: int = 49408
     max_positions: int = 77
+    use_linear: bool = False                        # SD 2.x / SDXL: Linear proj_in/proj_out
+    depth_per_level: tuple[int, ...] | None = None  # SDXL: transformer depth per level
+    text2_width: int = 0                            # OpenCLIP encoder (SD 2.x: the only one; SDXL: bigG)
+    text2_layers: int = 0
+    text2_intermediate: int = 0
+    text2_projection: int = 0                       # SDXL bigG text_projection width
+    adm_in_channels: int = 0                        # SDXL label_emb input (pooled + 256 x time ids)
 
 
 TINY = SD1Config()
+TINY_SD2 = SD1Config(family="sd2", model_channels=64, channel_mult=(1, 2, 2), attention_levels=(0, 1),
+                     context_dim=64, use_linear=True, text2_width=64, text2_layers=3, text2_intermediate=128)
+TINY_SDXL = SD1Config(family="sdxl", model_channels=64, channel_mult=(1, 2, 2), attention_levels=(1, 2),
+                      depth_per_level=(0, 1, 2), context_dim=96, use_linear=True, text_layers=2,
+                      text_intermediate=128, text2_width=64, text2_layers=3, text2_intermediate=128,
+                      text2_projection=48, adm_in_channels=48 + 6 * 256)
+TINY_REFINER = SD1Config(family="sdxl-refiner", model_channels=64, channel_mult=(1, 2, 2), attention_levels=(1, 2),
+                         depth_per_level=(0, 1, 1), context_dim=64, use_linear=True, text2_width=64, text2_layers=2,
+                         text2_intermediate=128, text2_projection=64, adm_in_channels=64 + 5 * 256)
+SDXL = SD1Config(family="sdxl", model_channels=320, channel_mult=(1, 2, 4), attention_levels=(1, 2),
+                 depth_per_level=(0, 2, 10), context_dim=2048, use_linear=True, vae_ch=128, vae_mult=(1, 2, 4, 4),
+                 vae_res_blocks=2, text_layers=12, text_intermediate=3072, text2_width=1280, text2_layers=32,
+                 text2_intermediate=5120, text2_projection=1280, adm_in_channels=2816)
 SD15 = SD1Config(model_channels=320, channel_mult=(1, 2, 4, 4), num_res_blocks=2, attention_levels=(0, 1, 2),
                  context_dim=768, vae_ch=128, vae_mult=(1, 2, 4, 4), vae_res_blocks=2, text_layers=12,
                  text_intermediate=3072)
@@ -67,9 +90,9 @@ def _unet_res(d, p, cin, cout, temb):
         _conv(d, f"{p}.skip_connection", cout, cin, 1)
 
 
-def _unet_attn(d, p, c, ctx, depth):
+def _unet_attn(d, p, c, ctx, depth, linear=False):
     _norm(d, f"{p}.norm", c)
-    _conv(d, f"{p}.proj_in", c, c, 1)
+    (_lin if linear else lambda d, n, a, b: _conv(d, n, a, b, 1))(d, f"{p}.proj_in", c, c)
     for j in range(depth):
         b = f"{p}.transformer_blocks.{j}"
         for a, kv in (("attn1", c), ("attn2", ctx)):
@@ -81,7 +104,7 @@ def _unet_attn(d, p, c, ctx, depth):
             _norm(d, f"{b}.{n}", c)
         _lin(d, f"{b}.ff.net.0.proj", 8 * c, c)
         _lin(d, f"{b}.ff.net.2", c, 4 * c)
-    _conv(d, f"{p}.proj_out", c, c, 1)
+    (_lin if linear else lambda d, n, a, b: _conv(d, n, a, b, 1))(d, f"{p}.proj_out", c, c)
 
 
 def unet_layout(cfg: SD1Config) -> dict[str, tuple[int, ...]]:
@@ -89,6 +112,11 @@ def unet_layout(cfg: SD1Config) -> dict[str, tuple[int, ...]]:
     mc, temb = cfg.model_channels, 4 * cfg.model_channels
     _lin(d, "time_embed.0", temb, mc)
     _lin(d, "time_embed.2", temb, temb)
+    if cfg.adm_in_channels:
+        _lin(d, "label_emb.0.0", temb, cfg.adm_in_channels)
+        _lin(d, "label_emb.0.2", temb, temb)
+    depth = cfg.depth_per_level or tuple(cfg.transformer_depth for _ in cfg.channel_mult)
+    attn = lambda p, c, level: _unet_attn(d, p, c, cfg.context_dim, depth[level], cfg.use_linear)
     _conv(d, "input_blocks.0.0", mc, 4, 3)
     chans, ch, i = [mc], mc, 1
     for level, mult in enumerate(cfg.channel_mult):
@@ -96,7 +124,7 @@ def unet_layout(cfg: SD1Config) -> dict[str, tuple[int, ...]]:
             _unet_res(d, f"input_blocks.{i}.0", ch, mult * mc, temb)
             ch = mult * mc
             if level in cfg.attention_levels:
-                _unet_attn(d, f"input_blocks.{i}.1", ch, cfg.context_dim, cfg.transformer_depth)
+                attn(f"input_blocks.{i}.1", ch, level)
             chans.append(ch)
             i += 1
         if level != len(cfg.channel_mult) - 1:
@@ -104,7 +132,7 @@ def unet_layout(cfg: SD1Config) -> dict[str, tuple[int, ...]]:
             chans.append(ch)
             i += 1
     _unet_res(d, "middle_block.0", ch, ch, temb)
-    _unet_attn(d, "middle_block.1", ch, cfg.context_dim, cfg.transformer_depth)
+    attn("middle_block.1", ch, len(cfg.channel_mult) - 1)
     _unet_res(d, "middle_block.2", ch, ch, temb)
     i = 0
     for level in reversed(range(len(cfg.channel_mult))):
@@ -114,7 +142,7 @@ def unet_layout(cfg: SD1Config) -> dict[str, tuple[int, ...]]:
             ch = out
             slot = 1
             if level in cfg.attention_levels:
-                _unet_attn(d, f"output_blocks.{i}.1", ch, cfg.context_dim, cfg.transformer_depth)
+                attn(f"output_blocks.{i}.1", ch, level)
                 slot = 2
             if level and r == cfg.num_res_blocks:
                 _conv(d, f"output_blocks.{i}.{slot}.conv", ch, ch, 3)
@@ -171,9 +199,10 @@ def vae_layout(cfg: SD1Config) -> dict[str, tuple[int, ...]]:
     return {VAE + k: v for k, v in d.items()}
 
 
-def clip_layout(cfg: SD1Config) -> dict[str, tuple[int, ...]]:
+def clip_layout(cfg: SD1Config, prefix: str = TEXT, width: int | None = None) -> dict[str, tuple[int, ...]]:
+    """CLIP-L in the HF layout."""
     d: dict[str, tuple[int, ...]] = {}
-    w = cfg.context_dim
+    w = width or cfg.context_dim
     d["embeddings.token_embedding.weight"] = (cfg.vocab, w)
     d["embeddings.position_embedding.weight"] = (cfg.max_positions, w)
     for i in range(cfg.text_layers):
@@ -185,11 +214,40 @@ def clip_layout(cfg: SD1Config) -> dict[str, tuple[int, ...]]:
         _lin(d, f"{p}.mlp.fc1", cfg.text_intermediate, w)
         _lin(d, f"{p}.mlp.fc2", w, cfg.text_intermediate)
     _norm(d, "final_layer_norm", w)
-    return {TEXT + k: v for k, v in d.items()}
+    return {prefix + k: v for k, v in d.items()}
+
+
+def openclip_layout(cfg: SD1Config, prefix: str) -> dict[str, tuple[int, ...]]:
+    """An OpenCLIP text tower (SD 2.x's H, SDXL's bigG): fused in_proj, ln_final, text_projection."""
+    d: dict[str, tuple[int, ...]] = {}
+    w = cfg.text2_width
+    d["token_embedding.weight"] = (cfg.vocab, w)
+    d["positional_embedding"] = (cfg.max_positions, w)
+    for i in range(cfg.text2_layers):
+        p = f"transformer.resblocks.{i}"
+        _norm(d, f"{p}.ln_1", w)
+        d[f"{p}.attn.in_proj_weight"] = (3 * w, w)
+        d[f"{p}.attn.in_proj_bias"] = (3 * w,)
+        _lin(d, f"{p}.attn.out_proj", w, w)
+        _norm(d, f"{p}.ln_2", w)
+        _lin(d, f"{p}.mlp.c_fc", cfg.text2_intermediate, w)
+        _lin(d, f"{p}.mlp.c_proj", w, cfg.text2_intermediate)
+    _norm(d, "ln_final", w)
+    d["text_projection"] = (w, cfg.text2_projection or w)
+    return {prefix + k: v for k, v in d.items()}
+
+
+SDXL_TE1 = "conditioner.embedders.0.transformer.text_model."
 
 
 def sd1_layout(cfg: SD1Config) -> dict[str, tuple[int, ...]]:
-    return {**unet_layout(cfg), **vae_layout(cfg), **clip_layout(cfg)}
+    """Every tensor of a single-file checkpoint of cfg.family, by name."""
+    text = {"sd1": lambda: clip_layout(cfg),
+            "sd2": lambda: openclip_layout(cfg, "cond_stage_model.model."),
+            "sdxl": lambda: {**clip_layout(cfg, SDXL_TE1, cfg.context_dim - cfg.text2_width),
+                             **openclip_layout(cfg, "conditioner.embedders.1.model.")},
+            "sdxl-refiner": lambda: openclip_layout(cfg, "conditioner.embedders.0.model.")}[cfg.family]()
+    return {**unet_layout(cfg), **vae_layout(cfg), **text}
 
 
 def random_tensor(rng: np.random.Generator, key: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -214,7 +272,7 @@ def write_safetensors(path: str, shapes: dict[str, tuple[int, ...]], dtype: str,
         n = int(np.prod(shapes[key])) * st[2]
         header[key] = {"dtype": st[0], "shape": list(shapes[key]), "data_offsets": [offset, offset + n]}
         offset += n
-    extra = {k: v for k, v in EXTRA_TENSORS.items()}
+    extra = {k: v for k, v in EXTRA_TENSORS.items() if any(s.startswith(TEXT) for s in shapes)}
     for key, arr in extra.items():
         n = arr.nbytes
         header[key] = {"dtype": "I64", "shape": list(arr.shape), "data_offsets": [offset, offset + n]}
@@ -234,6 +292,7 @@ def write_safetensors(path: str, shapes: dict[str, tuple[int, ...]], dtype: str,
 
 # Buffers that real SD 1.x files carry beside the weights (not weights; exporters must skip them).
 EXTRA_TENSORS = {TEXT + "embeddings.position_ids": np.arange(77, dtype=np.int64)[None, :]}
+LAYOUT_OF = sd1_layout  # a clearer name for callers outside SD 1.x
 
 
 def write_demo_model(path: str, cfg: SD1Config = TINY, seed: int = 0, dtype: str = "fp16") -> dict:

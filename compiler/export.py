@@ -17,32 +17,13 @@ from typing import Callable
 import onnx
 
 from .errors import BadInput
-from .graphs import clip_text, ldm_unet, ldm_vae
+from .families import FAMILIES, FP32_VAE_FAMILIES, LATENT_SCALE, Component, overrides_for
 from .graphs.onnx_graph import Graph, save_model
-from .sources.checkpoint import TEXT, UNET, VAE, Checkpoint, open_checkpoint
-from .sources.detect import detect_family, require_supported
+from .sources.checkpoint import Checkpoint, open_checkpoint
+from .sources.detect import Family, detect_family, require_supported
 
 
-@dataclass(frozen=True)
-class Component:
-    name: str                     # optimum folder name
-    prefix: str                   # canonical key prefix of its weights
-    scopes: tuple[str, ...]       # every key under these must be used by the graph
-    config_name: str              # diffusers subfolder whose config.json applies; override namespace
-    make_config: Callable
-    build: Callable
-
-
-SD1_COMPONENTS = {
-    "text_encoder": Component("text_encoder", TEXT, (TEXT,), "text_encoder",
-                              clip_text.clip_text_config, clip_text.build_clip_text),
-    "unet": Component("unet", UNET, (UNET,), "unet", ldm_unet.unet_config, ldm_unet.build_unet),
-    "vae_encoder": Component("vae_encoder", VAE, (VAE + "encoder.", VAE + "quant_conv."), "vae",
-                             ldm_vae.vae_config, ldm_vae.build_vae_encoder),
-    "vae_decoder": Component("vae_decoder", VAE, (VAE + "decoder.", VAE + "post_quant_conv."), "vae",
-                             ldm_vae.vae_config, ldm_vae.build_vae_decoder),
-}
-IGNORED_SUFFIXES = ("position_ids",)  # buffers some saves carry; not weights
+IGNORED_SUFFIXES = ("position_ids", "attn_mask", "logit_scale")  # buffers some saves carry; not weights
 
 
 def _dtype_name(elem_type: int) -> str:
@@ -58,23 +39,39 @@ def _io(values) -> list[dict]:
     return out
 
 
-def plan_graphs(ckpt: Checkpoint, names: list[str], dtype: str, overrides: dict) -> list[tuple[Component, Graph, dict]]:
+def present_components(ckpt: Checkpoint, family: Family) -> list[str]:
+    return [n for n, c in FAMILIES[family.name].items() if c.prefix_in(ckpt.refs)]
+
+
+def component_dtype(family: Family, name: str, dtype: str, vae_dtype: str = "auto") -> str:
+    """The VAE of SDXL-class models stays fp32 unless asked otherwise (it overflows in fp16)."""
+    if not name.startswith("vae_"):
+        return dtype
+    if vae_dtype != "auto":
+        return vae_dtype
+    return "fp32" if family.name in FP32_VAE_FAMILIES else dtype
+
+
+def plan_graphs(ckpt: Checkpoint, names: list[str], dtype: str, overrides: dict,
+                vae_dtype: str = "auto") -> list[tuple[Component, Graph, dict]]:
     """Build every requested graph (header only) and check each one's coverage."""
     family = detect_family(ckpt)
     require_supported(ckpt, family)
-    unknown = [n for n in names if n not in SD1_COMPONENTS]
+    table = FAMILIES[family.name]
+    unknown = [n for n in names if n not in table]
     if unknown:
-        raise BadInput(f"--component {unknown[0]!r}: {family.name} has {', '.join(SD1_COMPONENTS)}")
+        raise BadInput(f"--component {unknown[0]!r}: {family.name} has {', '.join(table)}")
     planned = []
     for name in names:
-        comp = SD1_COMPONENTS[name]
-        if not ckpt.with_prefix(comp.prefix):
-            raise BadInput(f"{ckpt.path}: has no {name} weights (no tensors under {comp.prefix}); "
+        comp = table[name]
+        prefix = comp.prefix_in(ckpt.refs)
+        if prefix is None:
+            raise BadInput(f"{ckpt.path}: has no {name} weights (no tensors under {' or '.join(comp.prefixes)}); "
                            f"export the components it has with --component")
-        g = Graph(name, ckpt, comp.prefix, dtype)
-        cfg = comp.make_config(g, ckpt.configs.get(comp.config_name, {}), overrides.get(comp.config_name, {}))
+        g = Graph(name, ckpt, prefix, component_dtype(family, name, dtype, vae_dtype))
+        cfg = comp.make_config(g, ckpt.configs.get(comp.config_name, {}), overrides_for(family.name, comp, overrides))
         comp.build(g, cfg)
-        g.check_coverage(list(comp.scopes), ignore=lambda k: k.endswith(IGNORED_SUFFIXES))
+        g.check_coverage(list(comp.scopes or (prefix,)), ignore=lambda k: k.endswith(IGNORED_SUFFIXES))
         planned.append((comp, g, cfg.describe()))
     return planned
 
@@ -86,31 +83,44 @@ def _progress(total: int, enabled: bool):
 
 
 def export(source: str | os.PathLike, out: str | os.PathLike, components: list[str] | None = None,
-           dtype: str = "fp32", overrides: dict | None = None, progress: bool = True) -> dict:
+           dtype: str = "fp32", overrides: dict | None = None, progress: bool = True,
+           vae_dtype: str = "auto", loras: list | None = None, allow_unmatched: bool = False,
+           warn: Callable[[str], None] | None = None) -> dict:
+    """`loras`: (path, strength[, te_strength]) tuples or objects with those fields, merged into
+    the weights while they stream (compiler/lora_merge.py); checked before anything is written."""
     t0 = time.perf_counter()
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise BadInput(f"--out {out}: exists and is not a folder")
     ckpt = open_checkpoint(source)
     family = detect_family(ckpt)
-    names = list(components) if components else [n for n, c in SD1_COMPONENTS.items() if ckpt.with_prefix(c.prefix)]
-    planned = plan_graphs(ckpt, names, dtype, overrides or {})
+    require_supported(ckpt, family)
+    names = list(components) if components else present_components(ckpt, family)
+    planned = plan_graphs(ckpt, names, dtype, overrides or {}, vae_dtype)
+    merge = _lora_plan(ckpt, loras, allow_unmatched, warn) if loras else None
     total = sum(ckpt.refs[w.key].file.tensors[ckpt.refs[w.key].key].end - ckpt.refs[w.key].file.tensors[
         ckpt.refs[w.key].key].start for _, g, _ in planned for w in g.weights.values())
     staging = out.parent / f".{out.name}.precast-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     report = {"source": str(source), "layout": ckpt.layout, "family": family.name, "variant": family.variant,
-              "dtype": dtype, "source_identity": ckpt.identity(), "components": []}
+              "dtype": dtype, "source_identity": ckpt.identity(), "components": [],
+              "latent_scale": float(ckpt.configs.get("vae", {}).get("scaling_factor", LATENT_SCALE[family.name])),
+              "prediction": prediction_type(ckpt, family, overrides or {})}
+    if merge is not None:
+        report["loras"] = merge.describe()
     try:
         with _progress(total, progress) as bar:
             for comp, g, cfg in planned:
                 folder = staging / comp.name
                 model_path, data_path = save_model(g, str(folder), on_weight=bar.update, metadata={
                     "precast.family": family.name, "precast.component": comp.name,
-                    "precast.source_identity": report["source_identity"]})
+                    "precast.source_identity": report["source_identity"],
+                    **({"precast.loras": json.dumps(_lora_identity(report["loras"]))} if merge else {})},
+                    transform=merge.transform if merge else None)
                 graph = g.to_proto()
                 report["components"].append({
                     "name": comp.name, "path": comp.name + "/model.onnx", "config": cfg,
+                    "dtype": "fp16" if g.dtype == onnx.TensorProto.FLOAT16 else "fp32",
                     "inputs": _io(graph.input), "outputs": _io(graph.output),
                     "files": {os.path.basename(p): os.path.getsize(p) for p in (model_path, data_path)}})
         (staging / "precast_export.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
@@ -120,6 +130,41 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
     report["out"] = str(out)
     report["seconds"] = round(time.perf_counter() - t0, 3)
     return report
+
+
+def _lora_plan(ckpt: Checkpoint, loras: list, allow_unmatched: bool, warn):
+    from .lora_merge import LoraSpec, plan_merge
+    specs = []
+    for item in loras:
+        if isinstance(item, (tuple, list)):
+            specs.append(LoraSpec(str(item[0]), float(item[1]) if len(item) > 1 else 1.0,
+                                  None if len(item) < 3 or item[2] is None else float(item[2])))
+        else:
+            specs.append(LoraSpec(str(item.path), float(item.strength), item.te_strength))
+    return plan_merge({k: tuple(ref.shape) for k, ref in ckpt.refs.items()}, specs, allow_unmatched, warn)
+
+
+def _lora_identity(described: list[dict]) -> list[dict]:
+    return [{k: d[k] for k in ("name", "sha256", "strength", "te_strength")} for d in described]
+
+
+def prediction_type(ckpt: Checkpoint, family: Family, overrides: dict) -> str:
+    """epsilon or v_prediction: an override, a diffusers scheduler config, a marker key, or (SD 2.x)
+    ComfyUI's rule: the last attention block's norm1 bias has std > 0.09 in v-models."""
+    if overrides.get("model", {}).get("prediction"):
+        return str(overrides["model"]["prediction"])
+    if ckpt.configs.get("scheduler", {}).get("prediction_type"):
+        return ckpt.configs["scheduler"]["prediction_type"]
+    if "v_pred" in ckpt.refs:
+        return "v_prediction"
+    if family.name == "sd2":
+        import numpy as np
+        biases = sorted((k for k in ckpt.refs if k.startswith("model.diffusion_model.output_blocks.")
+                         and k.endswith(".1.transformer_blocks.0.norm1.bias")),
+                        key=lambda k: int(k.split(".")[3]))
+        if biases and float(np.std(ckpt.read(biases[-1]).astype(np.float32))) > 0.09:
+            return "v_prediction"
+    return "epsilon"
 
 
 def _commit(staging: Path, out: Path, names: list[str]) -> None:

@@ -87,3 +87,81 @@ def run_vae_decoder(vae, z):
 def run_text_encoder(te, ids):
     out = te(torch.from_numpy(ids.astype(np.int64)))
     return out.last_hidden_state.numpy(), out.pooler_output.numpy()
+
+
+# ---- SD 2.x / SDXL ----------------------------------------------------------------------------
+
+def heads_per_level(cfg: SD1Config, head_dim: int = 64) -> list[int]:
+    return [max(1, cfg.model_channels * m // head_dim) for m in cfg.channel_mult]
+
+
+def unet_config_for(cfg: SD1Config) -> dict:
+    """diffusers UNet2DConditionModel config for an SD 2.x / SDXL layout (64-wide heads)."""
+    c = unet_diffusers_config(cfg, heads_per_level(cfg))
+    c["use_linear_projection"] = cfg.use_linear
+    if cfg.depth_per_level:
+        c["transformer_layers_per_block"] = [max(1, d) for d in cfg.depth_per_level]
+    if cfg.adm_in_channels:
+        c.update(addition_embed_type="text_time", addition_time_embed_dim=256,
+                 projection_class_embeddings_input_dim=cfg.adm_in_channels)
+    return c
+
+
+def openclip_model(sd, cfg: SD1Config, prefix: str, with_projection: bool):
+    from transformers import CLIPTextModelWithProjection
+    conf = CLIPTextConfig(vocab_size=cfg.vocab, hidden_size=cfg.text2_width, intermediate_size=cfg.text2_intermediate,
+                          num_hidden_layers=cfg.text2_layers, num_attention_heads=max(1, cfg.text2_width // 64),
+                          max_position_embeddings=cfg.max_positions, hidden_act="gelu",
+                          projection_dim=cfg.text2_projection or cfg.text2_width)
+    model = (CLIPTextModelWithProjection if with_projection else CLIPTextModel)(conf)
+    te_sd = sfu.convert_open_clip_checkpoint(model, sd, prefix=prefix)
+    if not any(k.startswith("text_model.") for k in model.state_dict()):
+        te_sd = {k.removeprefix("text_model."): v for k, v in te_sd.items()}
+    if not with_projection:
+        te_sd.pop("text_projection.weight", None)
+    missing, unexpected = model.load_state_dict(te_sd, strict=False)
+    assert not [m for m in missing if "position_ids" not in m] and not unexpected, (missing, unexpected)
+    return model.eval()
+
+
+def family_models(path, cfg: SD1Config) -> dict:
+    """{component: reference model} for an SD 2.x / SDXL / refiner single file."""
+    sd = load_file(str(path))
+    sd = {k: v.float() if v.is_floating_point() else v for k, v in sd.items()}
+    ucfg, vcfg = unet_config_for(cfg), vae_diffusers_config(cfg)
+    unet = UNet2DConditionModel(**ucfg)
+    unet.load_state_dict(sfu.convert_ldm_unet_checkpoint(sd, ucfg), strict=True)
+    vae = AutoencoderKL(**vcfg)
+    vae.load_state_dict(sfu.convert_ldm_vae_checkpoint(sd, vcfg), strict=True)
+    out = {"unet": unet.eval(), "vae": vae.eval()}
+    if cfg.family == "sd2":
+        out["text_encoder"] = openclip_model(sd, cfg, "cond_stage_model.model.", False)
+    elif cfg.family == "sdxl":
+        te1 = CLIPTextModel(clip_config(cfg, max(1, (cfg.context_dim - cfg.text2_width) // 64)).__class__(
+            vocab_size=cfg.vocab, hidden_size=cfg.context_dim - cfg.text2_width, intermediate_size=cfg.text_intermediate,
+            num_hidden_layers=cfg.text_layers, num_attention_heads=max(1, (cfg.context_dim - cfg.text2_width) // 64),
+            max_position_embeddings=cfg.max_positions, hidden_act="quick_gelu"))
+        te_sd = {k.removeprefix("conditioner.embedders.0.transformer.text_model."): v for k, v in sd.items()
+                 if k.startswith("conditioner.embedders.0.transformer.text_model.")}
+        te1.load_state_dict({k: v for k, v in te_sd.items() if "position_ids" not in k}, strict=False)
+        out["text_encoder"] = te1.eval()
+        out["text_encoder_2"] = openclip_model(sd, cfg, "conditioner.embedders.1.model.", True)
+    else:
+        out["text_encoder_2"] = openclip_model(sd, cfg, "conditioner.embedders.0.model.", True)
+    return out
+
+
+@torch.no_grad()
+def run_hidden(te, ids, layer_from_end: int = 2, final_norm: bool = False):
+    out = te(torch.from_numpy(ids.astype(np.int64)), output_hidden_states=True)
+    h = out.hidden_states[-layer_from_end]
+    if final_norm:
+        h = getattr(te, "text_model", te).final_layer_norm(h)
+    return h.numpy(), out
+
+
+@torch.no_grad()
+def run_unet_xl(unet, sample, t, ctx, text_embeds, time_ids):
+    return unet(torch.from_numpy(sample), torch.from_numpy(t), torch.from_numpy(ctx),
+                added_cond_kwargs={"text_embeds": torch.from_numpy(text_embeds),
+                                   "time_ids": torch.from_numpy(time_ids)}).sample.numpy()

@@ -31,6 +31,9 @@ class UNetConfig:
     groups: int = 32
     use_linear_projection: bool = False
     n_output_blocks: int = 0
+    adm_in_channels: int = 0         # SDXL: label_emb input = pooled text embeds + time ids embedded
+    time_ids: int = 0                # SDXL 6 (sizes, crop, target), refiner 5 (sizes, crop, aesthetic)
+    time_id_dim: int = 256
 
     def describe(self) -> dict:
         return asdict(self)
@@ -65,21 +68,30 @@ def unet_config(g: Graph, config_json: dict, overrides: dict) -> UNetConfig:
     heads = overrides.get("num_heads")
     if heads is None and config_json:
         heads = config_json.get("num_attention_heads") or config_json.get("attention_head_dim")
-    if heads is None and overrides.get("head_dim"):
-        heads = [max(1, channels[levels.index(lv)] // int(overrides["head_dim"])) for lv in range(n_levels)]
-    heads = heads if heads is not None else 8
+    head_dim = overrides.get("head_dim") or (None if heads is not None else overrides.get("head_dim_default"))
+    if heads is None and head_dim:
+        level_ch = [max(c for c, lv in zip(channels, levels) if lv == level) for level in range(n_levels)]
+        heads = [max(1, c // int(head_dim)) for c in level_ch]
+    heads = heads if heads is not None else overrides.get("num_heads_default", 8)
     heads = [int(heads)] * n_levels if isinstance(heads, (int, float)) else [int(h) for h in heads]
     if len(heads) != n_levels:
         raise BadInput(f"unet.num_heads lists {len(heads)} values but the UNet has {n_levels} levels")
+    adm = g.shape("label_emb.0.0.weight")[1] if g.has("label_emb.0.0.weight") else 0
+    n_ids = int(overrides.get("time_ids", 6 if adm else 0))
+    id_dim = int(overrides.get("addition_time_embed_dim") or config_json.get("addition_time_embed_dim", 256))
+    if adm and adm <= n_ids * id_dim:
+        raise BadInput(f"{g.ckpt.path}: label_emb takes {adm} inputs, not more than {n_ids} time ids x {id_dim}; "
+                       "set unet.time_ids / unet.addition_time_embed_dim")
     return UNetConfig(in_channels=in_ch, out_channels=g.shape("out.2.weight")[0], model_channels=mc,
                       context_dim=ctx[0] if ctx else 0, channels=channels, levels=levels, num_heads=heads,
                       groups=int(overrides.get("groups") or config_json.get("norm_num_groups", 32)),
                       use_linear_projection=bool(proj) and len(proj[0]) == 2,
-                      n_output_blocks=_count(g, "output_blocks.{}"))
+                      n_output_blocks=_count(g, "output_blocks.{}"), adm_in_channels=adm, time_ids=n_ids,
+                      time_id_dim=id_dim)
 
 
 def timestep_embedding(g: Graph, t: str, dim: int) -> str:
-    """Sinusoidal embedding, cos first (flip_sin_to_cos), computed in fp32."""
+    """Sinusoidal embedding of a 1-D tensor, cos first (flip_sin_to_cos), computed in fp32."""
     half = dim // 2
     freqs = np.exp(-math.log(10000.0) * np.arange(half, dtype=np.float32) / np.float32(half)).astype(np.float32)
     args = g.op("Mul", g.op("Unsqueeze", t, g.ints(1)), g.const(freqs[None, :], hint="freqs"))
@@ -139,8 +151,14 @@ def build_unet(g: Graph, cfg: UNetConfig) -> None:
     t = g.input("timestep", FLOAT, ["steps"])
     ctx = g.input("encoder_hidden_states", g.dtype, ["batch", "sequence", cfg.context_dim])
     emb = g.linear(g.silu(g.linear(timestep_embedding(g, t, cfg.model_channels), "time_embed.0")), "time_embed.2")
-    if g.has("label_emb.0.0.weight"):
-        raise BadInput("class-conditioned (label_emb) UNets belong to SDXL, which is not supported yet")
+    if cfg.adm_in_channels:  # SDXL micro-conditioning: pooled text embeds + embedded sizes/crops
+        pooled = cfg.adm_in_channels - cfg.time_ids * cfg.time_id_dim
+        text_embeds = g.input("text_embeds", g.dtype, ["batch", pooled])
+        time_ids = g.input("time_ids", FLOAT, ["batch", cfg.time_ids])
+        ids = timestep_embedding(g, g.op("Reshape", time_ids, g.ints(-1)), cfg.time_id_dim)
+        ids = g.op("Reshape", ids, g.ints(-1, cfg.time_ids * cfg.time_id_dim))
+        y = g.op("Concat", text_embeds, ids, axis=1)
+        emb = g.op("Add", emb, g.linear(g.silu(g.linear(y, "label_emb.0.0")), "label_emb.0.2"))
     h, skips = sample, []
     for i in range(len(cfg.channels)):
         p = f"input_blocks.{i}"

@@ -143,13 +143,24 @@ def _read_config(folder: Path, name: str) -> dict:
     return cfg
 
 
+def _text_prefixes(folder: Path) -> dict[str, str]:
+    """Where a folder's text encoders go in the canonical layout: SD 1.x/2.x have one; SDXL base
+    has CLIP-L + bigG (text_encoder_2); the refiner has bigG only."""
+    if (folder / "text_encoder_2").is_dir():
+        if (folder / "text_encoder").is_dir():
+            return {"text_encoder": "conditioner.embedders.0.transformer.text_model.",
+                    "text_encoder_2": "conditioner.embedders.1.transformer.text_model."}
+        return {"text_encoder_2": "conditioner.embedders.0.transformer.text_model."}
+    return {"text_encoder": TEXT}
+
+
 def open_diffusers_folder(folder: Path) -> Checkpoint:
     refs: dict[str, TensorRef] = {}
     configs: dict[str, dict] = {}
     found = []
-    for name, prefix, rename in (("unet", UNET, diffusers_names.unet_names),
-                                 ("vae", VAE, diffusers_names.vae_names),
-                                 ("text_encoder", TEXT, None)):
+    texts = [(name, prefix, None) for name, prefix in _text_prefixes(folder).items()]
+    for name, prefix, rename in [("unet", UNET, diffusers_names.unet_names),
+                                 ("vae", VAE, diffusers_names.vae_names), *texts]:
         wpath = _component_file(folder, name)
         if wpath is None:
             continue
@@ -166,6 +177,12 @@ def open_diffusers_folder(folder: Path) -> Checkpoint:
             if name == "vae" and ".mid.attn_1." in canon and canon.endswith(".weight") and len(shape) == 2:
                 shape = shape + (1, 1)  # diffusers stores the VAE attention as Linear; LDM as 1x1 conv
             refs[prefix + canon] = TensorRef(f, key, shape)
+    sched = folder / "scheduler" / "scheduler_config.json"
+    if sched.is_file():
+        try:
+            configs["scheduler"] = json.loads(sched.read_text())
+        except ValueError as e:
+            raise BadInput(f"{sched}: not valid JSON ({e})") from None
     if not found:
         raise BadInput(f"{folder}: a folder, but not a diffusers model (no unet/, vae/ or text_encoder/ "
                        "with .safetensors weights)")

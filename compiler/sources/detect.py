@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ..errors import BadInput
 from .checkpoint import UNET, VAE, Checkpoint
 
-SUPPORTED = {"sd1"}
+SUPPORTED = {"sd1", "sd2", "sdxl", "sdxl-refiner"}
 LOOKED_FOR = (f"{UNET}input_blocks.0.0.weight (SD/SDXL UNet), joint_blocks.* (SD3), double_blocks.* (Flux), "
               f"zero_convs.* (ControlNet), {VAE}decoder.conv_in.weight (VAE)")
 
