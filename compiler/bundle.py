@@ -45,22 +45,30 @@ def source_digest(path: Path) -> str:
 
 
 def cached_export(cache: Cache, source: Path, digest: str, component: str, dtype: str, overrides: dict,
-                  progress: bool) -> tuple[Entry, bool]:
-    """One component's ONNX export, as a cache entry: (verified entry, hit)."""
+                  progress: bool, vae: Path | None = None, vae_digest: str = "", loras: list | None = None,
+                  lora_ids: list[dict] | None = None) -> tuple[Entry, bool]:
+    """One component's ONNX export, as a cache entry: (verified entry, hit). `loras` are merged
+    ((path, strength, te_strength) each); `lora_ids` (digest + strength of each LoRA that touches
+    this component) go into the key."""
     from .export import export
-    key = cache_key({"kind": "export", "source_sha256": digest, "component": component, "dtype": dtype,
-                     "overrides": overrides, "precast": PRECAST_VERSION})
+    key_parts = {"kind": "export", "source_sha256": digest, "component": component, "dtype": dtype,
+                 "overrides": overrides, "vae_sha256": vae_digest, "precast": PRECAST_VERSION}
+    if lora_ids:
+        key_parts["loras"] = lora_ids
+    key = cache_key(key_parts)
 
     def build(folder: Path) -> dict:
         work = folder / "export"
-        report = export(source, work, [component], dtype, overrides, progress=progress)
+        report = export(source, work, [component], dtype, overrides, progress=progress, vae_dtype=dtype,
+                        vae=vae, loras=loras if lora_ids else None)
         for f in (work / component).iterdir():
             os.rename(f, folder / f.name)
         shutil.rmtree(work)
         comp = report["components"][0]
         return {"kind": "export", "component": component, "dtype": dtype, "family": report["family"],
                 "variant": report["variant"], "inputs": comp["inputs"], "outputs": comp["outputs"],
-                "config": comp["config"], "entry": "model.onnx"}
+                "config": comp["config"], "entry": "model.onnx", "prediction": report["prediction"],
+                "latent_scale": report["latent_scale"]}
 
     entry, hit, _ = cache.get_or_build(key, build)
     return entry, hit
@@ -131,16 +139,31 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
     out = Path(out)
     cache = cache or Cache()
     entries = select(make_plan(recipe), only, shard)
-    if recipe.loras or recipe.embeddings:
-        raise BadInput(f"{recipe.path}: loras / embeddings: LoRA and textual-inversion support is not in this "
-                       "version yet; remove them from the recipe")
     source = materialize_source(recipe, cache)
-    ckpt = open_checkpoint(source)
+    ckpt = open_checkpoint(source, vae=recipe.vae)
     family = detect_family(ckpt)
     require_supported(ckpt, family)
     if recipe.family and recipe.family != family.name:
         raise BadInput(f"{recipe.path}: family {recipe.family!r} but {source} is {family.name} ({family.evidence})")
+    from .families import FAMILIES, FP32_VAE_FAMILIES
+    absent = [c for c in recipe.components if c not in FAMILIES[family.name]]
+    if absent:
+        raise BadInput(f"{recipe.path}: components: {family.name} has no {', '.join(absent)} "
+                       f"(it has {', '.join(FAMILIES[family.name])})")
     digest = source_digest(source)
+    lora_plan = None
+    if recipe.loras:  # checked against the model now (unmatched keys, shapes), before anything is built
+        from .lora_merge import LoraSpec, component_loras, plan_merge
+        lora_plan = plan_merge({k: tuple(r.shape) for k, r in ckpt.refs.items()},
+                               [LoraSpec(l.path, l.strength, l.te_strength) for l in recipe.loras])
+    lora_args = [(l.path, l.strength, l.te_strength) for l in recipe.loras]
+    vae_path = Path(recipe.vae) if recipe.vae else None
+    vae_digest = source_digest(vae_path) if vae_path else ""
+
+    def precision_of(comp: str) -> tuple[str, str]:
+        if comp.startswith("vae_") and comp not in recipe.precision_explicit and family.name in FP32_VAE_FAMILIES:
+            return "fp32", f"{family.name} VAE overflows in fp16; kept fp32 (set precision.{comp} to override)"
+        return recipe.precision[comp], "recipe"
     staging = out.parent / f".{out.name}.building-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -148,19 +171,36 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
     manifest = {"schema": SCHEMA, "precast": PRECAST_VERSION, "name": recipe.name,
                 "model": {"family": family.name, "variant": family.variant,
                           "source": recipe.source if recipe.source.startswith("demo:") else Path(recipe.source).name,
-                          "source_sha256": digest, "loras": [], "embeddings": []},
+                          "source_sha256": digest, "loras": [], "embeddings": [],
+                          "vae": {"source": vae_path.name, "sha256": vae_digest} if vae_path else None},
                 "components": {}, "artifacts": [], "files": writer.files}
+    if lora_plan is not None:
+        manifest["model"]["loras"] = [{k: d[k] for k in ("name", "sha256", "strength", "te_strength")}
+                                      for d in lora_plan.describe()]
     report = []
     try:
+        if recipe.embeddings:  # textual inversion: applied by the runtime, no engine depends on it
+            from .sources.embeddings import encoder_widths, write_bundle_embeddings
+            manifest["model"]["embeddings"], emb_files = write_bundle_embeddings(
+                recipe.embeddings, encoder_widths(ckpt, family.name), staging)
+            writer.files.update(emb_files)
         exported = {}
         for comp in sorted({e.component for e in entries}):
             c0 = time.perf_counter()
-            entry, hit = cached_export(cache, source, digest, comp, recipe.precision[comp], recipe.overrides, progress)
+            dtype, why = precision_of(comp)
+            entry, hit = cached_export(cache, source, digest, comp, dtype, recipe.overrides, progress,
+                                       vae_path if comp.startswith("vae_") else None,
+                                       vae_digest if comp.startswith("vae_") else "", lora_args,
+                                       component_loras(lora_plan, FAMILIES[family.name][comp].prefix_in(ckpt.refs))
+                                       if lora_plan is not None else None)
             meta = entry.metadata
+            manifest["model"]["prediction"] = meta.get("prediction", "epsilon")
+            manifest["model"]["latent_scale"] = meta.get("latent_scale")
             placed = writer.add(entry.path, entry.files, f"onnx/{comp}")
             exported[comp] = ExportedComponent(comp, entry.path / "model.onnx", meta["inputs"], meta["outputs"])
             manifest["components"][comp] = {
                 "onnx": placed["model.onnx"], "files": sorted(placed.values()), "dtype": meta["dtype"],
+                "dtype_reason": why,
                 "inputs": meta["inputs"], "outputs": meta["outputs"], "config": meta["config"],
                 "profiles": [p.describe() for p in recipe.profiles]}
             report.append({"entry": f"{comp}.onnx", "component": comp, "backend": "onnx", "cache": "hit" if hit else "miss",
@@ -180,8 +220,9 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
                     "toolchain": meta["toolchain"], "metadata": _artifact_metadata(meta)})
                 report.append({**{k: rec[k] for k in ("component", "backend", "target", "cache", "seconds", "key",
                                                       "fingerprint")}, "entry": e.id})
-        if "text_encoder" in manifest["components"]:
-            add_tokenizer(writer, source)
+        for comp, folder in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")):
+            if comp in manifest["components"]:
+                add_tokenizer(writer, source, folder, pad_zero=family.name == "sd2" or comp == "text_encoder_2")
         write_manifest(staging, manifest)
         commit_bundle(staging, out)
     finally:
@@ -189,19 +230,23 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
     return {"bundle": str(out), "artifacts": report, "seconds": round(time.perf_counter() - t0, 3)}
 
 
-def add_tokenizer(writer: BundleWriter, source: Path) -> None:
-    """tokenizer/{vocab.json, merges.txt}: the diffusers folder's own, else the CLIP BPE precast ships."""
+def add_tokenizer(writer: BundleWriter, source: Path, name: str = "tokenizer", pad_zero: bool = False) -> None:
+    """<name>/{vocab.json, merges.txt[, tokenizer_config.json]}: the diffusers folder's own, else the
+    CLIP BPE precast ships. OpenCLIP encoders (SD 2.x, SDXL's bigG) pad with id 0 ('!')."""
     from ..runtime.tokenizer import ClipTokenizer
-    folder = writer.root / "tokenizer"
+    folder = writer.root / name
     folder.mkdir(parents=True, exist_ok=True)
-    theirs = source / "tokenizer" if source.is_dir() else None
+    theirs = source / name if source.is_dir() else None
     if theirs is not None and (theirs / "vocab.json").is_file() and (theirs / "merges.txt").is_file():
-        for name in ("vocab.json", "merges.txt"):
-            shutil.copyfile(theirs / name, folder / name)
+        for f in ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json"):
+            if (theirs / f).is_file():
+                shutil.copyfile(theirs / f, folder / f)
     else:
         ClipTokenizer.shipped().write_files(folder)
+        if pad_zero:
+            (folder / "tokenizer_config.json").write_text(json.dumps({"pad_token": "!"}) + "\n")
     for p in sorted(folder.iterdir()):
-        writer.files[f"tokenizer/{p.name}"] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
+        writer.files[f"{name}/{p.name}"] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
 
 
 def merge_bundles(inputs: list[str | Path], out: str | Path) -> dict:

@@ -280,6 +280,7 @@ def write_safetensors(path: str, shapes: dict[str, tuple[int, ...]], dtype: str,
     header["__metadata__"] = {"format": "pt"}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob)

@@ -85,14 +85,14 @@ def _progress(total: int, enabled: bool):
 def export(source: str | os.PathLike, out: str | os.PathLike, components: list[str] | None = None,
            dtype: str = "fp32", overrides: dict | None = None, progress: bool = True,
            vae_dtype: str = "auto", loras: list | None = None, allow_unmatched: bool = False,
-           warn: Callable[[str], None] | None = None) -> dict:
+           warn: Callable[[str], None] | None = None, vae: str | os.PathLike | None = None) -> dict:
     """`loras`: (path, strength[, te_strength]) tuples or objects with those fields, merged into
     the weights while they stream (compiler/lora_merge.py); checked before anything is written."""
     t0 = time.perf_counter()
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise BadInput(f"--out {out}: exists and is not a folder")
-    ckpt = open_checkpoint(source)
+    ckpt = open_checkpoint(source, vae=vae)
     family = detect_family(ckpt)
     require_supported(ckpt, family)
     names = list(components) if components else present_components(ckpt, family)
@@ -113,7 +113,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
             for comp, g, cfg in planned:
                 folder = staging / comp.name
                 model_path, data_path = save_model(g, str(folder), on_weight=bar.update, metadata={
-                    "precast.family": family.name, "precast.component": comp.name,
+                    "precast.family": family.name, "precast.component": comp.name, "precast.prefix": g.prefix,
                     "precast.source_identity": report["source_identity"],
                     **({"precast.loras": json.dumps(_lora_identity(report["loras"]))} if merge else {})},
                     transform=merge.transform if merge else None)

@@ -16,7 +16,8 @@ with a separate strength for text-encoder weights. Formulas (MODEL_FORMATS.md §
   full   delta = diff (and diff_b for the bias); scale = 1
   DoRA   Wc = W + scale * delta; Wd = Wc * m / ||Wc|| (norm per output row when m has one value a
          row, else per input column; eps added); W' = W + strength * (Wd - W). The norm is taken of
-         Wc as DoRA and PEFT define it (W' = m * (W + BA) / ||W + BA||).
+         Wc as DoRA and PEFT define it (W' = m * (W + BA) / ||W + BA||); the axis is the one
+         whose length m's first dimension has ([out, 1, ..] rows, [1, in, ..] columns).
 
 LoRAs apply in the order given; each DoRA step sees the weight as the earlier LoRAs left it.
 """
@@ -166,7 +167,7 @@ def dora(weight: np.ndarray, delta: np.ndarray, magnitude: np.ndarray, strength:
     """DoRA step (see the module doc); weight and delta already scaled by alpha / rank."""
     wc = weight + delta
     flat_c = wc.reshape(wc.shape[0], -1)
-    if magnitude.size == wc.shape[0]:                   # one magnitude per output row
+    if magnitude.shape[0] == wc.shape[0]:               # one magnitude per output row ([out, 1, ...] or [out])
         norm = np.linalg.norm(flat_c, axis=1).reshape((wc.shape[0],) + (1,) * (wc.ndim - 1))
         m = magnitude.reshape(norm.shape)
     else:                                               # one per input column (wd_on_output = False)
@@ -296,3 +297,14 @@ def plan_merge(shapes: dict[str, tuple[int, ...]], loras: list[LoraSpec], allow_
             raise BadInput(msg + ". Is the LoRA for another model family? Pass --allow-unmatched to merge the rest.")
         warn(msg + " (skipped: --allow-unmatched)")
     return plan
+
+
+def component_loras(plan: MergePlan, prefix: str) -> list[dict]:
+    """What decides one component's merged weights: each LoRA that patches a weight under `prefix`,
+    by content digest, with the strength that applies there (cache keys use this, so a component a
+    LoRA does not touch -- the VAE -- keeps one export for every LoRA set)."""
+    out = []
+    for i, (spec, lf) in enumerate(plan.loras):
+        if any(k.startswith(prefix) and any(p.lora == i for p in ps) for k, ps in plan.patches.items()):
+            out.append({"sha256": lf.sha256, "strength": spec.text_strength if is_text_weight(prefix) else spec.strength})
+    return out

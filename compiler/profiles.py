@@ -11,6 +11,9 @@ from dataclasses import asdict, dataclass
 from .errors import BadInput
 
 Range = tuple[int, int, int]  # min, opt, max
+# Rows of the text encoder's `token_embeddings_extra` input: textual-inversion vectors plus the
+# one zero row the runtime always appends (so the minimum is 1, never an empty tensor).
+EXTRA_TOKENS: Range = (1, 1, 256)
 
 
 def parse_range(text: str | int, what: str) -> Range:
@@ -55,7 +58,7 @@ class ShapeProfile:
         lh = tuple(v // self.latent_factor for v in self.height)
         lw = tuple(v // self.latent_factor for v in self.width)
         symbolic = {"batch": b, "steps": b, "sequence": self.tokens, "height": self.height, "width": self.width,
-                    "latent_height": lh, "latent_width": lw}
+                    "latent_height": lh, "latent_width": lw, "extra_tokens": EXTRA_TOKENS}
         if component == "unet":
             symbolic.update(height=lh, width=lw)
         out = {}

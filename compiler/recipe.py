@@ -15,10 +15,13 @@ from .errors import BadInput
 from .profiles import ShapeProfile, parse_range
 from .targets import TargetSpec, get_target, parse_target
 
-COMPONENTS = ("text_encoder", "unet", "vae_encoder", "vae_decoder")
+COMPONENTS = ("text_encoder", "text_encoder_2", "unet", "vae_encoder", "vae_decoder")
+DEFAULT_COMPONENTS = {"sd1": ("text_encoder", "unet", "vae_encoder", "vae_decoder"),
+                      "sd2": ("text_encoder", "unet", "vae_encoder", "vae_decoder"),
+                      "sdxl": COMPONENTS, "sdxl-refiner": ("text_encoder_2", "unet", "vae_encoder", "vae_decoder")}
 PRECISIONS = ("fp32", "fp16")
 TOP_FIELDS = {"name", "model", "components", "precision", "loras", "embeddings", "profiles", "targets"}
-MODEL_FIELDS = {"source", "family", "set"}
+MODEL_FIELDS = {"source", "family", "set", "vae", "prediction"}
 PROFILE_FIELDS = {"batch", "height", "width", "tokens", "static"}
 DEMO_SOURCES = {"demo:tiny-sd15"}
 
@@ -39,6 +42,8 @@ class Recipe:
     overrides: dict
     components: tuple[str, ...]
     precision: dict[str, str]           # component -> fp32 | fp16
+    precision_explicit: frozenset       # components whose precision the recipe names itself
+    vae: str | None                     # a separate VAE file/folder (e.g. the SDXL fp16-fix VAE)
     loras: tuple[Lora, ...]
     embeddings: tuple[str, ...]
     profiles: tuple[ShapeProfile, ...]
@@ -180,7 +185,10 @@ def load_recipe(path: str | Path) -> Recipe:
         if not resolved.exists():
             raise doc.error("model.source", f"{resolved} does not exist")
         source = str(resolved)
-    comps = data.get("components", list(COMPONENTS))
+    family = model.get("family")
+    if family is not None and family not in DEFAULT_COMPONENTS:
+        raise doc.error("model.family", f"{family!r}: allowed: {', '.join(DEFAULT_COMPONENTS)}")
+    comps = data.get("components", list(DEFAULT_COMPONENTS[family or "sd1"]))
     if not isinstance(comps, list) or not comps:
         raise doc.error("components", f"expected a list drawn from {', '.join(COMPONENTS)}")
     for i, c in enumerate(comps):
@@ -195,6 +203,16 @@ def load_recipe(path: str | Path) -> Recipe:
             raise doc.error(f"precision.{k}" if len(precision) > 1 or k != "default" else "precision",
                             f"{v!r} is not a precision; allowed: {', '.join(PRECISIONS)}")
     per_comp = {c: precision.get(c, precision.get("default", "fp32")) for c in comps}
+    explicit = frozenset(c for c in comps if c in precision)
+    vae = model.get("vae")
+    if vae is not None:
+        vae_path = (path.parent / str(vae)).resolve()
+        if not vae_path.exists():
+            raise doc.error("model.vae", f"{vae_path} does not exist")
+        vae = str(vae_path)
+    prediction = model.get("prediction")
+    if prediction is not None and prediction not in ("epsilon", "v_prediction"):
+        raise doc.error("model.prediction", f"{prediction!r}: allowed: epsilon, v_prediction")
     loras = []
     for i, item in enumerate(data.get("loras") or []):
         w = f"loras[{i}]"
@@ -207,10 +225,12 @@ def load_recipe(path: str | Path) -> Recipe:
         loras.append(Lora(str((path.parent / item["path"]).resolve()), float(item.get("strength", 1.0)),
                           None if item.get("te_strength") is None else float(item["te_strength"])))
     embeddings = tuple(str((path.parent / e).resolve()) for e in (data.get("embeddings") or []))
-    overrides = model.get("set") or {}
-    if not isinstance(overrides, dict):
+    overrides = dict(model.get("set") or {})
+    if not isinstance(model.get("set") or {}, dict):
         raise doc.error("model.set", "expected {component: {field: value}}, e.g. {unet: {num_heads: 8}}")
+    if prediction:
+        overrides["model"] = {**overrides.get("model", {}), "prediction": prediction}
     name = data.get("name") or path.stem
-    return Recipe(str(path), str(name), source, model.get("family"), overrides, tuple(comps), per_comp,
+    return Recipe(str(path), str(name), source, family, overrides, tuple(comps), per_comp, explicit, vae,
                   tuple(loras), embeddings, _profiles(doc, data.get("profiles")), _targets(doc, data.get("targets")),
                   lines=doc.lines)

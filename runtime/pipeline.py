@@ -1,8 +1,10 @@
-"""Reference SD 1.x txt2img pipeline over a bundle: tokenize, encode, denoise with classifier-free
-guidance, decode, PNG.
+"""Reference txt2img pipeline over a bundle (SD 1.x, SD 2.x, SDXL base and refiner): tokenize,
+encode, denoise with classifier-free guidance, decode, PNG.
 
-Owns: the request shapes each component sees, the guidance loop, latent scaling and the image
-conversion, and a record of what ran where (device, backend, artifact, reasons for fallbacks).
+Owns: the request shapes each component sees, each family's conditioning (SD 2.x v-prediction;
+SDXL's two encoders, pooled embeds and micro-conditioning time ids: original size, crop, target
+size, or the refiner's aesthetic score), the guidance loop, latent scaling, the image conversion,
+and a record of what ran where (device, backend, artifact, reasons for fallbacks).
 Imports numpy, the runtime's own modules, and lazily the backends in use; never the compiler.
 """
 from __future__ import annotations
@@ -21,8 +23,11 @@ from .manifest import ManifestError, read_manifest
 from .schedulers import NoiseSchedule, make_sampler
 from .select import installed_backends, load_component, select_all
 
-LATENT_SCALE = {"sd1": 0.18215, "sd2": 0.18215}
-NEEDED = ("text_encoder", "unet", "vae_decoder")
+LATENT_SCALE = {"sd1": 0.18215, "sd2": 0.18215, "sdxl": 0.13025, "sdxl-refiner": 0.13025}
+NEEDED = {"sd1": ("text_encoder", "unet", "vae_decoder"), "sd2": ("text_encoder", "unet", "vae_decoder"),
+          "sdxl": ("text_encoder", "text_encoder_2", "unet", "vae_decoder"),
+          "sdxl-refiner": ("text_encoder_2", "unet", "vae_decoder")}
+TOKENIZER_FOLDER = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2"}
 
 
 def latent_factor(manifest) -> int:
@@ -34,12 +39,15 @@ def requests(manifest, batch: int, height: int, width: int, tokens: int = 77, cf
     """The input shapes each component will be called with."""
     f = latent_factor(manifest)
     lat = (batch, 4, height // f, width // f)
-    ctx = manifest.components.get("unet", {}).get("inputs", [{}, {}, {"shape": [0, 0, 768]}])[2]["shape"][-1]
+    unet_inputs = {i["name"]: i["shape"] for i in manifest.components.get("unet", {}).get("inputs", [])}
+    ctx = (unet_inputs.get("encoder_hidden_states") or [0, 0, 768])[-1]
     ub = 2 * batch if cfg else batch
-    return {"text_encoder": {"input_ids": (batch, tokens)},
-            "unet": {"sample": (ub,) + lat[1:], "timestep": (ub,), "encoder_hidden_states": (ub, tokens, ctx)},
-            "vae_decoder": {"latent_sample": lat},
-            "vae_encoder": {"sample": (batch, 3, height, width)}}
+    unet = {"sample": (ub,) + lat[1:], "timestep": (ub,), "encoder_hidden_states": (ub, tokens, ctx)}
+    for name in ("text_embeds", "time_ids"):
+        if name in unet_inputs:
+            unet[name] = (ub, unet_inputs[name][-1])
+    return {"text_encoder": {"input_ids": (batch, tokens)}, "text_encoder_2": {"input_ids": (batch, tokens)},
+            "unet": unet, "vae_decoder": {"latent_sample": lat}, "vae_encoder": {"sample": (batch, 3, height, width)}}
 
 
 def _progress(total: int, enabled: bool):
@@ -64,7 +72,7 @@ class Loaded:
 
 
 class Txt2Img:
-    """SD 1.x text-to-image over a bundle, each component on the device it is assigned to."""
+    """Text-to-image over a bundle, each component on the device it is assigned to."""
 
     def __init__(self, bundle: str | Path, backend: str | None = None, params_backend: str | None = None,
                  width: int = 512, height: int = 512, sysroot: str = "/", env=None, verify: bool = True):
@@ -73,12 +81,13 @@ class Txt2Img:
             self.manifest = read_manifest(bundle)
         except ManifestError as e:
             raise UserError(str(e)) from None
-        family = self.manifest.model.get("family")
+        family = self.family = self.manifest.model.get("family")
         if family not in LATENT_SCALE:
-            raise UserError(f"{bundle}: the reference pipeline runs SD 1.x/2.x bundles; this one is {family}")
-        missing = [c for c in NEEDED if c not in self.manifest.components]
+            raise UserError(f"{bundle}: the reference pipeline runs SD 1.x/2.x/XL bundles; this one is {family}")
+        needed = self.needed = NEEDED[family]
+        missing = [c for c in needed if c not in self.manifest.components]
         if missing:
-            raise UserError(f"{bundle}: txt2img needs {', '.join(NEEDED)}; the bundle lacks {', '.join(missing)}")
+            raise UserError(f"{bundle}: txt2img needs {', '.join(needed)}; the bundle lacks {', '.join(missing)}")
         f = latent_factor(self.manifest)
         if width % f or height % f:
             raise UserError(f"--size {width}x{height}: width and height must be multiples of {f}")
@@ -90,36 +99,85 @@ class Txt2Img:
         self.selections = select_all(self.manifest, self.placements, self.devices,
                                      requests(self.manifest, 1, height, width), self.installed, verify)
         self.loaded: dict[str, Loaded] = {}
-        for comp in NEEDED:
+        for comp in needed:
             outputs = [o["name"] for o in self.manifest.components[comp]["outputs"]]
             placement = self.placements[COMPONENT_MODULE[comp]]
             session, cand, reasons = load_component(self.selections[comp], outputs, placement.offload)
             self.loaded[comp] = Loaded(session, cand.describe(), reasons)
+        from .embeddings import load_bundle_embeddings
         from .tokenizer import ClipTokenizer
-        self.tokenizer = ClipTokenizer.from_folder(Path(bundle) / "tokenizer")
-        self.latent_scale = LATENT_SCALE[family]
+        self.tokenizers, self.embeddings = {}, {}
+        for comp in (c for c in needed if c.startswith("text_encoder")):
+            tok = ClipTokenizer.from_folder(Path(bundle) / TOKENIZER_FOLDER[comp])
+            vocab = self.manifest.components[comp].get("config", {}).get("vocab")
+            self.tokenizers[comp] = tok
+            self.embeddings[comp] = load_bundle_embeddings(bundle, self.manifest.model, tok, vocab)
+        self.tokenizer = self.tokenizers.get("text_encoder") or self.tokenizers["text_encoder_2"]
+        self.latent_scale = float(self.manifest.model.get("latent_scale") or LATENT_SCALE[family])
+        self.prediction = self.manifest.model.get("prediction") or "epsilon"
 
-    def encode(self, prompt: str) -> np.ndarray:
-        ids = self.tokenizer(prompt)[None, :].astype(np.int32)
-        return self.loaded["text_encoder"].session.run({"input_ids": ids})["last_hidden_state"].astype(np.float32)
+    def _encoder(self, comp: str, prompt: str) -> dict[str, np.ndarray]:
+        from .embeddings import encoder_feeds
+        ids = self.tokenizers[comp](prompt)[None, :].astype(np.int32)
+        session = self.loaded[comp].session
+        hidden = int(self.manifest.components[comp].get("config", {}).get("hidden", 768))
+        out = session.run(encoder_feeds(session, comp, ids, self.embeddings[comp], hidden))
+        return {k: v.astype(np.float32) for k, v in out.items()}
+
+    @staticmethod
+    def _hidden(out: dict[str, np.ndarray]) -> np.ndarray:
+        """The hidden state the UNet reads: last_hidden_state (SD 1.x/2.x) or hidden_states.N (SDXL)."""
+        name = "last_hidden_state" if "last_hidden_state" in out else next(k for k in out if k.startswith("hidden_states."))
+        return out[name]
+
+    def encode(self, prompt: str) -> tuple[np.ndarray, np.ndarray | None]:
+        """(context [1, 77, C], pooled [1, P] or None)."""
+        if self.family in ("sd1", "sd2"):
+            return self._hidden(self._encoder("text_encoder", prompt)), None
+        g = self._encoder("text_encoder_2", prompt)
+        if self.family == "sdxl":
+            context = np.concatenate([self._hidden(self._encoder("text_encoder", prompt)), self._hidden(g)], axis=-1)
+        else:
+            context = self._hidden(g)
+        return context, g["text_embeds"]
+
+    def time_ids(self, aesthetic: float, original: tuple[int, int] | None = None,
+                 crop: tuple[int, int] = (0, 0)) -> np.ndarray:
+        """SDXL micro-conditioning: original size + crop top-left + target size (base), or
+        original size + crop + aesthetic score (refiner)."""
+        h, w = original or (self.height, self.width)
+        tail = [aesthetic] if self.family == "sdxl-refiner" else [self.height, self.width]
+        return np.array([[h, w, crop[0], crop[1], *tail]], np.float32)
 
     def __call__(self, prompt: str, negative: str = "", steps: int = 20, seed: int = 0, guidance: float = 7.5,
-                 scheduler: str = "euler", latents: np.ndarray | None = None, progress: bool = True) -> np.ndarray:
+                 scheduler: str = "euler", latents: np.ndarray | None = None, progress: bool = True,
+                 original_size: tuple[int, int] | None = None, crop: tuple[int, int] = (0, 0),
+                 aesthetic_score: float = 6.0, negative_aesthetic_score: float = 2.5) -> np.ndarray:
         """Returns the decoded image as float32 [H, W, 3] in [0, 1]."""
         if steps < 1:
             raise UserError(f"--steps {steps}: must be at least 1")
         f = latent_factor(self.manifest)
         shape = (1, 4, self.height // f, self.width // f)
-        sampler = make_sampler(scheduler, steps, NoiseSchedule())
+        sampler = make_sampler(scheduler, steps, NoiseSchedule(prediction_type=self.prediction))
         noise = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) if latents is None else latents
         x = noise.astype(np.float32) * np.float32(sampler.init_noise_sigma)
-        context = np.concatenate([self.encode(negative), self.encode(prompt)], axis=0)
+        ctx, pooled = self.encode(prompt)
+        if self.family == "sdxl" and not negative:  # SDXL base: an empty negative prompt means zeros
+            neg_ctx, neg_pooled = np.zeros_like(ctx), (np.zeros_like(pooled) if pooled is not None else None)
+        else:
+            neg_ctx, neg_pooled = self.encode(negative)
+        extra = {}
+        if pooled is not None:
+            extra["text_embeds"] = np.concatenate([neg_pooled, pooled], axis=0)
+            extra["time_ids"] = np.concatenate([self.time_ids(negative_aesthetic_score, original_size, crop),
+                                                self.time_ids(aesthetic_score, original_size, crop)], axis=0)
+        context = np.concatenate([neg_ctx, ctx], axis=0)
         unet = self.loaded["unet"].session
         bar = _progress(steps, progress)
         for i, t in enumerate(sampler.timesteps):
             model_in = np.concatenate([sampler.scale_model_input(x, i)] * 2, axis=0)
             eps = unet.run({"sample": model_in, "timestep": np.full((2,), t, np.float32),
-                            "encoder_hidden_states": context})["out_sample"].astype(np.float32)
+                            "encoder_hidden_states": context, **extra})["out_sample"].astype(np.float32)
             uncond, cond = eps[:1], eps[1:]
             x = sampler.step(uncond + np.float32(guidance) * (cond - uncond), i, x)
             bar.update(1)

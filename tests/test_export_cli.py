@@ -132,16 +132,12 @@ def test_missing_and_unexpected_tensors_are_listed(demo_ckpt, tmp_path):
 
 
 @pytest.mark.parametrize("keys, family", [
-    ({"model.diffusion_model.input_blocks.0.0.weight": [320, 4, 3, 3],
-      "model.diffusion_model.label_emb.0.0.weight": [1280, 2816],
-      "conditioner.embedders.1.model.ln_final.weight": [1280]}, "sdxl"),
-    ({"model.diffusion_model.input_blocks.0.0.weight": [384, 4, 3, 3],
-      "model.diffusion_model.label_emb.0.0.weight": [1536, 2560]}, "sdxl-refiner"),
-    ({"model.diffusion_model.input_blocks.0.0.weight": [320, 4, 3, 3],
-      "model.diffusion_model.input_blocks.1.1.proj_in.weight": [320, 320],
-      "cond_stage_model.model.token_embedding.weight": [49408, 1024]}, "sd2"),
     ({"double_blocks.0.img_attn.norm.key_norm.scale": [128], "img_in.weight": [3072, 64]}, "flux"),
+    ({"double_blocks.0.img_attn.norm.key_norm.scale": [128], "distilled_guidance_layer.in_proj.weight": [4, 4]},
+     "chroma"),
     ({"joint_blocks.0.context_block.attn.qkv.weight": [4, 4]}, "sd3"),
+    ({"control_model.zero_convs.0.0.weight": [320, 320, 1, 1], "control_model.input_hint_block.0.weight": [16, 3, 3, 3]},
+     "controlnet"),
 ])
 def test_other_families_are_detected_and_refused(tmp_path, keys, family):
     header, offset = {}, 0
@@ -163,3 +159,41 @@ def test_bad_options_are_named(demo_ckpt, tmp_path):
     proc = precast("export", tmp_path / "nothing.safetensors", "--out", tmp_path / "o")
     assert proc.returncode == 2 and "no such file" in proc.stderr
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("keys, family", [
+    ({"model.diffusion_model.input_blocks.0.0.weight": [320, 4, 3, 3],
+      "model.diffusion_model.label_emb.0.0.weight": [1280, 2816],
+      "conditioner.embedders.1.model.ln_final.weight": [1280]}, "sdxl"),
+    ({"model.diffusion_model.input_blocks.0.0.weight": [384, 4, 3, 3],
+      "model.diffusion_model.label_emb.0.0.weight": [1536, 2560]}, "sdxl-refiner"),
+])
+def test_damaged_supported_families_name_what_is_missing(tmp_path, keys, family):
+    header, offset = {}, 0
+    for k, shape in keys.items():
+        n = 2 * int(np.prod(shape))
+        header[k] = {"dtype": "F16", "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    path = _write_raw(tmp_path / "m.safetensors", header, b"\0" * offset)
+    proc = precast("export", path, "--out", tmp_path / "o", "--component", "unet")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "missing" in proc.stderr or "no " in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_any_missing_tensor_is_bad_input_not_a_crash(tmp_path):
+    """Drop one tensor at a time (60 seeded picks across SD 1.x and SDXL layouts): always BadInput."""
+    from precast.compiler.demo_model import TINY, TINY_SDXL, random_tensor, sd1_layout, write_safetensors
+    from precast.compiler.errors import BadInput
+    from precast.compiler.export import export
+    rng = np.random.default_rng(11)
+    for cfg in (TINY, TINY_SDXL):
+        layout = sd1_layout(cfg)
+        keys = sorted(layout)
+        for i in rng.choice(len(keys), 30, replace=False):
+            shapes = {k: v for k, v in layout.items() if k != keys[i]}
+            path = tmp_path / f"{cfg.family}.safetensors"
+            write_safetensors(str(path), shapes, "fp16", lambda k, s: np.zeros(s, np.float32))
+            with pytest.raises(BadInput):
+                export(path, tmp_path / "out", dtype="fp32", progress=False)
+            assert not (tmp_path / "out").exists(), keys[i]

@@ -106,7 +106,9 @@ def test_text_encoder(case, exported, dtype):
     out, _ = exported[dtype]
     ids = _ids(case["vocab"])
     want_h, want_p = ref.run_text_encoder(case["models"][2], ids)
-    got_h, got_p = _session(out, "text_encoder").run(None, {"input_ids": ids})
+    sess = _session(out, "text_encoder")
+    extra = np.zeros((1, case["ctx"]), np.float32)  # no textual-inversion vectors: the one zero row
+    got_h, got_p = sess.run(None, {"input_ids": ids, **_feed(sess, token_embeddings_extra=extra)})
     assert rel_err(got_h, want_h) <= TOL[dtype]
     assert rel_err(got_p, want_p) <= TOL[dtype]
 
@@ -144,7 +146,7 @@ def test_report_names_optimum_io(case, exported):
     _, report = exported["fp32"]
     io = {c["name"]: ([i["name"] for i in c["inputs"]], [o["name"] for o in c["outputs"]])
           for c in report["components"]}
-    assert io == {"text_encoder": (["input_ids"], ["last_hidden_state", "pooler_output"]),
+    assert io == {"text_encoder": (["input_ids", "token_embeddings_extra"], ["last_hidden_state", "pooler_output"]),
                   "unet": (["sample", "timestep", "encoder_hidden_states"], ["out_sample"]),
                   "vae_encoder": (["sample"], ["latent_parameters"]),
                   "vae_decoder": (["latent_sample"], ["sample"])}

@@ -90,9 +90,9 @@ def clip_text_config(g: Graph, config_json: dict, overrides: dict, role: str = "
     return ClipTextConfig(
         layout=layout, vocab=vocab, hidden=hidden, layers=layers, heads=int(heads),
         intermediate=g.shape(f"{L['layer'].format(0)}.{L['fc1']}.weight")[0], max_positions=g.shape(L["pos"])[0],
-        activation=overrides.get("activation") or config_json.get("hidden_act", default_act),
-        eps=float(config_json.get("layer_norm_eps", 1e-5)),
-        eos_token_id=int(overrides.get("eos_token_id", config_json.get("eos_token_id", 49407))),
+        activation=overrides.get("activation") or config_json.get("hidden_act") or default_act,
+        eps=float(config_json.get("layer_norm_eps") or 1e-5),
+        eos_token_id=int(overrides.get("eos_token_id", config_json.get("eos_token_id") or 49407)),
         hidden_layer=hidden_layer, hidden_norm=norm, hidden_name=name, pooled=pooled)
 
 
@@ -120,6 +120,22 @@ def _eos_position(g: Graph, ids: str, cfg: ClipTextConfig) -> str:
     return g.op("ArgMax", is_eos, axis=1, keepdims=1)
 
 
+EXTRA_TOKENS_INPUT = "token_embeddings_extra"
+
+
+def _token_embeddings(g: Graph, ids: str, table: str, cfg: ClipTextConfig) -> str:
+    """Token lookup with room for textual-inversion vectors supplied at run time: ids below the
+    vocabulary read the table, ids vocab + k read row k of the `token_embeddings_extra` input
+    ([rows >= 1, hidden]; the runtime always appends one zero row, so it is never empty).
+    Two Gathers and a Where: the table itself is never copied per call."""
+    extra = g.input(EXTRA_TOKENS_INPUT, g.dtype, ["extra_tokens", cfg.hidden])
+    vocab = g.const(np.array(cfg.vocab, np.int32))
+    base = g.op("Gather", g.param(table), g.op("Min", ids, g.const(np.array(cfg.vocab - 1, np.int32))), axis=0)
+    added = g.op("Gather", extra, g.op("Max", g.op("Sub", ids, vocab), g.const(np.array(0, np.int32))), axis=0)
+    is_added = g.op("Unsqueeze", g.op("GreaterOrEqual", ids, vocab), g.ints(2))
+    return g.op("Where", is_added, added, base)
+
+
 def build_clip_text(g: Graph, cfg: ClipTextConfig) -> None:
     if cfg.activation not in ("quick_gelu", "gelu"):
         raise BadInput(f"text encoder activation {cfg.activation!r} is not supported (quick_gelu, gelu)")
@@ -127,7 +143,7 @@ def build_clip_text(g: Graph, cfg: ClipTextConfig) -> None:
     ids = g.input("input_ids", INT32, ["batch", "sequence"])
     seq = g.op("Shape", ids, start=1, end=2)
     zero = g.ints(0)
-    x = g.op("Gather", g.param(L["tok"]), ids, axis=0)
+    x = _token_embeddings(g, ids, L["tok"], cfg)
     x = g.op("Add", x, g.op("Slice", g.param(L["pos"]), zero, seq, zero))
     mask = g.op("Slice", g.const(_causal_mask(cfg.max_positions), hint="causal_mask"),
                 g.ints(0, 0), g.op("Concat", seq, seq, axis=0), g.ints(0, 1))
@@ -137,7 +153,11 @@ def build_clip_text(g: Graph, cfg: ClipTextConfig) -> None:
     for i in range(cfg.layers):
         p = L["layer"].format(i)
         if i >= run:  # layers after the one the model reads: belong to the checkpoint, not the graph
-            g.skip(_layer_keys(g, p))
+            have = _layer_keys(g, p)
+            first = L["layer"].format(0)
+            g.missing += [g.prefix + p + k[len(first):] for k in _layer_keys(g, first)
+                          if p + k[len(first):] not in have]  # still checked for completeness
+            g.skip(have)
             continue
         h = g.layer_norm(x, f"{p}.{L['ln1']}", cfg.eps)
         q, k, v = _qkv(g, h, p, cfg)

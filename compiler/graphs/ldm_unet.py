@@ -78,13 +78,13 @@ def unet_config(g: Graph, config_json: dict, overrides: dict) -> UNetConfig:
         raise BadInput(f"unet.num_heads lists {len(heads)} values but the UNet has {n_levels} levels")
     adm = g.shape("label_emb.0.0.weight")[1] if g.has("label_emb.0.0.weight") else 0
     n_ids = int(overrides.get("time_ids", 6 if adm else 0))
-    id_dim = int(overrides.get("addition_time_embed_dim") or config_json.get("addition_time_embed_dim", 256))
+    id_dim = int(overrides.get("addition_time_embed_dim") or config_json.get("addition_time_embed_dim") or 256)
     if adm and adm <= n_ids * id_dim:
         raise BadInput(f"{g.ckpt.path}: label_emb takes {adm} inputs, not more than {n_ids} time ids x {id_dim}; "
                        "set unet.time_ids / unet.addition_time_embed_dim")
     return UNetConfig(in_channels=in_ch, out_channels=g.shape("out.2.weight")[0], model_channels=mc,
                       context_dim=ctx[0] if ctx else 0, channels=channels, levels=levels, num_heads=heads,
-                      groups=int(overrides.get("groups") or config_json.get("norm_num_groups", 32)),
+                      groups=int(overrides.get("groups") or config_json.get("norm_num_groups") or 32),
                       use_linear_projection=bool(proj) and len(proj[0]) == 2,
                       n_output_blocks=_count(g, "output_blocks.{}"), adm_in_channels=adm, time_ids=n_ids,
                       time_id_dim=id_dim)
@@ -109,7 +109,8 @@ def resblock(g: Graph, x: str, emb: str, p: str, cfg: UNetConfig) -> str:
 
 def cross_attention(g: Graph, x: str, ctx: str, p: str, heads: int) -> str:
     dim = g.shape(f"{p}.to_q.weight")[0]
-    q, k, v = g.linear(x, f"{p}.to_q"), g.linear(ctx, f"{p}.to_k"), g.linear(ctx, f"{p}.to_v")
+    q, k, v = (g.linear(x, f"{p}.to_q", bias=None), g.linear(ctx, f"{p}.to_k", bias=None),
+               g.linear(ctx, f"{p}.to_v", bias=None))  # no bias in SD; bound if a checkpoint has one
     return g.linear(g.attention(q, k, v, heads, dim), f"{p}.to_out.0")
 
 

@@ -42,7 +42,7 @@ def vae_config(g: Graph, config_json: dict, overrides: dict) -> VaeConfig:
         g.shape("encoder.conv_out.weight")[0] // 2
     return VaeConfig(image_channels=img, latent_channels=z, encoder_levels=_count(g, "encoder.down.{}"),
                      decoder_levels=_count(g, "decoder.up.{}"),
-                     groups=int(overrides.get("groups") or config_json.get("norm_num_groups", 32)))
+                     groups=int(overrides.get("groups") or config_json.get("norm_num_groups") or 32))
 
 
 def resnet(g: Graph, x: str, p: str, groups: int) -> str:

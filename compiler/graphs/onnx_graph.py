@@ -63,6 +63,9 @@ class Graph:
         return self.prefix + key in self.ckpt.refs
 
     def shape(self, key: str) -> tuple[int, ...]:
+        if self.prefix + key not in self.ckpt.refs:
+            raise BadInput(f"{self.ckpt.path}: missing tensor {self.prefix + key} needed by the {self.name}; "
+                           "the checkpoint is incomplete or damaged (or of another layout)")
         return self.ckpt.shape(self.prefix + key)
 
     def param(self, key: str, fp32: bool = False) -> str:
@@ -121,8 +124,9 @@ class Graph:
         return x if self.dtype == FLOAT else self.cast(x, self.dtype)
 
     # ---- primitives ----------------------------------------------------------------
-    def linear(self, x: str, module: str, bias: bool | None = None) -> str:
-        """torch Linear: y = x @ W^T + b, W kept in checkpoint layout [out, in]."""
+    def linear(self, x: str, module: str, bias: bool | None = True) -> str:
+        """torch Linear: y = x @ W^T + b, W kept in checkpoint layout [out, in].
+        bias: True = required (a missing one is reported), False = none, None = if present."""
         w = self.op("Transpose", self.param(f"{module}.weight"), perm=[1, 0])
         y = self.op("MatMul", x, w)
         if bias is None:
@@ -130,11 +134,9 @@ class Graph:
         return self.op("Add", y, self.param(f"{module}.bias")) if bias else y
 
     def conv2d(self, x: str, module: str, stride: int = 1, pad: int | None = None) -> str:
-        kh, kw = self.shape(f"{module}.weight")[2:] if self.has(f"{module}.weight") else (1, 1)
+        kh, kw = self.shape(f"{module}.weight")[2:]
         p = kh // 2 if pad is None else pad
-        ins = [x, self.param(f"{module}.weight")]
-        if self.has(f"{module}.bias"):
-            ins.append(self.param(f"{module}.bias"))
+        ins = [x, self.param(f"{module}.weight"), self.param(f"{module}.bias")]
         return self.op("Conv", *ins, strides=[stride, stride], pads=[p, p, p, p], kernel_shape=[kh, kw])
 
     def group_norm(self, x: str, module: str, groups: int, eps: float) -> str:

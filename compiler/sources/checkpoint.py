@@ -189,12 +189,49 @@ def open_diffusers_folder(folder: Path) -> Checkpoint:
     return Checkpoint(str(folder), "diffusers", refs, configs=configs)
 
 
-def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+def open_checkpoint(path: str | os.PathLike, vae: str | os.PathLike | None = None) -> Checkpoint:
+    """The checkpoint at `path`; with `vae`, its VAE tensors are replaced by that file's or folder's
+    (e.g. the SDXL fp16-fix VAE)."""
     p = Path(path)
     if not p.exists():
         raise BadInput(f"{p}: no such file or folder")
     if p.is_dir():
-        return open_diffusers_folder(p)
-    if p.suffix.lower() in PICKLE_SUFFIXES or _looks_like_pickle(p):
+        ckpt = open_diffusers_folder(p)
+    elif p.suffix.lower() in PICKLE_SUFFIXES or _looks_like_pickle(p):
         raise _refuse_pickle(p)
-    return open_single_file(p)
+    else:
+        ckpt = open_single_file(p)
+    if vae is not None:
+        replace_vae(ckpt, Path(vae))
+    return ckpt
+
+
+def replace_vae(ckpt: Checkpoint, vae: Path) -> None:
+    """Swap in a separate VAE: a diffusers `vae/` folder (or its parent), or a .safetensors file
+    in LDM names (with or without first_stage_model.) or diffusers names."""
+    if not vae.exists():
+        raise BadInput(f"--vae {vae}: no such file or folder")
+    if vae.is_dir():
+        folder = vae if (vae / "config.json").is_file() else vae / "vae"
+        f = SafetensorsFile(_component_file(folder.parent, folder.name) or folder / "missing.safetensors")
+        ckpt.configs["vae"] = _read_config(folder.parent, folder.name)
+    elif vae.suffix.lower() in PICKLE_SUFFIXES or _looks_like_pickle(vae):
+        raise _refuse_pickle(vae)
+    else:
+        f = SafetensorsFile(vae)
+    keys = f.keys()
+    if any(k.startswith(VAE) for k in keys):
+        mapping = {k: k for k in keys if k.startswith(VAE)}
+    elif any(".down_blocks." in k or ".up_blocks." in k for k in keys):
+        mapping = {k: VAE + v for k, v in diffusers_names.vae_names(keys).items()}
+    else:
+        mapping = {k: VAE + k for k in keys if k.split(".")[0] in ("encoder", "decoder", "quant_conv", "post_quant_conv")}
+    if not any(v.startswith(VAE + "decoder.") for v in mapping.values()):
+        raise BadInput(f"--vae {vae}: no VAE decoder tensors found (looked for decoder.* / first_stage_model.decoder.*)")
+    for k in [k for k in ckpt.refs if k.startswith(VAE)]:
+        del ckpt.refs[k]
+    for key, canon in mapping.items():
+        shape = f.tensors[key].shape
+        if ".mid.attn_1." in canon and canon.endswith(".weight") and len(shape) == 2:
+            shape = shape + (1, 1)
+        ckpt.refs[canon] = TensorRef(f, key, shape)

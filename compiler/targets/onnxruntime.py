@@ -25,11 +25,11 @@ class OnnxRuntimeTarget:
         except ImportError:
             raise BadInput("target onnxruntime: the onnxruntime package is not installed "
                            "(pip install 'precast[onnxruntime]')") from None
+        import importlib.metadata
         out = {"onnxruntime": onnxruntime.__version__}
-        try:
-            import onnxsim
-            out["onnxsim"] = getattr(onnxsim, "__version__", "unknown")
-        except ImportError:
+        try:  # the version from metadata: importing onnxsim costs seconds on every cache hit
+            out["onnxsim"] = importlib.metadata.version("onnxsim")
+        except importlib.metadata.PackageNotFoundError:
             out["onnxsim"] = "absent"
         return out
 

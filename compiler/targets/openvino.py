@@ -70,4 +70,4 @@ class OpenVinoTarget:
         blob = compiled.export_model()
         (folder / "model.blob").write_bytes(blob.getvalue() if hasattr(blob, "getvalue") else bytes(blob))
         return {"entry": "model.blob", "device": device, "compile_config": config, "static": job.static,
-                "precision": str(compiled.get_property("INFERENCE_PRECISION_HINT"))}
+                "precision": compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()}

@@ -1,0 +1,200 @@
+"""Textual-inversion embedding files, read without ever running a pickle's code.
+
+Owns: the user formats (MODEL_FORMATS.md §6) -- safetensors `emb_params` [n, dim] (SD 1.x/2.x),
+SDXL `clip_l` [n, 768] + `clip_g` [n, 1280], diffusers' one-key `{token: tensor}`, and the
+A1111 `.pt` / diffusers `.bin` torch files (`string_to_param: {"*": tensor}`) -- and which text
+encoder each set of vectors belongs to (by name for SDXL, else by width). Torch files are read
+by `load_torch_restricted`: the zip container is opened by hand and its pickle is run through an
+Unpickler whose find_class admits only torch's tensor-rebuild functions, its storage types and
+OrderedDict; anything else (a function to call, an object to build) is refused with a hint,
+before it runs. Legacy (non-zip) torch files are refused.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import BadInput
+from .safetensors_file import SafetensorsFile
+
+SDXL_KEYS = {"clip_l": 768, "clip_g": 1280}
+PT_HINT = ("convert it once, in an environment you trust, to .safetensors: python -c \"import torch, "
+           "safetensors.torch as st; d = torch.load('IN.pt', weights_only=True); "
+           "st.save_file({'emb_params': d['string_to_param']['*'].contiguous()}, 'OUT.safetensors')\"")
+
+_STORAGE_DTYPES = {"FloatStorage": np.float32, "HalfStorage": np.float16, "DoubleStorage": np.float64,
+                   "BFloat16Storage": "bf16", "LongStorage": np.int64, "IntStorage": np.int32,
+                   "ShortStorage": np.int16, "CharStorage": np.int8, "ByteStorage": np.uint8,
+                   "BoolStorage": np.bool_}
+
+
+class _StorageType:
+    def __init__(self, name: str):
+        self.name = name
+
+
+def _rebuild_tensor(storage, offset, size, stride, *_rest):
+    if not size:
+        return np.array(storage[offset], copy=True)
+    itemsize = storage.dtype.itemsize
+    view = np.lib.stride_tricks.as_strided(storage[offset:], shape=tuple(size),
+                                           strides=tuple(s * itemsize for s in stride), writeable=False)
+    return np.array(view, copy=True)
+
+
+def _rebuild_parameter(data, *_rest):
+    return data
+
+
+class _Restricted(pickle.Unpickler):
+    """Admits tensors and plain containers only; everything else raises before it is called."""
+    ALLOWED = {("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+               ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
+               ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+               ("collections", "OrderedDict"): dict}
+
+    def __init__(self, data: bytes, archive: zipfile.ZipFile, root: str, path: str):
+        super().__init__(io.BytesIO(data))
+        self.archive, self.root, self.path = archive, root, path
+
+    def find_class(self, module, name):
+        if (module, name) in self.ALLOWED:
+            return self.ALLOWED[(module, name)]
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _StorageType(name)
+        raise BadInput(f"{self.path}: refused: the pickle asks for {module}.{name}, which is not a tensor or a "
+                       f"plain container (a pickle can run code; precast loads only tensors). If you trust the "
+                       f"file, {PT_HINT}")
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage"
+                and isinstance(pid[1], _StorageType)):
+            raise BadInput(f"{self.path}: refused: unexpected persistent id {pid!r:.80}")
+        dtype = _STORAGE_DTYPES[pid[1].name]
+        try:
+            raw = self.archive.read(f"{self.root}/data/{pid[2]}")
+        except KeyError:
+            raise BadInput(f"{self.path}: damaged: storage {pid[2]} is missing from the archive") from None
+        if dtype == "bf16":
+            return (np.frombuffer(raw, "<u2").astype(np.uint32) << 16).view(np.float32)
+        return np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"))
+
+
+def load_torch_restricted(path: str | Path):
+    """A torch.save zip file's object, with tensors as numpy arrays; refuses anything else."""
+    path = str(path)
+    try:
+        archive = zipfile.ZipFile(path)
+    except zipfile.BadZipFile:
+        raise BadInput(f"{path}: a legacy (non-zip) torch file or a raw pickle; precast does not unpickle those. "
+                       f"If you trust it, {PT_HINT}") from None
+    with archive:
+        pkl = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+        if len(pkl) != 1:
+            raise BadInput(f"{path}: not a torch.save archive (no single */data.pkl)")
+        root = pkl[0].split("/")[0]
+        try:
+            return _Restricted(archive.read(pkl[0]), archive, root, path).load()
+        except BadInput:
+            raise
+        except Exception as e:  # a malformed pickle: say so, never a traceback
+            raise BadInput(f"{path}: not a readable torch file ({type(e).__name__}: {e})") from None
+
+
+def _as_matrix(path: str, key: str, arr) -> np.ndarray:
+    if not isinstance(arr, np.ndarray) or arr.ndim not in (1, 2) or not np.issubdtype(arr.dtype, np.floating):
+        raise BadInput(f"{path}: {key} is not a float vector or [n, dim] matrix")
+    return np.asarray(arr, np.float32).reshape(-1, arr.shape[-1])
+
+
+def read_embedding(path: str | Path) -> dict[str, np.ndarray]:
+    """{'clip_l' | 'clip_g' | 'any': [n, dim] float32} from any supported embedding file."""
+    p = Path(path)
+    if not p.is_file():
+        raise BadInput(f"embedding {p}: no such file")
+    head = p.read_bytes()[:4]
+    if p.suffix.lower() in (".pt", ".bin", ".ckpt", ".pth") or head[:2] == b"PK" or head[:1] == b"\x80":
+        obj = load_torch_restricted(p)
+        if not isinstance(obj, dict):
+            raise BadInput(f"{p}: expected a dict of tensors, found {type(obj).__name__}")
+        tensors = obj.get("string_to_param")
+        if isinstance(tensors, dict) and tensors:
+            return {"any": _as_matrix(str(p), "string_to_param", next(iter(tensors.values())))}
+        obj = {k: v for k, v in obj.items() if isinstance(v, np.ndarray)}
+    else:
+        f = SafetensorsFile(p)
+        try:
+            obj = {k: f.read(k) for k in f.keys()}
+        finally:
+            f.close()
+    if set(SDXL_KEYS) & set(obj):
+        return {k: _as_matrix(str(p), k, obj[k]) for k in SDXL_KEYS if k in obj}
+    if "emb_params" in obj:
+        return {"any": _as_matrix(str(p), "emb_params", obj["emb_params"])}
+    if len(obj) == 1:  # diffusers: {token: tensor}
+        key, arr = next(iter(obj.items()))
+        return {"any": _as_matrix(str(p), key, arr)}
+    raise BadInput(f"{p}: not a textual-inversion embedding (expected emb_params, clip_l/clip_g, "
+                   f"string_to_param or one tensor; found {', '.join(sorted(obj)[:5]) or 'nothing'})")
+
+
+def assign_encoders(path: str | Path, vectors: dict[str, np.ndarray], encoders: dict[str, int]) -> dict[str, np.ndarray]:
+    """{text-encoder component: vectors} given the model's encoders {component: hidden width}.
+    clip_l / clip_g go to the encoder of width 768 / 1280; other vectors to the encoder of their width."""
+    out = {}
+    for key, vec in vectors.items():
+        width = vec.shape[1]
+        want = SDXL_KEYS.get(key, width)
+        if want != width:
+            raise BadInput(f"{path}: {key} vectors are {width} wide; expected {want}")
+        comps = [c for c, h in encoders.items() if h == width]
+        if not comps:
+            raise BadInput(f"embedding {path}: its vectors are {width} wide but this model's text encoders are "
+                           f"{', '.join(f'{c} {h}' for c, h in encoders.items()) or 'absent'}; "
+                           "it was trained for another model family")
+        out[comps[0]] = vec
+    return out
+
+
+def encoder_widths(ckpt, family: str) -> dict[str, int]:
+    """{text-encoder component: hidden width} of a checkpoint, from its token-embedding tables."""
+    from ..families import FAMILIES
+    out = {}
+    for name, comp in FAMILIES.get(family, {}).items():
+        if not name.startswith("text_encoder"):
+            continue
+        prefix = comp.prefix_in(ckpt.refs)
+        for key in ("embeddings.token_embedding.weight", "token_embedding.weight"):
+            if prefix is not None and prefix + key in ckpt.refs:
+                out[name] = int(ckpt.shape(prefix + key)[1])
+                break
+    return out
+
+
+def write_bundle_embeddings(paths, encoders: dict[str, int], root: Path) -> tuple[list[dict], dict[str, dict]]:
+    """Each embedding file -> `embeddings/<stem>.safetensors` under root, one tensor per text-encoder
+    component; returns (manifest entries, {bundle path: {size, sha256}})."""
+    from safetensors.numpy import save_file
+
+    from ...runtime.manifest import sha256_file
+    entries, files, seen = [], {}, {}
+    for path in paths:
+        p = Path(path)
+        name = p.stem
+        if not name or any(c.isspace() for c in name):
+            raise BadInput(f"embedding {p}: its name (the file stem) is the trigger word and must be one word")
+        if name.lower() in seen:
+            raise BadInput(f"embedding {p}: {seen[name.lower()]} has the same trigger word {name!r}; rename one")
+        seen[name.lower()] = str(p)
+        vectors = assign_encoders(p, read_embedding(p), encoders)
+        rel = f"embeddings/{name}.safetensors"
+        (root / "embeddings").mkdir(parents=True, exist_ok=True)
+        save_file({k: np.ascontiguousarray(v, np.float32) for k, v in sorted(vectors.items())}, str(root / rel))
+        files[rel] = {"size": (root / rel).stat().st_size, "sha256": sha256_file(root / rel)}
+        entries.append({"name": name, "sha256": sha256_file(p), "file": rel,
+                        "vectors": int(next(iter(vectors.values())).shape[0]), "encoders": sorted(vectors)})
+    return entries, files

@@ -1,0 +1,116 @@
+"""Textual-inversion embeddings applied at run time, with no engine rebuilt.
+
+Owns: the text encoder's second input, `token_embeddings_extra` [rows, hidden] (see
+compiler/graphs/clip_text.py): ids below the vocabulary read the built-in table, id vocab + k
+reads row k of this input. The runtime registers each embedding's name (its file stem) as a
+trigger word with the tokenizer, which hands out ids vocab, vocab + 1, ..., and feeds the
+vectors in the same order plus one trailing zero row (so the input is never empty: engines
+are built for 1..256 rows). Embeddings in a bundle live in `embeddings/<name>.safetensors`,
+one tensor per text-encoder component (`text_encoder`, `text_encoder_2`), written by the
+compiler (compiler/sources/embeddings.py reads the many user formats). numpy only.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import UserError
+
+EXTRA_TOKENS_INPUT = "token_embeddings_extra"
+MAX_EXTRA_ROWS = 256              # the engines' profile maximum (compiler/profiles.py EXTRA_TOKENS)
+_DTYPES = {"F32": np.float32, "F16": np.float16}
+
+
+def read_vectors(path: str | Path) -> dict[str, np.ndarray]:
+    """A small safetensors file of F32/F16 tensors (what the compiler writes) -> {name: array}."""
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        (n,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8:8 + n])
+        out = {}
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            arr = np.frombuffer(data[8 + n + start:8 + n + end], dtype=_DTYPES[info["dtype"]])
+            out[key] = arr.reshape(info["shape"]).astype(np.float32)
+        return out
+    except (struct.error, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{path}: not a readable embedding file ({type(e).__name__}: {e})") from None
+
+
+@dataclass
+class Embeddings:
+    """Registered embeddings, in id order: name -> {text-encoder component: [n, hidden]}."""
+    vocab: int | None = None                               # the text encoder's table rows
+    items: list[tuple[str, dict[str, np.ndarray]]] = field(default_factory=list)
+
+    def add(self, tokenizer, name: str, vectors: dict[str, np.ndarray]) -> list[int]:
+        """Register `name` with the tokenizer and keep its vectors; returns its ids."""
+        counts = {v.shape[0] for v in vectors.values()}
+        if len(counts) != 1:
+            raise UserError(f"embedding {name}: its encoders disagree on the vector count ({sorted(counts)})")
+        n = counts.pop()
+        if self.rows + n + 1 > MAX_EXTRA_ROWS:
+            raise UserError(f"embedding {name}: {self.rows + n} vectors in all exceed the engines' limit "
+                            f"of {MAX_EXTRA_ROWS - 1}; use fewer embeddings")
+        if self.vocab is not None and tokenizer.vocab_size != self.vocab + self.rows:
+            raise UserError(f"embedding {name}: the tokenizer has {tokenizer.vocab_size} ids but the text encoder "
+                            f"reads {self.vocab} + {self.rows}; the bundle's tokenizer does not fit its text encoder")
+        ids = tokenizer.add_tokens(name, n)
+        self.items.append((name, {k: np.asarray(v, np.float32) for k, v in vectors.items()}))
+        return ids
+
+    @property
+    def rows(self) -> int:
+        return sum(next(iter(v.values())).shape[0] for _, v in self.items)
+
+    def extra(self, component: str, hidden: int, dtype=np.float32) -> np.ndarray:
+        """[rows + 1, hidden]: every embedding's vectors for this encoder in id order, then a zero row.
+        An embedding without vectors for this encoder contributes zeros (its ids still exist)."""
+        out = np.zeros((self.rows + 1, hidden), dtype=np.float32)
+        row = 0
+        for name, vecs in self.items:
+            n = next(iter(vecs.values())).shape[0]
+            v = vecs.get(component)
+            if v is not None:
+                if v.shape[1] != hidden:
+                    raise UserError(f"embedding {name}: {component} vectors are {v.shape[1]} wide, "
+                                    f"the encoder is {hidden}")
+                out[row:row + n] = v
+            row += n
+        return out.astype(dtype)
+
+    def feeds(self, component: str, ids: np.ndarray, hidden: int, dtype=np.float32) -> dict[str, np.ndarray]:
+        """The text encoder's feeds for these ids."""
+        return {"input_ids": np.ascontiguousarray(ids, dtype=np.int32),
+                EXTRA_TOKENS_INPUT: self.extra(component, hidden, dtype)}
+
+
+def text_encoder_feeds(ids: np.ndarray, hidden: int, dtype=np.float32) -> dict[str, np.ndarray]:
+    """Feeds for a text encoder with no embeddings: the ids and the one zero row."""
+    return Embeddings().feeds("", ids, hidden, dtype)
+
+
+def encoder_feeds(session, component: str, ids: np.ndarray, embeddings: "Embeddings | None", hidden: int,
+                  dtype=np.float32) -> dict[str, np.ndarray]:
+    """Feeds for a loaded text-encoder session; engines exported before the extra input get ids only."""
+    if EXTRA_TOKENS_INPUT not in getattr(session, "input_names", [EXTRA_TOKENS_INPUT]):
+        if embeddings is not None and embeddings.items:
+            raise UserError(f"{component}: this engine has no {EXTRA_TOKENS_INPUT} input, so it cannot apply "
+                            "textual-inversion embeddings; rebuild the bundle with this precast version")
+        return {"input_ids": np.ascontiguousarray(ids, dtype=np.int32)}
+    return (embeddings or Embeddings()).feeds(component, ids, hidden, dtype)
+
+
+def load_bundle_embeddings(root: str | Path, manifest_model: dict, tokenizer, vocab: int | None) -> Embeddings:
+    """The embeddings a bundle's manifest lists (model.embeddings), registered with `tokenizer`."""
+    emb = Embeddings(vocab=vocab)
+    for item in manifest_model.get("embeddings") or []:
+        emb.add(tokenizer, item["name"], read_vectors(Path(root) / item["file"]))
+    return emb

@@ -1,0 +1,170 @@
+"""Textual inversion at run time: every file format read (torch files only through the restricted
+loader, which refuses a malicious pickle before it runs), and the text encoder's output with an
+embedding equal to diffusers' load_textual_inversion -- through the exported ONNX and through an
+engine built before the embedding existed (no rebuild)."""
+import os
+import pickle
+import zipfile
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from safetensors.numpy import save_file
+
+from conftest import rel_err
+from precast.compiler.demo_model import TINY
+from precast.compiler.errors import BadInput
+from precast.compiler.export import export
+from precast.compiler.sources.embeddings import assign_encoders, load_torch_restricted, read_embedding
+from precast.runtime.embeddings import Embeddings, load_bundle_embeddings
+from precast.runtime.tokenizer import ClipTokenizer
+import reference as ref
+
+PROMPT = "a photo of mystyle in the garden by otherstyle"
+
+
+@pytest.fixture(scope="module")
+def te_export(demo_ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ti") / "onnx"
+    export(demo_ckpt, out, ["text_encoder"], progress=False)
+    return out
+
+
+def _vectors(n, width=TINY.context_dim, seed=0):
+    return np.random.default_rng(seed).standard_normal((n, width)).astype(np.float32)
+
+
+# ---- formats ----------------------------------------------------------------------------------------
+
+def test_formats(tmp_path):
+    v = _vectors(3)
+    save_file({"emb_params": v}, str(tmp_path / "a.safetensors"))
+    save_file({"clip_l": _vectors(2, 768), "clip_g": _vectors(2, 1280)}, str(tmp_path / "xl.safetensors"))
+    save_file({"<cat-toy>": v[0]}, str(tmp_path / "learned_embeds.safetensors"))
+    torch.save({"<cat-toy>": torch.from_numpy(v[1])}, tmp_path / "learned_embeds.bin")
+    torch.save({"string_to_token": {"*": 265}, "string_to_param": {"*": torch.nn.Parameter(torch.from_numpy(v).half())},
+                "name": "a1111", "step": 1500, "sd_checkpoint": "abc", "sd_checkpoint_name": "model"},
+               tmp_path / "a1111.pt")
+    np.testing.assert_array_equal(read_embedding(tmp_path / "a.safetensors")["any"], v)
+    xl = read_embedding(tmp_path / "xl.safetensors")
+    assert {k: x.shape for k, x in xl.items()} == {"clip_l": (2, 768), "clip_g": (2, 1280)}
+    assert {k: x.shape for k, x in assign_encoders("xl", xl, {"text_encoder": 768, "text_encoder_2": 1280}).items()} == \
+        {"text_encoder": (2, 768), "text_encoder_2": (2, 1280)}
+    np.testing.assert_array_equal(read_embedding(tmp_path / "learned_embeds.safetensors")["any"], v[:1])
+    np.testing.assert_array_equal(read_embedding(tmp_path / "learned_embeds.bin")["any"], v[1:2])
+    np.testing.assert_array_equal(read_embedding(tmp_path / "a1111.pt")["any"], v.astype(np.float16).astype(np.float32))
+    # a non-contiguous view survives the strided rebuild
+    torch.save({"emb_params": torch.from_numpy(_vectors(4, 6)).t()}, tmp_path / "t.pt")
+    np.testing.assert_array_equal(load_torch_restricted(tmp_path / "t.pt")["emb_params"], _vectors(4, 6).T)
+    with pytest.raises(BadInput, match="another model family"):
+        assign_encoders("a", {"any": _vectors(1, 1024)}, {"text_encoder": 768})
+
+
+class _Evil:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_malicious_pickle_is_refused_without_running(tmp_path):
+    flag = tmp_path / "pwned"
+    payload = pickle.dumps({"string_to_param": {"*": _Evil(flag)}}, protocol=2)
+    with zipfile.ZipFile(tmp_path / "evil.pt", "w") as z:   # torch.save's container, evil data.pkl
+        z.writestr("evil/data.pkl", payload)
+        z.writestr("evil/version", "3\n")
+    (tmp_path / "raw.pt").write_bytes(payload)             # a bare pickle
+    torch.save({"emb_params": torch.zeros(1, 4), "extra": torch.nn.Linear(1, 1)}, tmp_path / "module.pt")
+    for name, match in (("evil.pt", r"refused: the pickle asks for (posix|os|nt)\.system"),
+                        ("raw.pt", "non-zip"), ("module.pt", "refused: the pickle asks for torch.nn")):
+        with pytest.raises(BadInput, match=match):
+            read_embedding(tmp_path / name)
+    assert not flag.exists()
+    with pytest.raises(BadInput, match="safetensors"):  # the hint says how to convert
+        read_embedding(tmp_path / "evil.pt")
+
+
+# ---- parity with diffusers' load_textual_inversion -------------------------------------------------
+
+def _reference(demo_ckpt, tmp_path, files):
+    """diffusers: load_textual_inversion into a pipeline; returns its te output for PROMPT and its ids."""
+    import transformers
+    from diffusers import PNDMScheduler, StableDiffusionPipeline
+    ClipTokenizer.shipped().write_files(tmp_path / "tok")
+    tok = transformers.CLIPTokenizerFast(str(tmp_path / "tok/vocab.json"), str(tmp_path / "tok/merges.txt"))
+    unet, vae, te = ref.models_from_single_file(demo_ckpt, TINY)
+    pipe = StableDiffusionPipeline(vae=vae, text_encoder=te, tokenizer=tok, unet=unet, scheduler=PNDMScheduler(),
+                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    for token, path in files:
+        pipe.load_textual_inversion(str(path), token=token)
+    prompt = pipe.maybe_convert_prompt(PROMPT, pipe.tokenizer)
+    ids = pipe.tokenizer(prompt, padding="max_length", max_length=77, return_tensors="np")["input_ids"].astype(np.int32)
+    return ref.run_text_encoder(pipe.text_encoder, ids)[0], ids
+
+
+def test_text_encoder_output_equals_diffusers_load_textual_inversion(demo_ckpt, te_export, tmp_path):
+    v1, v2 = _vectors(3, seed=1), _vectors(1, seed=2)
+    save_file({"emb_params": v1}, str(tmp_path / "mystyle.safetensors"))
+    save_file({"otherstyle": v2}, str(tmp_path / "otherstyle.safetensors"))
+    want, want_ids = _reference(demo_ckpt, tmp_path, [("mystyle", tmp_path / "mystyle.safetensors"),
+                                                      ("otherstyle", tmp_path / "otherstyle.safetensors")])
+    tok = ClipTokenizer.shipped()
+    emb = Embeddings(vocab=TINY.vocab)
+    for name in ("mystyle", "otherstyle"):
+        vec = assign_encoders(name, read_embedding(tmp_path / f"{name}.safetensors"), {"text_encoder": TINY.context_dim})
+        emb.add(tok, name, vec)
+    ids = tok(PROMPT)[None]
+    np.testing.assert_array_equal(ids, want_ids)  # the same ids diffusers' resized tokenizer gives
+    sess = ort.InferenceSession(str(te_export / "text_encoder/model.onnx"), providers=["CPUExecutionProvider"])
+    got, _ = sess.run(None, emb.feeds("text_encoder", ids, TINY.context_dim))
+    assert rel_err(got, want) <= 1e-4
+    plain, _ = sess.run(None, Embeddings().feeds("text_encoder", ClipTokenizer.shipped()(PROMPT)[None], TINY.context_dim))
+    assert rel_err(plain, want) > 1e-2  # the embedding changed the output
+
+
+def test_bundle_embeddings_apply_without_rebuilding_the_engine(demo_ckpt, tmp_path):
+    """One OpenVINO text-encoder engine serves bundles with and without embeddings (same cache key,
+    same blob), and with the embedding it matches diffusers."""
+    from precast.compiler.bundle import build_bundle
+    from precast.compiler.cache import Cache
+    from precast.compiler.recipe import load_recipe
+    from precast.runtime.manifest import read_manifest, verify_bundle
+    from precast.runtime.sessions import open_artifact
+    save_file({"emb_params": _vectors(2, seed=5)}, str(tmp_path / "mystyle.safetensors"))
+    cache = Cache(tmp_path / "cache")
+    manifests = {}
+    for name, extra in (("plain", ""), ("ti", "embeddings: [mystyle.safetensors]\n")):
+        (tmp_path / f"{name}.yaml").write_text(
+            f"model: {{source: {demo_ckpt}}}\ncomponents: [text_encoder]\n{extra}"
+            "profiles: {height: 64, width: 64}\ntargets: [{openvino: {device: CPU}}]\n")
+        build_bundle(load_recipe(tmp_path / f"{name}.yaml"), tmp_path / name, progress=False, cache=cache)
+        assert verify_bundle(tmp_path / name) == []
+        manifests[name] = read_manifest(tmp_path / name)
+    (a_plain,), (a_ti,) = manifests["plain"].artifacts(), manifests["ti"].artifacts()
+    sha = lambda name, a: manifests[name].files[a.entry]["sha256"]  # noqa: E731
+    assert sha("plain", a_plain) == sha("ti", a_ti)  # the engine does not depend on the embeddings
+    m = manifests["ti"]
+    (entry,) = m.model["embeddings"]
+    assert entry["name"] == "mystyle" and entry["vectors"] == 2 and entry["encoders"] == ["text_encoder"]
+    tok = ClipTokenizer.from_folder(tmp_path / "ti/tokenizer")
+    emb = load_bundle_embeddings(tmp_path / "ti", m.model, tok, m.components["text_encoder"]["config"]["vocab"])
+    session = open_artifact(tmp_path / "ti", {"backend": "openvino", "entry": a_ti.entry, **a_ti.metadata})
+    ids = tok(PROMPT)[None]
+    got = session.run(emb.feeds("text_encoder", ids, TINY.context_dim))["last_hidden_state"]
+    want, _ = _reference(demo_ckpt, tmp_path, [("mystyle", tmp_path / "mystyle.safetensors")])
+    assert rel_err(got, want) <= 1e-4
+
+
+def test_tensorrt_rtx_builds_the_text_encoder_with_the_extra_input(te_export, tmp_path):
+    """AOT build (no GPU needed): the extra input's profile is 1..256 rows."""
+    from precast.compiler.cache import Cache
+    from precast.compiler.engines import compile_component, read_export
+    from precast.compiler.profiles import ShapeProfile
+    from precast.compiler.targets import parse_target
+    comp = read_export(te_export)["text_encoder"]
+    rec, entry = compile_component(comp, parse_target("tensorrt-rtx:sm_86", {}), ShapeProfile(), Cache(tmp_path / "c"),
+                                   progress=False)
+    assert entry.metadata["profile"]["token_embeddings_extra"] == [[1, TINY.context_dim], [1, TINY.context_dim],
+                                                                   [256, TINY.context_dim]]
