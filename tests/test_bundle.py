@@ -158,7 +158,7 @@ def test_hostile_archives_are_refused_before_writing(tmp_path, kind, why):
 def test_recipe_errors_name_file_line_and_field(tmp_path, text, line, words):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(text)
-    proc = precast("plan", recipe)
+    proc = precast("build", recipe, "--out", tmp_path / "b", env={"PRECAST_CACHE": str(tmp_path / "c")})
     assert proc.returncode == 2, proc.stdout
     assert f"{recipe}:{line}:" in proc.stderr and words in proc.stderr, proc.stderr
 
@@ -173,3 +173,12 @@ def test_plan_formats(tmp_path):
     entries = json.loads(precast("plan", recipe, "--format", "json", check=True).stdout)["entries"]
     needs = {e["backend"]: e["needs"] for e in entries}
     assert "gfx1100" in needs["migraphx"] and "GPU" in needs["openvino"]
+
+
+@pytest.mark.parametrize("name", ["tiny-sd15", "sd15", "sd21", "sdxl"])
+def test_shipped_recipes_plan_without_their_checkpoints(name):
+    """CI's plan job runs before any checkpoint is downloaded: every shipped recipe must plan."""
+    proc = precast("plan", f"{ROOT}/recipes/{name}.yaml", "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    entries = json.loads(proc.stdout)["entries"]
+    assert entries and all(e["needs"] for e in entries)
