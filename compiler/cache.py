@@ -31,12 +31,33 @@ def cache_root() -> Path:
     return Path(platformdirs.user_cache_dir("precast"))
 
 
-def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+def sha256_file(path: Path) -> str:
+    from ..runtime.manifest import sha256_file as digest
+    return digest(path)
+
+
+def input_digest(path: Path, memo_dir: Path | None = None) -> str:
+    """sha256 of an input file, remembered by (path, size, mtime, inode) the way git's index does,
+    so a cache hit does not re-read gigabytes to compute its key. Cache entries themselves are
+    always verified in full."""
+    st = os.stat(path)
+    stamp = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    memo = (memo_dir or cache_root()) / "digests" / (hashlib.sha256(stamp.encode()).hexdigest() + ".txt")
+    try:
+        value = memo.read_text().strip()
+        if len(value) == 64:
+            return value
+    except OSError:
+        pass
+    value = sha256_file(path)
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(value)
+        os.replace(tmp, memo)
+    except OSError:
+        pass
+    return value
 
 
 def cache_key(parts: dict) -> str:

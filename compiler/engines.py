@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cache import Cache, Entry, cache_key, sha256_file
+from .cache import Cache, Entry, cache_key, input_digest
 from .errors import BadInput
 from .profiles import ShapeProfile
 from .targets import BuildJob, TargetSpec, get_target
@@ -45,11 +45,12 @@ def read_export(folder: str | Path) -> dict[str, ExportedComponent]:
     return comps
 
 
-def artifact_key(comp: ExportedComponent, spec: TargetSpec, shapes: dict, toolchain: dict, fingerprint: str) -> str:
+def artifact_key(comp: ExportedComponent, spec: TargetSpec, shapes: dict, toolchain: dict, fingerprint: str,
+                 memo_dir: Path | None = None) -> str:
     data = comp.onnx_path.with_name(comp.onnx_path.name + "_data")
     return cache_key({
-        "graph_sha256": sha256_file(comp.onnx_path),
-        "weights_sha256": sha256_file(data) if data.exists() else "",
+        "graph_sha256": input_digest(comp.onnx_path, memo_dir),
+        "weights_sha256": input_digest(data, memo_dir) if data.exists() else "",
         "component": comp.name,
         "shapes": {k: [list(s) for s in v] for k, v in sorted(shapes.items())},
         "target": spec.describe(),
@@ -66,7 +67,7 @@ def compile_component(comp: ExportedComponent, spec: TargetSpec, profile: ShapeP
     toolchain = target.toolchain()            # BadInput here when the backend is not installed
     fingerprint = target.fingerprint(spec).to_string()
     shapes = profile.input_shapes(comp.name, comp.inputs)
-    key = artifact_key(comp, spec, shapes, toolchain, fingerprint)
+    key = artifact_key(comp, spec, shapes, toolchain, fingerprint, cache.root)
     job = BuildJob(comp.onnx_path, comp.name, comp.inputs, shapes, progress)
 
     def build(folder: Path) -> dict:
