@@ -49,6 +49,16 @@ def test_reexport_replaces_components_and_keeps_other_files(demo_ckpt, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]  # no staging folders left
 
 
+def _zeros_file(path, shapes):
+    """A .safetensors file with these F16 tensors, all zeros."""
+    header, offset = {}, 0
+    for k, shape in shapes.items():
+        n = 2 * int(np.prod(shape))
+        header[k] = {"dtype": "F16", "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    return _write_raw(path, header, b"\0" * offset)
+
+
 def _write_raw(path, header, data):
     blob = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
@@ -140,12 +150,7 @@ def test_missing_and_unexpected_tensors_are_listed(demo_ckpt, tmp_path):
      "controlnet"),
 ])
 def test_other_families_are_detected_and_refused(tmp_path, keys, family):
-    header, offset = {}, 0
-    for k, shape in keys.items():
-        n = 2 * int(np.prod(shape))
-        header[k] = {"dtype": "F16", "shape": shape, "data_offsets": [offset, offset + n]}
-        offset += n
-    path = _write_raw(tmp_path / "m.safetensors", header, b"\0" * offset)
+    path = _zeros_file(tmp_path / "m.safetensors", keys)
     proc = precast("export", path, "--out", tmp_path / "o")
     assert proc.returncode == 2
     assert f"detected {family}" in proc.stderr and "not supported yet" in proc.stderr, proc.stderr
@@ -169,12 +174,7 @@ def test_bad_options_are_named(demo_ckpt, tmp_path):
       "model.diffusion_model.label_emb.0.0.weight": [1536, 2560]}, "sdxl-refiner"),
 ])
 def test_damaged_supported_families_name_what_is_missing(tmp_path, keys, family):
-    header, offset = {}, 0
-    for k, shape in keys.items():
-        n = 2 * int(np.prod(shape))
-        header[k] = {"dtype": "F16", "shape": shape, "data_offsets": [offset, offset + n]}
-        offset += n
-    path = _write_raw(tmp_path / "m.safetensors", header, b"\0" * offset)
+    path = _zeros_file(tmp_path / "m.safetensors", keys)
     proc = precast("export", path, "--out", tmp_path / "o", "--component", "unet")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "missing" in proc.stderr or "no " in proc.stderr

@@ -39,18 +39,11 @@ class UNetConfig:
         return asdict(self)
 
 
-def _count(g: Graph, fmt: str) -> int:
-    n = 0
-    while any(k.startswith(g.prefix + fmt.format(n) + ".") for k in g.ckpt.refs):
-        n += 1
-    return n
-
-
 def unet_config(g: Graph, config_json: dict, overrides: dict) -> UNetConfig:
     if not g.has("input_blocks.0.0.weight"):
         raise BadInput(f"{g.ckpt.path}: no {g.prefix}input_blocks.0.0.weight")
     mc, in_ch = g.shape("input_blocks.0.0.weight")[:2]
-    n_in = _count(g, "input_blocks.{}")
+    n_in = g.count("input_blocks.{}")
     channels, levels, level = [mc], [0], 0
     for i in range(1, n_in):
         if g.has(f"input_blocks.{i}.0.op.weight"):
@@ -86,7 +79,7 @@ def unet_config(g: Graph, config_json: dict, overrides: dict) -> UNetConfig:
                       context_dim=ctx[0] if ctx else 0, channels=channels, levels=levels, num_heads=heads,
                       groups=int(overrides.get("groups") or config_json.get("norm_num_groups") or 32),
                       use_linear_projection=bool(proj) and len(proj[0]) == 2,
-                      n_output_blocks=_count(g, "output_blocks.{}"), adm_in_channels=adm, time_ids=n_ids,
+                      n_output_blocks=g.count("output_blocks.{}"), adm_in_channels=adm, time_ids=n_ids,
                       time_id_dim=id_dim)
 
 

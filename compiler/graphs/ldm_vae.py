@@ -26,13 +26,6 @@ class VaeConfig:
         return asdict(self)
 
 
-def _count(g: Graph, fmt: str) -> int:
-    n = 0
-    while any(k.startswith(g.prefix + fmt.format(n) + ".") for k in g.ckpt.refs):
-        n += 1
-    return n
-
-
 def vae_config(g: Graph, config_json: dict, overrides: dict) -> VaeConfig:
     if not g.has("decoder.conv_in.weight") and not g.has("encoder.conv_in.weight"):
         raise BadInput(f"{g.ckpt.path}: no VAE tensors under {g.prefix} (looked for decoder.conv_in.weight)")
@@ -40,8 +33,8 @@ def vae_config(g: Graph, config_json: dict, overrides: dict) -> VaeConfig:
         g.shape("encoder.conv_in.weight")[1]
     z = g.shape("decoder.conv_in.weight")[1] if g.has("decoder.conv_in.weight") else \
         g.shape("encoder.conv_out.weight")[0] // 2
-    return VaeConfig(image_channels=img, latent_channels=z, encoder_levels=_count(g, "encoder.down.{}"),
-                     decoder_levels=_count(g, "decoder.up.{}"),
+    return VaeConfig(image_channels=img, latent_channels=z, encoder_levels=g.count("encoder.down.{}"),
+                     decoder_levels=g.count("decoder.up.{}"),
                      groups=int(overrides.get("groups") or config_json.get("norm_num_groups") or 32))
 
 

@@ -62,6 +62,13 @@ class Graph:
     def has(self, key: str) -> bool:
         return self.prefix + key in self.ckpt.refs
 
+    def count(self, fmt: str) -> int:
+        """How many consecutive indexed blocks exist, e.g. count("input_blocks.{}")."""
+        n = 0
+        while any(k.startswith(self.prefix + fmt.format(n) + ".") for k in self.ckpt.refs):
+            n += 1
+        return n
+
     def shape(self, key: str) -> tuple[int, ...]:
         if self.prefix + key not in self.ckpt.refs:
             raise BadInput(f"{self.ckpt.path}: missing tensor {self.prefix + key} needed by the {self.name}; "
