@@ -10,7 +10,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
+
 from pathlib import Path
 from typing import Callable
 

@@ -218,7 +218,7 @@ def test_nvml_answers_on_the_real_machine(monkeypatch):
 
 def test_openvino_gpu_properties(monkeypatch):
     """OpenVINO's GPU answers (a stand-in openvino here: this machine has no Intel GPU) map to the same names."""
-    from precast.runtime import devices as devices_mod
+    from precast.runtime.devices import intel as devices_mod
     props = {
         "GPU.0": {"FULL_DEVICE_NAME": "Intel(R) UHD Graphics 770 (iGPU)", "DEVICE_TYPE": "Type.INTEGRATED",
                   "DEVICE_ARCHITECTURE": "GPU: vendor=0x8086 arch=v12.0.0", "GPU_UARCH_VERSION": "12.0.0",
