@@ -29,8 +29,13 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q
 
+# Benchmarks (minutes to an hour; full-size weights are generated into benchmarks/results/work).
 bench: setup
 	$(BIN)/python benchmarks/export_unet.py
+	$(BIN)/python benchmarks/engines.py
+	$(BIN)/python benchmarks/lora.py
+	$(BIN)/python benchmarks/sdxl.py
+	$(BIN)/python benchmarks/suite.py
 
 clean:
 	rm -rf build $(VENV)
