@@ -45,8 +45,10 @@ class OpenVinoSession:
         core = ov.Core()
         if from_onnx:
             self._cm = core.compile_model(core.read_model(str(path)), device, config)
-        else:
-            self._cm = core.import_model(Path(path).read_bytes(), device, config)
+        else:  # the blob memory-mapped (copy-on-write), not read into bytes: 5-6x faster for a 3.4 GB
+            # UNet. The compiled model keeps using the mapped memory, so the map lives as long as it does.
+            self._blob = np.memmap(path, dtype=np.uint8, mode="c")
+            self._cm = core.import_model(ov.Tensor(self._blob, shared_memory=True), device, config)
         self.input_names = [_port_name(p) for p in self._cm.inputs]
         self.output_names = [_port_name(p) for p in self._cm.outputs]
         self._types = {n: np.dtype(p.get_element_type().to_dtype()) for n, p in zip(self.input_names, self._cm.inputs)}

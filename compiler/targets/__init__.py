@@ -18,7 +18,7 @@ BOOL = (True, False)
 OPTIONS: dict[str, dict[str, tuple]] = {   # option -> allowed values (empty: free-form)
     "onnxruntime": {"simplify": BOOL},
     "openvino": {"device": (), "precision": ("f32", "bf16", "f16"), "performance_hint": ("LATENCY", "THROUGHPUT"),
-                 "num_streams": (), "threads": (), "ir": BOOL, "compress_to_fp16": BOOL},
+                 "num_streams": (), "threads": (), "ir": BOOL, "compress_to_fp16": BOOL, "winograd": BOOL},
     "tensorrt-rtx": {"compute_capabilities": (), "weight_streaming": BOOL, "refittable": BOOL, "strip_weights": BOOL},
     "migraphx": {"gfx": (), "fp16": BOOL, "fast_math": BOOL},
 }

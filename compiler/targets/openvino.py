@@ -1,9 +1,11 @@
 """OpenVINO target: ONNX -> (optional IR) -> a compiled blob for one device via export_model.
 
 Owns: the compile config (performance hint, inference precision chosen from what the CPU
-does fast: f32 unless AMX makes bf16 faster; static shapes when the profile is static) and
-recording that config, because an imported blob does not remember it: the runtime must pass
-the same config to import_model.
+does fast: f32 unless AMX makes bf16 faster; static shapes when the profile is static), the
+model rewrites applied before compiling (Winograd 3x3 convolutions on CPU in f32 with static
+shapes: openvino_winograd.py; option `winograd: false` turns it off) and recording that config,
+because an imported blob does not remember it: the runtime must pass the same config to
+import_model.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from ...runtime.cpu import cpu_flags, default_precision, isa_level
 from ...runtime.fingerprint import Fingerprint
 from ..errors import BadInput
 from .base import BuildJob, TargetSpec
+
+REWRITES = "winograd-f4x4-1"   # bump when a model rewrite changes: it is part of the cache key
 
 
 class OpenVinoTarget:
@@ -26,7 +30,8 @@ class OpenVinoTarget:
         return openvino
 
     def toolchain(self) -> dict[str, str]:
-        return {"openvino": "-".join(self._ov().get_version().split("-")[:2])}  # e.g. 2026.4.1-22982
+        return {"openvino": "-".join(self._ov().get_version().split("-")[:2]),  # e.g. 2026.4.1-22982
+                "precast_openvino_rewrites": REWRITES}
 
     def device_arch(self, device: str) -> str:
         if device == "CPU":
@@ -66,8 +71,16 @@ class OpenVinoTarget:
         if spec.get("ir", False):
             ov.save_model(model, str(folder / "model.xml"), compress_to_fp16=bool(spec.get("compress_to_fp16", False)))
         config = self.compile_config(spec)
+        rewrites = {}
+        if device == "CPU" and job.static and config["INFERENCE_PRECISION_HINT"] == "f32" \
+                and spec.get("winograd", True):
+            from .openvino_winograd import rewrite_convolutions
+            rewrites["winograd"] = rewrite_convolutions(model)
         compiled = core.compile_model(model, device, config)
+        del model
         blob = compiled.export_model()
         (folder / "model.blob").write_bytes(blob.getvalue() if hasattr(blob, "getvalue") else bytes(blob))
+        del blob
         return {"entry": "model.blob", "device": device, "compile_config": config, "static": job.static,
-                "precision": compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()}
+                "precision": compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name(),
+                "rewrites": rewrites}
