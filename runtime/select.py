@@ -71,6 +71,7 @@ class Candidate:
     artifact: Artifact | None        # None: the bundle's ONNX, compiled/loaded at run time
     entry: Path
     note: str = ""
+    pending: tuple = ()              # (root, file, record): sha256 checked just before loading
 
     def describe(self) -> dict:
         return {"component": self.component, "device": self.device.id, "device_name": self.device.name,
@@ -132,15 +133,18 @@ def select_component(manifest: Manifest, component: str, placement: Placement, d
     comp = manifest.components.get(component)
     if comp is not None:
         onnx_files = [f for f in comp["files"]]
+        # With an engine ahead of it, the fallback ONNX (GBs for a UNet) is hashed only if it gets loaded.
+        lazy = verify and bool(sel.viable)
         problem = next((p for rel in onnx_files if (p := verify_file(manifest.root, rel, manifest.files[rel]))),
-                       None) if verify else None
+                       None) if verify and not lazy else None
         if problem:
             sel.refused.append(f"{component}: the bundle's ONNX is damaged: {problem}")
         else:
+            pending = tuple((manifest.root, rel, manifest.files[rel]) for rel in onnx_files) if lazy else ()
             for backend in ("openvino", "onnxruntime"):
                 if backend in installed:
                     sel.viable.append(Candidate(component, cpu, backend, None, manifest.root / comp["onnx"],
-                                                "fallback: no prebuilt engine fits"))
+                                                "fallback: no prebuilt engine fits", pending))
                     break
             else:
                 sel.refused.append(f"{component}: no CPU fallback: neither openvino nor onnxruntime is installed")
@@ -188,6 +192,10 @@ def load_component(sel: Selection, output_names: list[str], offload: bool = Fals
     are recorded and the next candidate is tried."""
     reasons = list(sel.refused)
     for c in sel.viable:
+        problem = next((p for root, rel, rec in c.pending if (p := verify_file(root, rel, rec))), None)
+        if problem:
+            reasons.append(f"{sel.component}: the bundle's ONNX is damaged: {problem}")
+            continue
         try:
             return open_candidate(c, output_names, offload), c, reasons
         except Exception as e:  # a backend refusing this machine is a reason to fall back, not a crash

@@ -101,3 +101,22 @@ def test_device_override_warning(bundles):
     report = json.loads(precast("doctor", "--json", "--sysroot", f"{MACHINES}/laptop-igpu-dgpu",
                                 env={"PRECAST_DEVICE": "xpu0"}).stdout)
     assert [d["id"] for d in report["devices"]] == ["xpu0", "cuda0", "cpu"]
+
+
+def test_fallback_onnx_is_hashed_only_when_it_is_loaded(bundles, tmp_path):
+    """With an engine ahead of it the bundle's ONNX is not hashed at selection (a UNet's is GBs);
+    if it comes to loading it, a damaged one is refused with the reason."""
+    copy = tmp_path / "b"
+    shutil.copytree(bundles["sm_86"], copy)
+    data = next(copy.rglob("model.onnx_data"))
+    raw = bytearray(data.read_bytes())
+    raw[10] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    m = read_manifest(copy)
+    devices = discover_devices(f"{MACHINES}/rtx3060-desktop", {})
+    sel = select_component(m, "vae_decoder", assign_modules(devices)["vae"], devices,
+                           {"latent_sample": (1, 4, 8, 8)}, installed_backends())
+    assert sel.viable[-1].artifact is None and not any("damaged" in r for r in sel.refused)
+    only_onnx = type(sel)(sel.component, [sel.viable[-1]], list(sel.refused))
+    with pytest.raises(Exception, match="the bundle's ONNX is damaged"):
+        load_component(only_onnx, ["sample"])

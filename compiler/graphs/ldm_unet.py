@@ -108,7 +108,7 @@ def cross_attention(g: Graph, x: str, ctx: str, p: str, heads: int) -> str:
 
 
 def geglu_ff(g: Graph, x: str, p: str) -> str:
-    value, gate = g.op("Split", g.linear(x, f"{p}.net.0.proj"), axis=-1, num_outputs=2, outputs=2)
+    value, gate = g.linear_chunks(x, f"{p}.net.0.proj", 2)   # two GEMMs: no Split, Gelu fuses into one
     return g.linear(g.op("Mul", value, g.gelu(gate)), f"{p}.net.2")
 
 

@@ -140,6 +140,22 @@ class Graph:
             bias = self.has(f"{module}.bias")
         return self.op("Add", y, self.param(f"{module}.bias")) if bias else y
 
+    def linear_chunks(self, x: str, module: str, chunks: int) -> list[str]:
+        """torch Linear followed by chunk(chunks, dim=-1), written as one linear per chunk over
+        slices of the weight and bias (constant-folded by the backends): no Split of the
+        activation, and each chunk's consumer (e.g. GEGLU's Gelu) fuses into its GEMM."""
+        out = self.shape(f"{module}.weight")[0]
+        if out % chunks:
+            raise BadInput(f"{self.ckpt.path}: {self.prefix}{module}.weight has {out} rows, not divisible into {chunks}")
+        n = out // chunks
+        w, b = self.param(f"{module}.weight"), self.param(f"{module}.bias")
+        ys = []
+        for i in range(chunks):
+            start, end, axis = self.ints(i * n), self.ints((i + 1) * n), self.ints(0)
+            wi = self.op("Transpose", self.op("Slice", w, start, end, axis), perm=[1, 0])
+            ys.append(self.op("Add", self.op("MatMul", x, wi), self.op("Slice", b, start, end, axis)))
+        return ys
+
     def conv2d(self, x: str, module: str, stride: int = 1, pad: int | None = None) -> str:
         kh, kw = self.shape(f"{module}.weight")[2:]
         p = kh // 2 if pad is None else pad
