@@ -21,6 +21,8 @@ Runners, each in a fresh process (so one's memory and threads cannot bill anothe
   precast          precast's engine: `precast build` of a recipe with a static 512x512 profile
                    (OpenVINO CPU target; fp32), the artifact compiled through the cache
                    (compile_component) and run through the runtime's session (open_artifact)
+  (precast-bf16), (precast-f16)  UNet only: our graph compiled with those precision hints (static,
+                   without the f32-only rewrites), to show what the target's f32 choice is measured against
 
 The torch-exported ONNX files (torch.onnx.export, TorchScript exporter, dynamic batch/size axes,
 opset 17, as optimum exports them) are cached under the work folder. Each runner: one warm-up
@@ -35,8 +37,9 @@ time per (op type, kernel) and the slowest nodes, printed and in the JSON.
 
 Cold start: `precast build` time, then in a fresh process the runtime's Txt2Img over the bundle
 (manifest, device discovery, selection with sha256 verification, loading each engine) and one
-txt2img step to the first image; and per component, loading the cached blob (import_model) vs
-compiling the bundle's ONNX (read_model + reshape + compile_model with the recorded config).
+txt2img step to the first image; and per component, the cached load (sha256 of the blob +
+import_model of the memory-mapped blob, as the runtime does it) vs compiling the bundle's ONNX
+(read_model + reshape + the target's rewrites + compile_model with the recorded config).
 
 Usage: .venv/bin/python benchmarks/suite.py [--only unet|vae|text ...] [--skip-peers] [--batch 1|2]
            [--steps N] [--no-profile] [--no-cold-start] [--ov-option K=V ...] [--work DIR] [--json OUT]
@@ -245,9 +248,10 @@ def ov_profile(request, compiled, top: int = 10) -> dict:
     for op in compiled.get_runtime_model().get_ordered_ops():
         rt = op.get_rt_info()
         names = rt["originalLayersNames"].astype(str).lower() if "originalLayersNames" in rt else ""
-        ranks = [len(op.input_value(i).get_partial_shape()) for i in range(op.get_input_size())]
-        if "softmax" in names or (len(ranks) >= 3 and all(r == 4 for r in ranks)):
-            names += " softmax"      # imported blobs keep no fused names: q, k, v in, 4-D, is attention
+        ins = [str(op.input_value(i).get_partial_shape()).strip("[]").split(",") for i in range(op.get_input_size())]
+        if "softmax" in names or (len(ins) == 3 and all(len(i) == 4 and "1" not in i[1:] for i in ins)
+                                  and len({tuple(i) for i in ins}) > 1):
+            names += " softmax"   # imported blobs keep no fused names: q, k^T, v (4-D, unbroadcast) is attention
         origin[op.get_friendly_name()] = names
     by_kind, count, nodes, total = collections.Counter(), collections.Counter(), [], 0.0
     for p in request.profiling_info:
@@ -332,11 +336,16 @@ def child_precast(spec: dict) -> dict:
     outs = {}
     times = _time_calls(lambda: outs.update(session.run(feeds)), spec["steps"])
     cfg = entry.metadata.get("compile_config", {})
-    res = {"load_s": load, "times": times, "outputs": outs, "cache": record["cache"],
+    cm = getattr(session, "_cm", None)
+    props = {k: str(cm.get_property(k)) for k in ("INFERENCE_PRECISION_HINT", "PERFORMANCE_HINT", "NUM_STREAMS",
+                                                  "INFERENCE_NUM_THREADS")} if cm is not None else {}
+    res = {"load_s": load, "times": times, "outputs": outs, "cache": record["cache"], "compiled_properties": props,
+           "rewrites": entry.metadata.get("rewrites"), "blob_mb": round(entry.size / 1e6, 1),
            "compile_component_s": compile_s, "build_seconds": entry.metadata.get("build_seconds"),
            "compile_config": cfg, "static": entry.metadata.get("static"), "artifact": record["key"][:12],
            "detail": f"precast engine (openvino blob, {'static' if entry.metadata.get('static') else 'dynamic'} "
-                     f"shapes, {cfg}) via runtime.sessions.open_artifact; cache {record['cache']}"}
+                     f"shapes, {props or cfg}, rewrites {entry.metadata.get('rewrites')}) via "
+                     f"runtime.sessions.open_artifact; cache {record['cache']}"}
     if spec.get("profile"):
         import openvino as ov
         del session
@@ -369,9 +378,10 @@ def child_cold_start(spec: dict) -> dict:
               "bundle_to_first_output_s": time.perf_counter() - t_proc, "image_shape": list(image.shape),
               "where": where, "per_component": {}}
     del pipe
-    import tempfile
-    from precast.compiler.targets import BuildJob, parse_target
+    import openvino as ov
+    from precast.compiler.targets import parse_target
     from precast.compiler.targets.openvino import OpenVinoTarget
+    from precast.compiler.targets.openvino_winograd import rewrite_convolutions
     from precast.runtime import sessions
     from precast.runtime.manifest import read_manifest, verify_file
     manifest = read_manifest(spec["bundle"])
@@ -390,14 +400,18 @@ def child_cold_start(spec: dict) -> dict:
         open_s = time.perf_counter() - t0
         del session
         info = manifest.components[comp]
-        job = BuildJob(root / info["onnx"], comp, info["inputs"],
-                       {k: tuple(tuple(s) for s in v) for k, v in a.shapes.items()}, progress=False)
-        with tempfile.TemporaryDirectory(dir=spec["tmp"]) as tmp:
-            t0 = time.perf_counter()  # what a cache miss costs: read_model, reshape, rewrites, compile, export
-            meta = OpenVinoTarget().build(job, parse_target("openvino", {"device": "CPU"}), Path(tmp))
-            build_s = time.perf_counter() - t0
+        target = OpenVinoTarget()
+        spec_t = parse_target("openvino", {"device": "CPU"})
+        config = target.compile_config(spec_t)
+        t0 = time.perf_counter()   # what a cache miss costs, less writing the blob: read, reshape, rewrites, compile
+        model = ov.Core().read_model(str(root / info["onnx"]))
+        model.reshape({k: ov.PartialShape(list(v[1])) for k, v in a.shapes.items()})
+        rewrites = rewrite_convolutions(model) if a.metadata.get("rewrites", {}).get("winograd") else None
+        compiled = ov.Core().compile_model(model, "CPU", config)
+        build_s = time.perf_counter() - t0
+        del compiled, model
         result["per_component"][comp] = {"sha256_verify_s": verify_s, "open_artifact_s": open_s,
-                                         "compile_s": build_s, "rewrites": meta.get("rewrites"),
+                                         "compile_s": build_s, "rewrites": rewrites,
                                          "blob_mb": round(sum(manifest.files[r]["size"] for r in a.files) / 1e6, 1),
                                          "ratio": build_s / max(verify_s + open_s, 1e-9)}
     return result
@@ -598,6 +612,8 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true", help="skip the OpenVINO per-op performance counters")
     ap.add_argument("--no-cold-start", action="store_true", help="skip the cold-start measurement")
     ap.add_argument("--no-static-peer", action="store_true", help="skip openvino-f32-static (the extra peer)")
+    ap.add_argument("--precisions", default="bf16,f16", help="UNet: our graph also compiled with these OpenVINO "
+                    "precision hints (static shapes, no rewrites), to show what f32 is chosen over; '' to skip")
     ap.add_argument("--ov-option", action="append", default=[], metavar="K=V",
                     help="extra OpenVINO target option for precast's engine (e.g. precision=bf16)")
     ap.add_argument("--work", type=Path, default=HERE / "results" / "work")
@@ -622,8 +638,9 @@ def main() -> None:
     digest = code_digest()
     cache = suite / f"cache-{digest}"
     for old in suite.glob("cache-*"):
-        if old != cache:
-            shutil.rmtree(old, ignore_errors=True)     # builds of an older graph/target code
+        if old != cache:                              # builds of an older graph/target code (GBs each),
+            shutil.rmtree(old, ignore_errors=True)    # and the bundle that links to them
+            shutil.rmtree(suite / "bundle", ignore_errors=True)
     bundle = build_bundle(ckpt, suite, cache, ["text_encoder", "unet", "vae_decoder"], 1)
 
     results: dict[str, dict] = {}
@@ -666,6 +683,12 @@ def main() -> None:
         rows["precast"] = run_child("precast", {**common, "cache": str(cache), "export": bundle["components"][comp],
                                                 "target_options": target_options, "profile": not opts.no_profile},
                                     runs_dir / "precast", "precast")
+        if comp == "unet":   # our graph at the other precisions the CPU offers (f32 is the target's choice)
+            for prec in [p for p in opts.precisions.split(",") if p]:
+                rows[f"precast-{prec}"] = run_child(
+                    "openvino", {**common, "onnx": bundle["components"][comp]["onnx"], "static": True,
+                                 "ov_config": {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": prec}},
+                    runs_dir / f"precast-{prec}", f"precast graph, {prec}")
         ref_dir = runs_dir / "torch"
         peak = peak_start["best"]
         for name, r in rows.items():
@@ -681,7 +704,7 @@ def main() -> None:
     cold = None
     if not opts.no_cold_start:
         print("\n== cold start ==", flush=True)
-        cold = run_child("cold-start", {"bundle": bundle["bundle"], "tmp": str(suite)}, suite / "runs" / "cold_start",
+        cold = run_child("cold-start", {"bundle": bundle["bundle"]}, suite / "runs" / "cold_start",
                          "bundle -> first image")
         cold["precast_build_wall_s"] = bundle["wall_s"]
 
@@ -718,7 +741,7 @@ def check_floors(results: dict, peak: float) -> dict:
         if "median_s" not in ours:
             continue
         f = {"parity": ours.get("parity_ok")}
-        peers = {n: r["median_s"] for n, r in rows.items() if n != "precast" and "median_s" in r}
+        peers = {n: r["median_s"] for n, r in rows.items() if not n.startswith("precast") and "median_s" in r}
         if peers:
             f["fastest"] = all(ours["median_s"] < t for t in peers.values())
             ov = [rows[n]["median_s"] for n in ("openvino", "openvino-f32") if "median_s" in rows.get(n, {})]
@@ -751,13 +774,15 @@ def print_report(results, peak, peak_start, peak_end, load_start, load_end, cold
             err = "" if r.get("rel_err_vs_torch") is None else f"{r['rel_err_vs_torch']:.1e}" + \
                 ("" if r["parity_ok"] else "!")
             ratio = f"{r['median_s'] / ours:.2f}x" if ours and name != "precast" else ""
+            name = name if not name.startswith("precast-") else f"({name})"
             print(f"{comp:<13} {name:<20} {r['median_s']:>9.3f} {r['min_s']:>7.3f} {r['gflops']:>8.1f} "
                   f"{r['pct_of_peak']:>6.1f}% {err:>9} {ratio:>7}  {r['load_avg_start'][0]:.2f}")
         f = res["flops"]
         print(f"{'':<13} ({f['gflop']} GFLOP per call = conv {f['conv_gflop']} + linear {f['linear_gflop']}; "
               f"attention matmuls {f['attention_gflop']} not counted; inputs {res['inputs']})")
     print("rel err = max|x - torch| / max|torch| over the outputs ('!' = above the 1e-3 tolerance); "
-          "ours x = runner time / precast time")
+          "ours x = runner time / precast time; (precast-P) = our graph with OpenVINO precision hint P "
+          "(static, no f32-only rewrites), not what the target builds on this CPU")
     for comp, res in results.items():
         for name in ("precast", "openvino-f32"):
             prof = res["runners"].get(name, {}).get("profile")
@@ -774,8 +799,8 @@ def print_report(results, peak, peak_start, peak_end, load_start, load_end, cold
                   f"encode + 1 UNet step + decode {cold['first_image_s']:.1f} s)")
             for comp, c in cold["per_component"].items():
                 print(f"  {comp:<13} blob {c['blob_mb']:>7.1f} MB: cached load = sha256 {c['sha256_verify_s']:.1f} s + "
-                      f"import_model (mmap) {c['open_artifact_s']:.1f} s vs compile (read, reshape, rewrites, compile, "
-                      f"export) {c['compile_s']:.1f} s: {c['ratio']:.1f}x")
+                      f"import_model (mmap) {c['open_artifact_s']:.1f} s vs compile (read_model, reshape, rewrites, "
+                      f"compile_model) {c['compile_s']:.1f} s: {c['ratio']:.1f}x")
     print("\nfloors:")
     for comp, f in floors.items():
         print(f"  {comp}: {json.dumps(f)}")

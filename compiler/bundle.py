@@ -8,6 +8,8 @@ Bundles are written to a staging folder and renamed into place.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import shutil
@@ -44,6 +46,19 @@ def source_digest(path: Path) -> str:
     return cache_key(parts)
 
 
+@functools.lru_cache(maxsize=1)
+def builder_digest() -> str:
+    """sha256 of the code that decides an export's bytes (graph builders, sources, export, LoRA
+    merge): an export cache entry made by other builder code is not reused."""
+    here = Path(__file__).parent
+    h = hashlib.sha256()
+    for p in sorted([*here.glob("graphs/*.py"), *here.glob("sources/*.py"), here / "export.py",
+                     here / "families.py", here / "lora_merge.py"]):
+        if p.is_file():
+            h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()
+
+
 def cached_export(cache: Cache, source: Path, digest: str, component: str, dtype: str, overrides: dict,
                   progress: bool, vae: Path | None = None, vae_digest: str = "", loras: list | None = None,
                   lora_ids: list[dict] | None = None) -> tuple[Entry, bool]:
@@ -52,7 +67,8 @@ def cached_export(cache: Cache, source: Path, digest: str, component: str, dtype
     this component) go into the key."""
     from .export import export
     key_parts = {"kind": "export", "source_sha256": digest, "component": component, "dtype": dtype,
-                 "overrides": overrides, "vae_sha256": vae_digest, "precast": PRECAST_VERSION}
+                 "overrides": overrides, "vae_sha256": vae_digest, "precast": PRECAST_VERSION,
+                 "builder": builder_digest()}
     if lora_ids:
         key_parts["loras"] = lora_ids
     key = cache_key(key_parts)
@@ -127,7 +143,7 @@ def commit_bundle(staging: Path, out: Path) -> None:
 
 def _artifact_metadata(meta: dict) -> dict:
     keep = ("compile_config", "device", "precision", "static", "compute_capabilities", "header", "weight_streaming",
-            "refittable", "simplified", "gfx", "input_dims", "fp16")
+            "refittable", "simplified", "gfx", "input_dims", "fp16", "rewrites")
     return {k: meta[k] for k in keep if k in meta}
 
 
