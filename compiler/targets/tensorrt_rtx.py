@@ -127,13 +127,17 @@ class TensorRtRtxTarget:
         blob = builder.build_serialized_network(network, config)
         if blob is None:
             raise RuntimeError(f"TensorRT-RTX failed to build an engine for {job.component}")
-        data = bytes(blob)
-        (folder / "model.engine").write_bytes(data)
-        header = read_header(data[:64])
+        del parser, network                   # the parsed weights are in the plan now
+        data = memoryview(blob)               # written straight from the builder's buffer: no second copy
+        size = data.nbytes
+        with open(folder / "model.engine", "wb") as f:
+            f.write(data)
+        header = read_header(bytes(data[:64]))
+        del data, blob
         expected = ccs or DEFAULT_CCS
         problems = []
-        if header.size != len(data):
-            problems.append(f"header size {header.size} != file size {len(data)}")
+        if header.size != size:
+            problems.append(f"header size {header.size} != file size {size}")
         if not trt.__version__.startswith(header.version.rsplit(".", 1)[0]):
             problems.append(f"header version {header.version} != tensorrt_rtx {trt.__version__}")
         if ccs and header.compute_capabilities != ccs:
