@@ -7,7 +7,8 @@ driver floor), its stable string form, and one compatibility rule per backend:
   release, a driver at or above the floor;
 - migraphx: one full gfx name (features included) and the same MIGraphX + ROCm versions;
 - openvino: one device type, CPU ISA level / GPU architecture, and the same OpenVINO version;
-- onnxruntime: plain ONNX, serves any CPU with ONNX Runtime.
+- onnxruntime: plain ONNX (arch `any`) serves any CPU with ONNX Runtime; a graph ONNX Runtime
+  optimized ahead of time serves one CPU ISA level with the same ONNX Runtime release.
 
 The runtime matches against these, so this module imports nothing beyond the standard library.
 """
@@ -65,7 +66,14 @@ def why_not_serves(artifact: Fingerprint, device: Fingerprint) -> str | None:
     if a.backend != d.backend:
         return f"artifact is for {a.backend}, device offers {d.backend}"
     if a.backend == "onnxruntime":
-        return None if d.device_type == "cpu" else f"ONNX Runtime artifacts run on the CPU, not {d.device_type}"
+        if d.device_type != "cpu":
+            return f"ONNX Runtime artifacts run on the CPU, not {d.device_type}"
+        if a.arch in ((), ("any",)):
+            return None
+        if a.backend_version != d.backend_version:   # pre-optimized graphs hold ORT's internal ops
+            return f"optimized by onnxruntime {a.backend_version}, installed is {d.backend_version or 'none'}"
+        arch = d.arch[0] if d.arch else "?"
+        return None if a.arch == (arch,) else f"graph optimized for {','.join(a.arch)} CPUs; this CPU is {arch}"
     if a.device_type != d.device_type:
         return f"built for a {a.device_type}, device is a {d.device_type}"
     if a.backend_version != d.backend_version:

@@ -21,9 +21,11 @@ class Session(Protocol):
 
 
 class OnnxRuntimeSession:
-    def __init__(self, model_path: Path, threads: int | None = None):
+    def __init__(self, model_path: Path, threads: int | None = None, optimized: bool = False):
         import onnxruntime as ort
         opts = ort.SessionOptions()
+        if optimized:   # optimized when it was built: opening it skips ONNX Runtime's graph passes
+            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         if threads:
             opts.intra_op_num_threads = threads
         self._s = ort.InferenceSession(str(model_path), opts, providers=["CPUExecutionProvider"])
@@ -167,7 +169,7 @@ def open_artifact(folder: str | Path, metadata: dict, device: str | None = None,
     backend = metadata["backend"]
     entry = folder / metadata["entry"]
     if backend == "onnxruntime":
-        return OnnxRuntimeSession(entry)
+        return OnnxRuntimeSession(entry, optimized=metadata.get("optimized") == "all")
     if backend == "openvino":
         return OpenVinoSession(entry, device or metadata.get("device", "CPU"), metadata.get("compile_config", {}))
     if backend == "tensorrt-rtx":

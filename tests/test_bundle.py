@@ -39,12 +39,18 @@ def test_tiny_builds_for_three_backends_and_verifies(bundle, env):
     assert {a["cache"] for a in again["artifacts"]} == {"hit"} and len(again["artifacts"]) == 12
 
 
-def test_weights_are_stored_once_for_onnxruntime(bundle):
-    out, _ = bundle
-    manifest = json.loads((out / "manifest.json").read_text())
-    for a in manifest["artifacts"]:
-        if a["backend"] == "onnxruntime":
-            assert a["entry"] == manifest["components"][a["component"]]["onnx"]
+def test_weights_are_stored_once_for_a_universal_onnxruntime_fallback(env, tmp_path):
+    """`optimize: false` (the shipped recipes' universal fallback): the artifact is the bundle's
+    own ONNX, stored once; the default (optimized for this CPU) is a graph of its own."""
+    recipe = tmp_path / "universal.yaml"
+    text = open(TINY).read().replace("  - onnxruntime\n", "  - onnxruntime: {optimize: false}\n")
+    recipe.write_text(text.replace("  - tensorrt-rtx: {compute_capabilities: [sm_86]}\n", ""))
+    precast("build", recipe, "--out", tmp_path / "b", "--json", env=env, check=True)
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    ort = [a for a in manifest["artifacts"] if a["backend"] == "onnxruntime"]
+    assert len(ort) == 3 and all(a["fingerprint"].endswith("/any-cpu/any") for a in ort)
+    for a in ort:
+        assert a["entry"] == manifest["components"][a["component"]]["onnx"]
     data_files = [f for f in manifest["files"] if f.endswith("onnx_data")]
     assert len(data_files) == 3
 

@@ -57,14 +57,25 @@ def test_openvino_end_to_end_matches_onnxruntime(export_dir, cache_env, componen
     assert again["cache"] == "hit" and again["key"] == rec["key"]
 
 
-def test_onnxruntime_artifact_is_simplified_and_equal(export_dir, cache_env):
+def test_onnxruntime_artifact_is_simplified_optimized_and_equal(export_dir, cache_env):
+    """The artifact is ONNX Runtime's own optimized graph (NCHWc convolutions): it serves this
+    CPU's ISA level only, opens with graph passes off, and computes what the export computes."""
+    import onnx
+
+    from precast.runtime.cpu import cpu_flags, isa_level
     (rec,) = _compile(export_dir, cache_env, "--target", "onnxruntime", "--component", "unet")
+    assert rec["fingerprint"].endswith("/any-cpu/" + isa_level(cpu_flags()))
     entry, _ = Cache(cache_env["PRECAST_CACHE"]).get(rec["key"])
-    assert entry.metadata["simplified"] is True
+    assert entry.metadata["simplified"] is True and entry.metadata["optimized"] == "all"
+    domains = {n.domain for n in onnx.load(str(entry.path / "model.onnx"), load_external_data=False).graph.node}
+    assert "com.microsoft.nchwc" in domains
     feeds = _unet_feeds(3)
     got = open_artifact(entry.path, entry.metadata).run(feeds)["out_sample"]
     want = OnnxRuntimeSession(export_dir / "unet/model.onnx").run(feeds)["out_sample"]
     assert rel_err(got, want) <= 1e-5
+    (plain,) = _compile(export_dir, cache_env, "--target", "onnxruntime", "--option", "optimize=false",
+                        "--component", "unet")
+    assert plain["fingerprint"].endswith("/any-cpu/any") and plain["key"] != rec["key"]
 
 
 def test_tensorrt_rtx_engines_for_sm86_and_the_default_set(export_dir, cache_env):

@@ -29,6 +29,9 @@ def dev(backend, version, vendor, dtype, arch, driver=""):
     ("openvino/2026.4.1-22982/intel-gpu/xe-hpg", dev("openvino", "2026.4.1-22982", "any", "cpu", "x86-64-v4"), False, "cpu"),
     ("onnxruntime/1.31.1/any-cpu/any", dev("onnxruntime", "1.20.0", "any", "cpu", "x86-64-v2"), True, None),
     ("onnxruntime/1.31.1/any-cpu/any", dev("openvino", "2026.4.1-22982", "any", "cpu", "x86-64-v4"), False, "onnxruntime"),
+    ("onnxruntime/1.31.1/any-cpu/x86-64-v4", dev("onnxruntime", "1.31.1", "any", "cpu", "x86-64-v4"), True, None),
+    ("onnxruntime/1.31.1/any-cpu/x86-64-v4", dev("onnxruntime", "1.31.1", "any", "cpu", "x86-64-v3"), False, "x86-64-v3"),
+    ("onnxruntime/1.31.1/any-cpu/x86-64-v4", dev("onnxruntime", "1.32.0", "any", "cpu", "x86-64-v4"), False, "1.32.0"),
 ])
 def test_compatibility_rules(artifact, device, serves, reason):
     why = why_not_serves(Fingerprint.from_string(artifact), device)

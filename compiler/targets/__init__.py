@@ -16,7 +16,7 @@ ALIASES = {"ort": "onnxruntime", "ov": "openvino", "trt": "tensorrt-rtx", "tenso
 
 BOOL = (True, False)
 OPTIONS: dict[str, dict[str, tuple]] = {   # option -> allowed values (empty: free-form)
-    "onnxruntime": {"simplify": BOOL},
+    "onnxruntime": {"simplify": BOOL, "optimize": BOOL},
     "openvino": {"device": (), "precision": ("f32", "bf16", "f16"), "performance_hint": ("LATENCY", "THROUGHPUT"),
                  "num_streams": (), "threads": (), "ir": BOOL, "compress_to_fp16": BOOL, "winograd": BOOL},
     "tensorrt-rtx": {"compute_capabilities": (), "weight_streaming": BOOL, "refittable": BOOL, "strip_weights": BOOL},

@@ -1,19 +1,26 @@
-"""ONNX Runtime target: a simplified ONNX (onnxsim) as the universal CPU fallback artifact.
+"""ONNX Runtime target: the component graph simplified (onnxsim) and optimized ahead of time by
+ONNX Runtime itself, as the CPU artifact.
 
-Owns: simplifying the component graph (constant folding, shape inference) and writing it with
-external data. Models past protobuf's 2 GB limit are copied unsimplified (onnxsim cannot hold
-them), and the metadata says so.
+Owns: simplifying (constant folding, shape inference; models past protobuf's 2 GB limit skip it,
+onnxsim cannot hold them), then ONNX Runtime's own graph optimizations at their highest level
+(fusions and the NCHWc layout for convolutions), saved with external data, so that a session
+opens the result with optimizations off: 4 s instead of 32 s for the SD 1.5 UNet here. The
+NCHWc layout depends on the CPU's vector width, so an optimized artifact serves one CPU ISA level
+and one ONNX Runtime release (`optimize: false` gives the plain graph, which serves any CPU).
 """
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
 
+from ...runtime.cpu import cpu_flags, isa_level
 from ...runtime.fingerprint import Fingerprint
 from ..errors import BadInput
 from .base import BuildJob, TargetSpec
 
 PROTOBUF_LIMIT = 2 << 30
+OPTIMIZED = "all"       # metadata `optimized`: the level the saved graph went through
 
 
 class OnnxRuntimeTarget:
@@ -34,25 +41,49 @@ class OnnxRuntimeTarget:
         return out
 
     def fingerprint(self, spec: TargetSpec) -> Fingerprint:
-        return Fingerprint("onnxruntime", self.toolchain()["onnxruntime"], "any", "cpu", ("any",))
+        arch = isa_level(cpu_flags()) if spec.get("optimize", True) else "any"
+        return Fingerprint("onnxruntime", self.toolchain()["onnxruntime"], "any", "cpu", (arch,))
 
     def build(self, job: BuildJob, spec: TargetSpec, folder: Path) -> dict:
-        import onnx
         data = job.onnx_path.with_name(job.onnx_path.name + "_data")
         size = job.onnx_path.stat().st_size + (data.stat().st_size if data.exists() else 0)
-        simplified, note = False, ""
-        if spec.get("simplify", True) and size < PROTOBUF_LIMIT and self.toolchain()["onnxsim"] != "absent":
-            import onnxsim
-            model = onnx.load(str(job.onnx_path))
-            model, ok = onnxsim.simplify(model, check_n=0)
-            if ok:
-                onnx.save_model(model, str(folder / "model.onnx"), save_as_external_data=True,
-                                all_tensors_to_one_file=True, location="model.onnx_data", size_threshold=1024)
-                simplified = True
-            del model
-        if not simplified:
-            note = "copied unsimplified" + (" (over protobuf's 2 GB limit)" if size >= PROTOBUF_LIMIT else "")
-            shutil.copyfile(job.onnx_path, folder / "model.onnx")
-            if data.exists():
-                shutil.copyfile(data, folder / "model.onnx_data")
-        return {"entry": "model.onnx", "simplified": simplified, "note": note}
+        note = "not simplified (over protobuf's 2 GB limit)" if size >= PROTOBUF_LIMIT else ""
+        optimize = bool(spec.get("optimize", True))
+        with tempfile.TemporaryDirectory(dir=folder, prefix=".simplified-") as tmp:
+            source = job.onnx_path
+            if spec.get("simplify", True) and not note and self.toolchain()["onnxsim"] != "absent":
+                source = _simplified(job.onnx_path, Path(tmp)) or source
+            if optimize:
+                _optimized(source, folder / "model.onnx")
+            else:    # the graph as it is (byte-identical to the export when onnxsim changed nothing)
+                for name in ("model.onnx", "model.onnx_data"):
+                    if source.with_name(name).exists():
+                        shutil.copyfile(source.with_name(name), folder / name)
+        return {"entry": "model.onnx", "simplified": source != job.onnx_path, "note": note,
+                "optimized": OPTIMIZED if optimize else "none"}
+
+
+def _simplified(onnx_path: Path, tmp: Path) -> Path | None:
+    import onnx
+    import onnxsim
+    model = onnx.load(str(onnx_path))
+    model, ok = onnxsim.simplify(model, check_n=0)
+    if not ok:
+        return None
+    out = tmp / "model.onnx"
+    onnx.save_model(model, str(out), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="model.onnx_data", size_threshold=1024)
+    return out
+
+
+def _optimized(source: Path, out: Path) -> None:
+    """ONNX Runtime loads `source`, optimizes it at its highest level and writes the graph it
+    would run to `out`, weights in `out`_data."""
+    import onnxruntime as ort
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.log_severity_level = 3     # its warning that an NCHWc graph is CPU-specific: the fingerprint says so
+    opts.optimized_model_filepath = str(out)
+    opts.add_session_config_entry("session.optimized_model_external_initializers_file_name", out.name + "_data")
+    opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    ort.InferenceSession(str(source), opts, providers=["CPUExecutionProvider"])
