@@ -16,7 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
-from ..runtime.manifest import MANIFEST, SCHEMA, read_manifest, sha256_file, verify_bundle
+from ..runtime.manifest import MANIFEST, SCHEMA, file_record, read_manifest, sha256_file, verify_bundle
 from .cache import Cache, Entry, cache_key
 from .engines import PRECAST_VERSION, ExportedComponent, compile_component
 from .errors import BadInput
@@ -117,7 +117,7 @@ class BundleWriter:
                 os.link(src / name, target)      # cache files are never written in place
             except OSError:
                 shutil.copyfile(src / name, target)
-            self.files[f"{dest}/{name}"] = {"size": rec["size"], "sha256": rec["sha256"]}
+            self.files[f"{dest}/{name}"] = dict(rec)     # size, sha256 and piece digests
         return {n: f"{dest}/{n}" for n in records}
 
 
@@ -262,7 +262,7 @@ def add_tokenizer(writer: BundleWriter, source: Path, name: str = "tokenizer", p
         if pad_zero:
             (folder / "tokenizer_config.json").write_text(json.dumps({"pad_token": "!"}) + "\n")
     for p in sorted(folder.iterdir()):
-        writer.files[f"{name}/{p.name}"] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
+        writer.files[f"{name}/{p.name}"] = file_record(p)
 
 
 def merge_bundles(inputs: list[str | Path], out: str | Path) -> dict:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..runtime.manifest import file_record, verify_file
 from .errors import BadInput
 
 ENTRY_FILE = "entry.json"
@@ -104,8 +105,7 @@ class Cache:
         if present != set(entry.files):
             return f"files {sorted(present ^ set(entry.files))} missing or unexpected"
         for name, rec in entry.files.items():
-            p = entry.path / name
-            if p.stat().st_size != rec["size"] or sha256_file(p) != rec["sha256"]:
+            if verify_file(entry.path, name, rec):
                 return f"{name} does not match its sha256"
         return None
 
@@ -137,8 +137,7 @@ class Cache:
             work.mkdir()
             try:
                 metadata = build(work)
-                files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
-                         for p in sorted(work.iterdir()) if p.is_file()}
+                files = {p.name: file_record(p) for p in sorted(work.iterdir()) if p.is_file()}
                 info = {"key": key, "files": files, "metadata": metadata, "created": time.time()}
                 tmp_entry = work / (ENTRY_FILE + ".tmp")
                 tmp_entry.write_text(json.dumps(info, indent=2, sort_keys=True))
