@@ -1,8 +1,9 @@
 """Bundle manifests: reading them and verifying every file a bundle holds.
 
 Owns: the manifest schema the runtime reads (schema version, model, components with IO and
-shape profiles, artifacts with fingerprint spec, files and sha256) and `verify_bundle`, which
-names every changed, missing or unexpected file. Standard library only: the runtime is thin.
+shape profiles, artifacts with fingerprint spec, files with size, sha256 and -- past 64 MiB --
+per-piece sha256s checked on every core), `file_record`, and `verify_bundle`, which names every
+changed, missing or unexpected file. Standard library only: the runtime is thin.
 """
 from __future__ import annotations
 
