@@ -37,7 +37,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import re
 import resource
 import shutil
@@ -46,8 +45,9 @@ import subprocess
 import sys
 import threading
 import time
-from importlib.metadata import version
 from pathlib import Path
+
+from machine import describe  # benchmarks/machine.py, beside this script
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -324,26 +324,7 @@ def median_row(runs: list[dict]) -> dict:
 
 # ---- machine and report -----------------------------------------------------------------
 def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    mem_kb = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal"))
-    versions = {}
-    for pkg in ("precast", "numpy", "onnx", "onnxruntime", "onnxsim", "openvino", "tensorrt-rtx", "psutil"):
-        try:
-            versions[pkg] = version(pkg)
-        except Exception:
-            versions[pkg] = None
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", "compiler", "runtime"], cwd=ROOT,
-                                    capture_output=True, text=True).stdout.strip())
-    except OSError:
-        commit, dirty = None, None
-    from precast.runtime.cpu import cpu_flags, isa_level
-    return {"cpu": cpu, "cores": os.cpu_count(), "ram_gib": round(mem_kb / 2**20, 1), "isa": isa_level(cpu_flags()),
-            "gpu": "none", "os": platform.platform(), "python": platform.python_version(),
-            "git_commit": commit, "compiler_or_runtime_modified": dirty, "versions": versions}
+    return describe(("precast", "numpy", "onnx", "onnxruntime", "onnxsim", "openvino", "tensorrt-rtx", "psutil"))
 
 
 def print_table(rows: list[dict], load: dict) -> None:

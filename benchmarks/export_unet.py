@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import time
-from importlib.metadata import version
 from pathlib import Path
+
+from machine import describe  # benchmarks/machine.py, beside this script
 
 import numpy as np
 
@@ -256,17 +256,7 @@ def parity(ours: dict[str, str], peer_onnx: str) -> dict:
 
 # ---- machine and report -----------------------------------------------------------------
 def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    mem_kb = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal"))
-    versions = {}
-    for pkg in ("precast", "numpy", "onnx", "onnxruntime", "torch", "diffusers", "safetensors"):
-        try:
-            versions[pkg] = version(pkg)
-        except Exception:
-            versions[pkg] = None
-    return {"cpu": cpu, "cores": os.cpu_count(), "ram_gib": round(mem_kb / 2**20, 1),
-            "os": platform.platform(), "python": platform.python_version(), **versions}
+    return describe(("precast", "numpy", "onnx", "onnxruntime", "torch", "diffusers", "safetensors"))
 
 
 def summarize(precast_runs: dict[str, dict], peer: dict) -> list[dict]:

@@ -52,7 +52,6 @@ import datetime
 import hashlib
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -60,6 +59,8 @@ import sys
 import time
 from importlib.metadata import version
 from pathlib import Path
+
+from machine import describe  # benchmarks/machine.py, beside this script
 
 import numpy as np
 
@@ -521,29 +522,7 @@ def loadavg() -> list[float]:
 
 
 def machine() -> dict:
-    from precast.runtime.cpu import cpu_flags, cpu_name, isa_level
-    flags = cpu_flags()
-    mem_kb = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal"))
-    versions = {}
-    for pkg in ("numpy", "onnx", "onnxruntime", "openvino", "torch", "diffusers", "transformers"):
-        try:
-            versions[pkg] = version(pkg)
-        except Exception:
-            versions[pkg] = None
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", "compiler", "runtime"], cwd=ROOT,
-                                    capture_output=True, text=True).stdout.strip())
-    except OSError:
-        commit, dirty = None, None
-    hv = "KVM guest" if "hypervisor" in flags else "bare metal"
-    return {"cpu": cpu_name(), "cores": os.cpu_count(), "ram_gib": round(mem_kb / 2**20, 1), "isa": isa_level(flags),
-            "relevant_flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni",
-                                             "amx_tile", "amx_bf16", "amx_fp16"}),
-            "amx": "amx_tile" in flags, "virtualization": hv, "gpu": "none", "os": platform.platform(),
-            "python": platform.python_version(), "git_commit": commit, "compiler_or_runtime_modified": dirty,
-            "versions": versions}
+    return describe(("numpy", "onnx", "onnxruntime", "openvino", "torch", "diffusers", "transformers"))
 
 
 def ensure_checkpoint(work: Path) -> Path:
@@ -555,11 +534,12 @@ def ensure_checkpoint(work: Path) -> Path:
 
 
 def code_digest() -> str:
-    """Digest of the graph builders and the OpenVINO target: the export cache is keyed by the
-    checkpoint, not by the builder code, so each code version gets its own cache folder."""
-    h = hashlib.sha256()
-    for p in sorted((ROOT / "compiler" / "graphs").glob("*.py")) + [ROOT / "compiler" / "export.py",
-                                                                     ROOT / "compiler" / "targets" / "openvino.py"]:
+    """Digest of the graph-builder code (the export cache's own `builder_digest`) and of the OpenVINO
+    target with its rewrites, which compile-cache keys do not cover: each code version gets its own
+    cache folder."""
+    from precast.compiler.bundle import builder_digest
+    h = hashlib.sha256(builder_digest().encode())
+    for p in sorted((ROOT / "compiler" / "targets").glob("openvino*.py")):
         h.update(p.read_bytes())
     return h.hexdigest()[:10]
 
