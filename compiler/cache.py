@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..runtime.manifest import file_record, verify_file
+from ..runtime.manifest import file_record, sha256_file, verify_file
 from .errors import BadInput
 
 ENTRY_FILE = "entry.json"
@@ -30,11 +30,6 @@ def cache_root() -> Path:
         return Path(env)
     import platformdirs
     return Path(platformdirs.user_cache_dir("precast"))
-
-
-def sha256_file(path: Path) -> str:
-    from ..runtime.manifest import sha256_file as digest
-    return digest(path)
 
 
 def input_digest(path: Path, memo_dir: Path | None = None) -> str:

@@ -273,19 +273,20 @@ def _write_weights(graph: Graph, fd: int, placed: list[tuple[Weight, int, int]],
             done += os.pwrite(fd, view[done:], offset + done)
         return size
 
+    def finish(future) -> None:
+        size = future.result()
+        if on_weight is not None:
+            on_weight(size)
+
     with ThreadPoolExecutor(max_workers=WRITERS) as pool:
         pending: deque = deque()
         try:
             for item in placed:
                 pending.append(pool.submit(write_one, *item))
                 while len(pending) > 2 * WRITERS:
-                    size = pending.popleft().result()
-                    if on_weight is not None:
-                        on_weight(size)
+                    finish(pending.popleft())
             while pending:
-                size = pending.popleft().result()
-                if on_weight is not None:
-                    on_weight(size)
+                finish(pending.popleft())
         except BaseException:
             for f in pending:
                 f.cancel()
