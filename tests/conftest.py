@@ -17,6 +17,15 @@ def precast(*args, check=False, env=None):
     return proc
 
 
+def flip_byte(path, offset: int, mask: int = 0xFF) -> None:
+    """Change one byte of a file in place, as bit rot or a torn write would leave it."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))
+
+
 def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
     """max|ours - ref| / max|ref| (the issue's parity measure)."""
     assert ours.shape == ref.shape, (ours.shape, ref.shape)

@@ -8,7 +8,7 @@ import tarfile
 
 import pytest
 
-from conftest import ROOT, precast
+from conftest import ROOT, flip_byte, precast
 
 TINY = f"{ROOT}/recipes/tiny-sd15.yaml"
 
@@ -88,9 +88,7 @@ def test_one_changed_byte_is_named(bundle, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(bundle[0], copy)
     blob = next(copy.rglob("model.blob"))
-    data = bytearray(blob.read_bytes())
-    data[len(data) // 2] ^= 1
-    blob.write_bytes(bytes(data))
+    flip_byte(blob, blob.stat().st_size // 2, mask=1)
     proc = precast("bundle", "verify", copy)
     rel = blob.relative_to(copy).as_posix()
     assert proc.returncode == 1 and rel in proc.stderr and "sha256" in proc.stderr

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import precast
+from conftest import flip_byte, precast
 from precast.compiler.cache import Cache, sha256_file
 
 
@@ -76,11 +76,7 @@ def test_damaged_entry_is_evicted_and_rebuilt(export_dir, tmp_path):
     (first,) = json.loads(precast(*args, env=env, check=True).stdout)["artifacts"]
     data = next(p for p in (cache / "entries").rglob("model.onnx_data"))
     good = sha256_file(data)
-    with open(data, "r+b") as f:  # one changed byte, as a torn write or bit rot would leave
-        f.seek(100)
-        b = f.read(1)
-        f.seek(100)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip_byte(data, 100)
     (second,) = json.loads(precast(*args, env=env, check=True).stdout)["artifacts"]
     assert second["cache"] == "miss" and "sha256" in second["evicted"]
     assert sha256_file(data) == good and second["key"] == first["key"]

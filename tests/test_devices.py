@@ -6,7 +6,6 @@ import subprocess
 import sys
 import types
 
-import pytest
 
 from precast.runtime.cpu import cpu_flags, isa_level
 from precast.runtime.devices import Device, apply_device_override, discover_devices, rank_devices

@@ -183,7 +183,7 @@ def test_damaged_supported_families_name_what_is_missing(tmp_path, keys, family)
 
 def test_any_missing_tensor_is_bad_input_not_a_crash(tmp_path):
     """Drop one tensor at a time (60 seeded picks across SD 1.x and SDXL layouts): always BadInput."""
-    from precast.compiler.demo_model import TINY, TINY_SDXL, random_tensor, sd1_layout, write_safetensors
+    from precast.compiler.demo_model import TINY, TINY_SDXL, sd1_layout, write_safetensors
     from precast.compiler.errors import BadInput
     from precast.compiler.export import export
     rng = np.random.default_rng(11)

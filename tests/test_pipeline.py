@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, precast
+from conftest import precast
 import reference as ref
 from precast.compiler.demo_model import TINY, write_demo_model
 

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from conftest import ROOT, precast
+from conftest import ROOT, flip_byte, precast
 from precast.runtime.assign import assign_modules
 from precast.runtime.devices import discover_devices
 from precast.runtime.manifest import read_manifest
@@ -79,9 +79,7 @@ def test_corrupted_artifact_is_refused(bundles, tmp_path):
     copy = tmp_path / "b"
     shutil.copytree(bundles["sm_89"], copy)
     blob = next(copy.rglob("model.blob"))
-    data = bytearray(blob.read_bytes())
-    data[100] ^= 0xFF
-    blob.write_bytes(bytes(data))
+    flip_byte(blob, 100)
     vae = doctor(copy)["components"]["vae_decoder"]   # this machine: the blob would otherwise be chosen
     assert any("sha256 differs" in r for r in vae["passed_over"])
     assert vae["choice"]["artifact"] == "onnx" and vae["choice"]["backend"] == "openvino"
@@ -109,9 +107,7 @@ def test_fallback_onnx_is_hashed_only_when_it_is_loaded(bundles, tmp_path):
     copy = tmp_path / "b"
     shutil.copytree(bundles["sm_86"], copy)
     data = next(copy.rglob("model.onnx_data"))
-    raw = bytearray(data.read_bytes())
-    raw[10] ^= 0xFF
-    data.write_bytes(bytes(raw))
+    flip_byte(data, 10)
     m = read_manifest(copy)
     devices = discover_devices(f"{MACHINES}/rtx3060-desktop", {})
     sel = select_component(m, "vae_decoder", assign_modules(devices)["vae"], devices,

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from conftest import flip_byte
 from precast.compiler.cache import Cache
 from precast.runtime import manifest
 from precast.runtime.manifest import file_record, piece_digests, verify_file
@@ -16,14 +17,6 @@ PIECE = 4096
 @pytest.fixture(autouse=True)
 def small_pieces(monkeypatch):
     monkeypatch.setattr(manifest, "PIECE", PIECE)
-
-
-def _flip(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x01]))
 
 
 def test_record_has_the_whole_digest_and_one_digest_per_piece(tmp_path):
@@ -42,7 +35,7 @@ def test_a_changed_byte_in_any_piece_is_named(tmp_path, offset):
     (tmp_path / "w.bin").write_bytes(os.urandom(5 * PIECE + 123))
     rec = file_record(tmp_path / "w.bin")
     assert verify_file(tmp_path, "w.bin", rec) is None
-    _flip(tmp_path / "w.bin", offset)
+    flip_byte(tmp_path / "w.bin", offset)
     problem = verify_file(tmp_path, "w.bin", rec)
     assert problem and "w.bin" in problem and f"bytes from {offset // PIECE * PIECE}" in problem
 
@@ -51,7 +44,7 @@ def test_whole_check_catches_pieces_that_disagree_with_the_digest(tmp_path):
     """A record whose pieces were edited to match a changed file still fails `bundle verify`."""
     (tmp_path / "w.bin").write_bytes(os.urandom(3 * PIECE))
     rec = file_record(tmp_path / "w.bin")
-    _flip(tmp_path / "w.bin", PIECE + 5)
+    flip_byte(tmp_path / "w.bin", PIECE + 5)
     forged = {**rec, "pieces": piece_digests(tmp_path / "w.bin")}
     assert verify_file(tmp_path, "w.bin", forged) is None
     assert "sha256 differs" in verify_file(tmp_path, "w.bin", forged, whole=True)
@@ -69,7 +62,7 @@ def test_cache_entry_with_a_damaged_piece_is_evicted_and_rebuilt(tmp_path):
 
     entry, hit, _ = cache.get_or_build("k" * 64, build)
     assert not hit and len(entry.files["model.bin"]["pieces"]) == 6
-    _flip(entry.path / "model.bin", 4 * PIECE + 1)
+    flip_byte(entry.path / "model.bin", 4 * PIECE + 1)
     again, hit, evicted = cache.get_or_build("k" * 64, build)
     assert not hit and "sha256" in evicted and len(builds) == 2
     assert (again.path / "model.bin").read_bytes() == payload
