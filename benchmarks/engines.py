@@ -77,6 +77,7 @@ def _write_peak():
     open(peak_file, "w").write(re.search(r"VmHWM:\\s+(\\d+) kB", status).group(1))
 atexit.register(_write_peak)
 sys.argv = [script, *sys.argv[3:]]
+sys.path.insert(0, script.rsplit("/", 1)[0])      # the script's folder, as `python script` would
 runpy.run_path(script, run_name="__main__")
 """
 

@@ -99,6 +99,7 @@ sys.argv = [target, *sys.argv[4:]]
 if kind == "module":
     runpy.run_module(target, run_name="__main__", alter_sys=True)
 else:
+    sys.path.insert(0, target.rsplit("/", 1)[0])  # the script's folder, as `python script` would
     runpy.run_path(target, run_name="__main__")
 """
 

@@ -129,3 +129,16 @@ def test_cache_commands(export_dir, cache_env):
     precast("cache", "rm", recs[0]["key"][:10], env=cache_env, check=True)
     gc = json.loads(precast("cache", "gc", "--max-size", "1K", "--json", env=cache_env, check=True).stdout)
     assert gc["removed"] == [recs[1]["key"]] and gc["size"] == 0
+
+
+def test_tensorrt_engine_write_error_names_the_file(export_dir, tmp_path):
+    """The engine is streamed to its file as it is serialized: a full disk is an error naming the file."""
+    from precast.compiler.targets import get_target
+    from precast.compiler.targets.base import BuildJob, TargetSpec
+    shape = (1, 4, 8, 8)
+    job = BuildJob(export_dir / "vae_decoder" / "model.onnx", "vae_decoder", [], {"latent_sample": (shape,) * 3},
+                   progress=False)
+    (tmp_path / "model.engine").symlink_to("/dev/full")      # every write: ENOSPC
+    with pytest.raises(OSError, match=r"model\.engine.*No space left"):
+        get_target("tensorrt-rtx").build(job, TargetSpec("tensorrt-rtx", (("compute_capabilities", "sm_86"),)),
+                                         tmp_path)
