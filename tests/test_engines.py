@@ -73,9 +73,17 @@ def test_onnxruntime_artifact_is_simplified_optimized_and_equal(export_dir, cach
     got = open_artifact(entry.path, entry.metadata).run(feeds)["out_sample"]
     want = OnnxRuntimeSession(export_dir / "unet/model.onnx").run(feeds)["out_sample"]
     assert rel_err(got, want) <= 1e-5
+    import onnxruntime as ort
+    # the static 64x64 profile's dims are pinned in the graph, so shapes are planned ahead of time
+    dims = {i.name: i.shape for i in ort.InferenceSession(str(entry.path / "model.onnx")).get_inputs()}
+    assert dims["sample"] == [2, 4, 8, 8] and dims["encoder_hidden_states"] == [2, 77, 64]
+    assert entry.metadata["static"] is True
     (plain,) = _compile(export_dir, cache_env, "--target", "onnxruntime", "--option", "optimize=false",
                         "--component", "unet")
     assert plain["fingerprint"].endswith("/any-cpu/any") and plain["key"] != rec["key"]
+    entry, _ = Cache(cache_env["PRECAST_CACHE"]).get(plain["key"])
+    dims = {i.name: i.shape for i in ort.InferenceSession(str(entry.path / "model.onnx")).get_inputs()}
+    assert dims["sample"] == ["batch", 4, "height", "width"]          # the universal graph: any shape
 
 
 def test_tensorrt_rtx_engines_for_sm86_and_the_default_set(export_dir, cache_env):
@@ -142,3 +150,22 @@ def test_tensorrt_engine_write_error_names_the_file(export_dir, tmp_path):
     with pytest.raises(OSError, match=r"model\.engine.*No space left"):
         get_target("tensorrt-rtx").build(job, TargetSpec("tensorrt-rtx", (("compute_capabilities", "sm_86"),)),
                                          tmp_path)
+
+
+def test_onnxruntime_group_norms_become_instance_norms_with_equal_outputs(export_dir, cache_env):
+    """ONNX Runtime has no CPU kernel for GroupNormalization (it inlines ~20 nodes per op): the
+    artifact computes each with InstanceNormalization, and the VAE decoder's output is unchanged."""
+    import onnx
+    (rec,) = _compile(export_dir, cache_env, "--target", "onnxruntime", "--component", "vae_decoder")
+    entry, _ = Cache(cache_env["PRECAST_CACHE"]).get(rec["key"])
+    exported = onnx.load(str(export_dir / "vae_decoder/model.onnx"), load_external_data=False)
+    built = onnx.load(str(entry.path / "model.onnx"), load_external_data=False)
+    count = sum(n.op_type == "GroupNormalization" for n in exported.graph.node)
+    ops = [n.op_type for n in built.graph.node]
+    assert count > 0 and entry.metadata["rewrites"] == {"group_norm": count}
+    assert ops.count("InstanceNormalization") == count and "GroupNormalization" not in ops
+    assert "ReduceMean" not in ops                      # no inlined function bodies left
+    feeds = {"latent_sample": np.random.default_rng(5).standard_normal((1, 4, 8, 8)).astype(np.float32)}
+    got = open_artifact(entry.path, entry.metadata).run(feeds)["sample"]
+    want = OnnxRuntimeSession(export_dir / "vae_decoder/model.onnx").run(feeds)["sample"]
+    assert rel_err(got, want) <= 1e-5
