@@ -25,6 +25,7 @@ from .onnxruntime_groupnorm import rewrite_group_norms
 
 PROTOBUF_LIMIT = 2 << 30
 OPTIMIZED = "all"       # metadata `optimized`: the level the saved graph went through
+REWRITES = "pinned-dims-1,group-norm-1"   # bump when a rewrite changes: it is part of the cache key
 
 
 class OnnxRuntimeTarget:
@@ -37,7 +38,7 @@ class OnnxRuntimeTarget:
             raise BadInput("target onnxruntime: the onnxruntime package is not installed "
                            "(pip install 'precast[onnxruntime]')") from None
         import importlib.metadata
-        out = {"onnxruntime": onnxruntime.__version__}
+        out = {"onnxruntime": onnxruntime.__version__, "precast_onnxruntime_rewrites": REWRITES}
         try:  # the version from metadata: importing onnxsim costs seconds on every cache hit
             out["onnxsim"] = importlib.metadata.version("onnxsim")
         except importlib.metadata.PackageNotFoundError:
