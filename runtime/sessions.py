@@ -7,6 +7,8 @@ does not remember its precision hint).
 """
 from __future__ import annotations
 
+import mmap
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
@@ -81,11 +83,13 @@ class TensorRtRtxSession:
         _cuda_check(cudart.cudaSetDevice(device_index))
         self._logger = trt.Logger(trt.Logger.WARNING)
         runtime = trt.Runtime(self._logger)
-        blob = Path(engine_path).read_bytes()
-        validity, diagnostics = runtime.get_engine_validity(blob)
-        if validity == trt.EngineValidity.INVALID:
-            raise RuntimeError(f"TensorRT-RTX says the engine is invalid here (diagnostics bitmask {int(diagnostics)})")
-        self._engine = runtime.deserialize_cuda_engine(blob)
+        with map_engine(engine_path) as blob:   # deserialized from the page cache: no host copy of the engine
+            validity, diagnostics = runtime.get_engine_validity(blob)
+            if validity == trt.EngineValidity.INVALID:
+                raise RuntimeError(f"TensorRT-RTX says the engine is invalid here (diagnostics bitmask {int(diagnostics)})")
+            self._engine = runtime.deserialize_cuda_engine(blob)
+        if self._engine is None:
+            raise RuntimeError(f"TensorRT-RTX could not deserialize {engine_path}")
         if weight_budget is not None:
             self._engine.weight_streaming_budget_v2 = int(weight_budget)
         config = self._engine.create_runtime_config()
@@ -126,6 +130,18 @@ class TensorRtRtxSession:
         finally:
             for ptr in buffers:
                 cudart.cudaFreeAsync(ptr, self._stream)
+
+
+@contextmanager
+def map_engine(path: str | Path):
+    """A serialized engine as a read-only buffer over the file's pages (TensorRT-RTX takes any
+    buffer): a multi-GB engine is not copied into process memory before it goes to the GPU."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+        view = memoryview(mapped)
+        try:
+            yield view
+        finally:
+            view.release()
 
 
 def _cuda_check(result):

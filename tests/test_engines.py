@@ -8,7 +8,7 @@ import pytest
 
 from conftest import precast, rel_err
 from precast.compiler.cache import Cache
-from precast.runtime.sessions import OnnxRuntimeSession, open_artifact
+from precast.runtime.sessions import OnnxRuntimeSession, map_engine, open_artifact
 from precast.runtime.trt_header import read_header
 
 
@@ -87,13 +87,17 @@ def test_onnxruntime_artifact_is_simplified_optimized_and_equal(export_dir, cach
 
 
 def test_tensorrt_rtx_engines_for_sm86_and_the_default_set(export_dir, cache_env):
+    trt = pytest.importorskip("tensorrt_rtx")
     recs = _compile(export_dir, cache_env, "--target", "tensorrt-rtx:sm_86", "--target", "tensorrt-rtx",
                     "--component", "vae_decoder")
     cache = Cache(cache_env["PRECAST_CACHE"])
     for rec, want in zip(recs, [("sm_86",), ("sm_80", "sm_86", "sm_89", "sm_120", "sm_121")]):
         assert rec["cache"] == "miss"
         entry, _ = cache.get(rec["key"])
-        header = read_header((entry.path / "model.engine").read_bytes()[:64])
+        with map_engine(entry.path / "model.engine") as mapped:     # what the runtime deserializes from
+            header = read_header(bytes(mapped[:64]))
+            validity, _ = trt.Runtime(trt.Logger()).get_engine_validity(mapped)   # takes the map, no copy
+        assert isinstance(validity, trt.EngineValidity)               # INVALID here: no driver
         assert header.compute_capabilities == want
         assert tuple(entry.metadata["compute_capabilities"]) == want
         assert rec["fingerprint"].split("/")[3] == ",".join(want)
