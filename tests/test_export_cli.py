@@ -116,6 +116,19 @@ def test_pickle_is_never_unpickled(tmp_path):
     assert not marker.exists()
 
 
+def test_safetensors_whose_header_length_starts_like_a_pickle_loads(demo_ckpt, tmp_path):
+    """A header length of 128 mod 256 makes the file's first byte 0x80, a pickle's first byte too."""
+    raw = demo_ckpt.read_bytes()
+    data_start = 8 + int.from_bytes(raw[:8], "little")
+    tensors = {k: {"dtype": i.dtype, "shape": list(i.shape), "data_offsets": [i.start - data_start, i.end - data_start]}
+               for k, i in SafetensorsFile(demo_ckpt).tensors.items()}
+    pad = next(n for n in range(256) if len(json.dumps({"__metadata__": {"pad": " " * n}, **tensors})) % 256 == 128)
+    path = _write_raw(tmp_path / "model.safetensors", {"__metadata__": {"pad": " " * pad}, **tensors}, raw[data_start:])
+    assert path.read_bytes()[:1] == b"\x80"
+    precast("export", path, "--out", tmp_path / "o", "--component", "unet", check=True)
+    assert (tmp_path / "o" / "unet" / "model.onnx").is_file()
+
+
 def _retyped(demo, tmp, name, drop=(), add=None):
     """A copy of the demo checkpoint with some tensors removed or added (header only)."""
     f = SafetensorsFile(demo)

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field
+from typing import Callable
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +90,20 @@ def _refuse_pickle(path: Path) -> BadInput:
     return BadInput(f"{path}: pickled checkpoint refused. {CONVERT_HINT}")
 
 
+def open_weights_file(path: Path, refusal: Callable[[Path], BadInput] = _refuse_pickle) -> SafetensorsFile:
+    """A .safetensors file, or `refusal(path)` for a pickle: by its suffix, or by its first bytes
+    when it does not parse as safetensors (a safetensors header length may start with 0x80 too,
+    so the sniff only explains a failure, it never decides)."""
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        raise refusal(path)
+    try:
+        return SafetensorsFile(path)
+    except BadInput:
+        if _looks_like_pickle(path):
+            raise refusal(path) from None
+        raise
+
+
 def _normalise_single_file(keys: list[str]) -> dict[str, str]:
     """Single-file variants -> canonical names: diffusion-only files without a prefix, and old
     SD1 files whose text encoder lacks `text_model.`."""
@@ -107,7 +122,7 @@ def _normalise_single_file(keys: list[str]) -> dict[str, str]:
 
 
 def open_single_file(path: Path) -> Checkpoint:
-    f = SafetensorsFile(path)
+    f = open_weights_file(path)
     names = _normalise_single_file(f.keys())
     refs = {canon: TensorRef(f, key, f.tensors[key].shape) for key, canon in names.items()}
     return Checkpoint(str(path), "single-file", refs, metadata=f.metadata)
@@ -197,8 +212,6 @@ def open_checkpoint(path: str | os.PathLike, vae: str | os.PathLike | None = Non
         raise BadInput(f"{p}: no such file or folder")
     if p.is_dir():
         ckpt = open_diffusers_folder(p)
-    elif p.suffix.lower() in PICKLE_SUFFIXES or _looks_like_pickle(p):
-        raise _refuse_pickle(p)
     else:
         ckpt = open_single_file(p)
     if vae is not None:
@@ -215,10 +228,8 @@ def replace_vae(ckpt: Checkpoint, vae: Path) -> None:
         folder = vae if (vae / "config.json").is_file() else vae / "vae"
         f = SafetensorsFile(_component_file(folder.parent, folder.name) or folder / "missing.safetensors")
         ckpt.configs["vae"] = _read_config(folder.parent, folder.name)
-    elif vae.suffix.lower() in PICKLE_SUFFIXES or _looks_like_pickle(vae):
-        raise _refuse_pickle(vae)
     else:
-        f = SafetensorsFile(vae)
+        f = open_weights_file(vae)
     keys = f.keys()
     if any(k.startswith(VAE) for k in keys):
         mapping = {k: k for k in keys if k.startswith(VAE)}

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BadInput
-from .checkpoint import CONVERT_HINT, PICKLE_SUFFIXES, UNET, _looks_like_pickle
+from .checkpoint import CONVERT_HINT, UNET, open_weights_file
 from .diffusers_names import RES_NAMES, UNET_TOP
 from .safetensors_file import SafetensorsFile
 
@@ -306,9 +306,7 @@ def read_lora(path: str | Path, sha256: str | None = None) -> LoraFile:
     p = Path(path)
     if not p.is_file():
         raise BadInput(f"--lora {p}: no such file")
-    if p.suffix.lower() in PICKLE_SUFFIXES or _looks_like_pickle(p):
-        raise BadInput(f"--lora {p}: pickled LoRA refused. {CONVERT_HINT}")
-    f = SafetensorsFile(p)
+    f = open_weights_file(p, lambda path: BadInput(f"--lora {path}: pickled LoRA refused. {CONVERT_HINT}"))
     modules: dict[str, LoraModule] = {}
     stray = []
     for key in f.keys():
