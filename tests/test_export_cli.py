@@ -129,6 +129,26 @@ def test_safetensors_whose_header_length_starts_like_a_pickle_loads(demo_ckpt, t
     assert (tmp_path / "o" / "unet" / "model.onnx").is_file()
 
 
+def test_vae_attention_stored_as_linear_in_a_single_file_binds(demo_ckpt, tmp_path):
+    """Some single files keep the VAE mid attention as Linear [C, C] (diffusers' layout); the same
+    weights must give the same decoder as the LDM 1x1-conv layout."""
+    import onnxruntime as ort
+    from safetensors.numpy import load_file, save_file
+    tensors = load_file(str(demo_ckpt))
+    linear = {k: np.ascontiguousarray(v[:, :, 0, 0]) if ".mid.attn_1." in k and v.ndim == 4 else v
+              for k, v in tensors.items()}
+    assert sum(v.ndim == 2 and ".mid.attn_1." in k for k, v in linear.items()) == 8
+    save_file(linear, str(tmp_path / "linear.safetensors"))
+    latent = np.random.default_rng(0).standard_normal((1, 4, 8, 8)).astype(np.float32)
+    outs = []
+    for src in (demo_ckpt, tmp_path / "linear.safetensors"):
+        out = tmp_path / src.stem
+        precast("export", src, "--out", out, "--component", "vae_decoder", check=True)
+        session = ort.InferenceSession(str(out / "vae_decoder" / "model.onnx"), providers=["CPUExecutionProvider"])
+        outs.append(session.run(None, {"latent_sample": latent})[0])
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
 def _retyped(demo, tmp, name, drop=(), add=None):
     """A copy of the demo checkpoint with some tensors removed or added (header only)."""
     f = SafetensorsFile(demo)

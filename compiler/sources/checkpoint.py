@@ -39,6 +39,15 @@ class TensorRef:
     shape: tuple[int, ...]        # the canonical shape (may differ by a reshape, e.g. Linear -> 1x1 conv)
 
 
+def tensor_ref(f: SafetensorsFile, key: str, canon: str) -> TensorRef:
+    """Where canonical tensor `canon` lies. The VAE's mid attention is a 1x1 conv in LDM names;
+    diffusers files (and some single files) store it as Linear [C, C]: it binds reshaped."""
+    shape = f.tensors[key].shape
+    if canon.startswith(VAE) and ".mid.attn_1." in canon and canon.endswith(".weight") and len(shape) == 2:
+        shape = shape + (1, 1)
+    return TensorRef(f, key, shape)
+
+
 @dataclass
 class Checkpoint:
     """Canonical tensor name -> where its bytes are; plus component configs from a diffusers folder."""
@@ -124,7 +133,7 @@ def _normalise_single_file(keys: list[str]) -> dict[str, str]:
 def open_single_file(path: Path) -> Checkpoint:
     f = open_weights_file(path)
     names = _normalise_single_file(f.keys())
-    refs = {canon: TensorRef(f, key, f.tensors[key].shape) for key, canon in names.items()}
+    refs = {canon: tensor_ref(f, key, canon) for key, canon in names.items()}
     return Checkpoint(str(path), "single-file", refs, metadata=f.metadata)
 
 
@@ -188,10 +197,7 @@ def open_diffusers_folder(folder: Path) -> Checkpoint:
         else:  # HF CLIPTextModel: text_model.* (some saves drop the text_model. prefix)
             mapping = {k: (k[len("text_model."):] if k.startswith("text_model.") else k) for k in keys}
         for key, canon in mapping.items():
-            shape = f.tensors[key].shape
-            if name == "vae" and ".mid.attn_1." in canon and canon.endswith(".weight") and len(shape) == 2:
-                shape = shape + (1, 1)  # diffusers stores the VAE attention as Linear; LDM as 1x1 conv
-            refs[prefix + canon] = TensorRef(f, key, shape)
+            refs[prefix + canon] = tensor_ref(f, key, prefix + canon)
     sched = folder / "scheduler" / "scheduler_config.json"
     if sched.is_file():
         try:
@@ -242,7 +248,4 @@ def replace_vae(ckpt: Checkpoint, vae: Path) -> None:
     for k in [k for k in ckpt.refs if k.startswith(VAE)]:
         del ckpt.refs[k]
     for key, canon in mapping.items():
-        shape = f.tensors[key].shape
-        if ".mid.attn_1." in canon and canon.endswith(".weight") and len(shape) == 2:
-            shape = shape + (1, 1)
-        ckpt.refs[canon] = TensorRef(f, key, shape)
+        ckpt.refs[canon] = tensor_ref(f, key, canon)
