@@ -154,17 +154,21 @@ def _component_file(folder: Path, name: str) -> Path | None:
     raise BadInput(f"{d}: no weights found (looked for diffusion_pytorch_model.safetensors, model.safetensors)")
 
 
-def _read_config(folder: Path, name: str) -> dict:
-    p = folder / name / "config.json"
+def _read_json(p: Path) -> dict:
+    """A JSON object from a folder's config file; {} when the file is absent."""
     if not p.is_file():
         return {}
     try:
         cfg = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:
         raise BadInput(f"{p}: not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise BadInput(f"{p}: expected a JSON object")
     return cfg
+
+
+def _read_config(folder: Path, name: str) -> dict:
+    return _read_json(folder / name / "config.json")
 
 
 def _text_prefixes(folder: Path) -> dict[str, str]:
@@ -198,12 +202,10 @@ def open_diffusers_folder(folder: Path) -> Checkpoint:
             mapping = {k: (k[len("text_model."):] if k.startswith("text_model.") else k) for k in keys}
         for key, canon in mapping.items():
             refs[prefix + canon] = tensor_ref(f, key, prefix + canon)
-    sched = folder / "scheduler" / "scheduler_config.json"
-    if sched.is_file():
-        try:
-            configs["scheduler"] = json.loads(sched.read_text())
-        except ValueError as e:
-            raise BadInput(f"{sched}: not valid JSON ({e})") from None
+    for name, path in (("model_index", folder / "model_index.json"),
+                       ("scheduler", folder / "scheduler" / "scheduler_config.json")):
+        if cfg := _read_json(path):
+            configs[name] = cfg
     if not found:
         raise BadInput(f"{folder}: a folder, but not a diffusers model (no unet/, vae/ or text_encoder/ "
                        "with .safetensors weights)")

@@ -56,9 +56,8 @@ def detect_family(ckpt: Checkpoint) -> Family:
         ctx = [ref.shape[1] for k, ref in keys.items()
                if k.startswith(UNET) and k.endswith("attn2.to_k.weight") and len(ref.shape) == 2]
         if label is not None:
-            if any(k.startswith("conditioner.embedders.1.") for k in keys) or label.shape[1] == 2816:
-                return Family("sdxl", variant, f"label_emb.0.0.weight {list(label.shape)}")
-            return Family("sdxl-refiner", variant, f"label_emb.0.0.weight {list(label.shape)}")
+            name, why = _sdxl_base_or_refiner(ckpt, label.shape[1], ctx[0] if ctx else None)
+            return Family(name, variant, f"label_emb.0.0.weight {list(label.shape)}, {why}")
         proj_in = [ref.shape for k, ref in keys.items() if k.startswith(UNET) and k.endswith(".proj_in.weight")]
         if any(k.startswith("cond_stage_model.model.") for k in keys):
             return Family("sd2", variant, "cond_stage_model.model.* (OpenCLIP text encoder)")
@@ -72,6 +71,26 @@ def detect_family(ckpt: Checkpoint) -> Family:
         return Family("vae", "", "decoder.conv_in.weight without a UNet")
     raise BadInput(f"{ckpt.path}: not a recognised diffusion model checkpoint. Looked for: {LOOKED_FOR}. "
                    f"Found {len(keys)} tensors, e.g. {', '.join(sorted(keys)[:3]) or 'none'}.")
+
+
+def _sdxl_base_or_refiner(ckpt: Checkpoint, label_in: int, context: int | None) -> tuple[str, str]:
+    """SDXL base (CLIP-L + bigG; 6 micro-conditioning ids) or refiner (bigG only; 5 ids, one of
+    them the aesthetic score), from the text encoders when the checkpoint has them, else from the
+    UNet alone: label_emb takes the pooled width + 256 per id, and the refiner's pooled width is
+    its context width (one encoder), the base's is not (768 + 1280 context, 1280 pooled)."""
+    keys = ckpt.refs
+    if any(k.startswith("conditioner.embedders.1.") for k in keys):
+        return "sdxl", "two text encoders"
+    if any(k.startswith("conditioner.embedders.0.") for k in keys):
+        return "sdxl-refiner", "one text encoder (bigG)"
+    aesthetic = ckpt.configs.get("model_index", {}).get("requires_aesthetics_score")
+    if isinstance(aesthetic, bool):
+        return ("sdxl-refiner" if aesthetic else "sdxl"), f"model_index.json requires_aesthetics_score {aesthetic}"
+    if label_in in (2816, 2560):
+        return ("sdxl" if label_in == 2816 else "sdxl-refiner"), f"label_emb input {label_in}"
+    if context is not None and label_in - 5 * 256 == context:
+        return "sdxl-refiner", f"label_emb input {label_in} = context {context} + 5 x 256"
+    return "sdxl", f"label_emb input {label_in} != context {context} + 5 x 256"
 
 
 def require_supported(ckpt: Checkpoint, family: Family) -> None:
