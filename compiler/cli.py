@@ -57,6 +57,8 @@ def main() -> None:
               help="Override what the weights cannot say, e.g. unet.num_heads=8, text_encoder.num_heads=12.")
 @click.option("--vae-dtype", type=click.Choice(["auto", "fp32", "fp16"]), default="auto", show_default=True,
               help="VAE precision; auto = --dtype, except fp32 for SDXL (its VAE overflows in fp16).")
+@click.option("--vae", type=click.Path(), default=None,
+              help="A separate VAE replacing the checkpoint's: .safetensors (LDM or diffusers names) or a vae/ folder.")
 @click.option("--lora", "loras", multiple=True, metavar="PATH[:STRENGTH]",
               help="Merge a LoRA / LyCORIS file into the weights (repeatable; strength default 1.0).")
 @click.option("--lora-te-strength", type=float, default=None,
@@ -64,7 +66,7 @@ def main() -> None:
 @click.option("--allow-unmatched", is_flag=True,
               help="Merge a LoRA even when some of its tensors name no weight of the model (they are listed).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout.")
-def export_cmd(checkpoint, out, components, dtype, sets, vae_dtype, loras, lora_te_strength, allow_unmatched,
+def export_cmd(checkpoint, out, components, dtype, sets, vae_dtype, vae, loras, lora_te_strength, allow_unmatched,
                as_json):
     """Export CHECKPOINT (.safetensors file or diffusers folder) to ONNX, without torch."""
     def go():
@@ -72,7 +74,7 @@ def export_cmd(checkpoint, out, components, dtype, sets, vae_dtype, loras, lora_
         specs = [(*_parse_lora(item), lora_te_strength) for item in loras]
         report = export(checkpoint, out, list(components) or None, dtype, _parse_sets(sets), progress=not as_json,
                         vae_dtype=vae_dtype, loras=specs, allow_unmatched=allow_unmatched,
-                        warn=lambda msg: click.echo(f"warning: {msg}", err=True))
+                        warn=lambda msg: click.echo(f"warning: {msg}", err=True), vae=vae)
         if as_json:
             click.echo(json.dumps(report, indent=2))
         else:

@@ -105,6 +105,8 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
               "dtype": dtype, "source_identity": ckpt.identity(), "components": [],
               "latent_scale": float(ckpt.configs.get("vae", {}).get("scaling_factor", LATENT_SCALE[family.name])),
               "prediction": prediction_type(ckpt, family, overrides or {})}
+    if vae is not None:
+        report["vae"] = str(vae)
     if merge is not None:
         report["loras"] = merge.describe()
     try:

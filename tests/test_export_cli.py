@@ -149,6 +149,28 @@ def test_vae_attention_stored_as_linear_in_a_single_file_binds(demo_ckpt, tmp_pa
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
+def test_separate_vae_replaces_the_checkpoints(demo_ckpt, tmp_path):
+    import onnxruntime as ort
+    from precast.compiler.demo_model import write_demo_model
+    other = tmp_path / "other.safetensors"
+    write_demo_model(str(other), seed=1)
+    latent = np.random.default_rng(0).standard_normal((1, 4, 8, 8)).astype(np.float32)
+
+    def decode(name, *args):
+        proc = precast("export", *args, "--out", tmp_path / name, "--component", "vae_decoder", "--json", check=True)
+        session = ort.InferenceSession(str(tmp_path / name / "vae_decoder" / "model.onnx"),
+                                       providers=["CPUExecutionProvider"])
+        return session.run(None, {"latent_sample": latent})[0], json.loads(proc.stdout)
+    own, _ = decode("own", demo_ckpt)
+    swapped, report = decode("swapped", demo_ckpt, "--vae", other)
+    reference, _ = decode("reference", other)
+    np.testing.assert_array_equal(swapped, reference)
+    assert not np.array_equal(own, swapped) and report["vae"] == str(other)
+    proc = precast("export", demo_ckpt, "--out", tmp_path / "bad", "--vae", tmp_path / "nope.safetensors")
+    assert proc.returncode == 2 and "--vae" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "bad").exists()
+
+
 def _retyped(demo, tmp, name, drop=(), add=None):
     """A copy of the demo checkpoint with some tensors removed or added (header only)."""
     f = SafetensorsFile(demo)
