@@ -118,7 +118,7 @@ def test_unet(case, exported, dtype):
     out, _ = exported[dtype]
     sess = _session(out, "unet")
     rng = np.random.default_rng(1)
-    for batch, h, w in ((2, 16, 16), (1, 8, 24)):  # dynamic batch, height, width
+    for batch, h, w in ((2, 16, 16), (1, 8, 24), (1, 9, 13)):  # dynamic batch, height, width; odd sizes
         sample = rng.standard_normal((batch, 4, h, w)).astype(np.float32)
         t = np.array([999.0, 1.5][:batch], np.float32)
         ctx = rng.standard_normal((batch, 77, case["ctx"])).astype(np.float32)

@@ -34,9 +34,42 @@ class UNetConfig:
     adm_in_channels: int = 0         # SDXL: label_emb input = pooled text embeds + time ids embedded
     time_ids: int = 0                # SDXL 6 (sizes, crop, target), refiner 5 (sizes, crop, aesthetic)
     time_id_dim: int = 256
+    flip_sin_to_cos: bool = True     # diffusers config fields the LDM layout fixes; a folder may set them
+    freq_shift: float = 0.0
+    norm_eps: float = RES_EPS        # ResBlocks' and the output's GroupNorm
+    downsample_padding: int = 1      # 0: pad right/bottom by one, then a stride-2 conv without padding
 
     def describe(self) -> dict:
         return asdict(self)
+
+
+# diffusers UNet2DConditionModel fields whose other values change the computation in ways this
+# builder does not write: field -> the values it builds (absent = the default).
+FIXED_FIELDS = {
+    "act_fn": ("silu", "swish"), "resnet_time_scale_shift": ("default",), "time_embedding_type": ("positional",),
+    "class_embed_type": (None,), "num_class_embeds": (None,), "addition_embed_type": (None, "text_time"),
+    "encoder_hid_dim": (None,), "encoder_hid_dim_type": (None,), "time_cond_proj_dim": (None,),
+    "timestep_post_act": (None,), "time_embedding_act_fn": (None,), "dual_cross_attention": (False,),
+    "only_cross_attention": (False,), "attention_type": ("default",), "cross_attention_norm": (None,),
+    "resnet_skip_time_act": (False,), "resnet_out_scale_factor": (1, 1.0), "mid_block_scale_factor": (1, 1.0),
+    "mid_block_type": ("UNetMidBlock2DCrossAttn", "UNetMidBlock2D", None),
+}
+BLOCK_TYPES = {"down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D"),
+               "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D")}
+
+
+def check_diffusers_config(config_json: dict, where: str) -> None:
+    """Refuse a UNet config.json that asks for a computation this builder does not write."""
+    for field, allowed in FIXED_FIELDS.items():
+        value = config_json.get(field, allowed[0])
+        values = value if isinstance(value, list) and field == "only_cross_attention" else [value]
+        if any(v not in allowed for v in values):
+            raise BadInput(f"{where}: {field} = {value!r} is not supported yet (precast builds "
+                           f"{' / '.join(repr(a) for a in allowed)}); convert the model or leave the field out")
+    for field, allowed in BLOCK_TYPES.items():
+        odd = [b for b in config_json.get(field) or () if b not in allowed]
+        if odd:
+            raise BadInput(f"{where}: {field} has {odd[0]!r}, not supported yet (supported: {', '.join(allowed)})")
 
 
 def unet_config(g: Graph, config_json: dict, overrides: dict) -> UNetConfig:
@@ -58,10 +91,15 @@ def unet_config(g: Graph, config_json: dict, overrides: dict) -> UNetConfig:
            if k.startswith(g.prefix) and k.endswith("attn2.to_k.weight")]
     proj = [g.shape(k[len(g.prefix):]) for k in g.ckpt.refs if k.startswith(g.prefix) and k.endswith("proj_in.weight")]
     n_levels = level + 1
-    heads = overrides.get("num_heads")
-    if heads is None and config_json:
+    if config_json:
+        check_diffusers_config(config_json, f"{g.ckpt.path} unet/config.json")
+    # heads: --set num_heads, else --set head_dim, else the folder's config (diffusers'
+    # attention_head_dim holds the number of heads), else the family's convention
+    heads, head_dim = overrides.get("num_heads"), overrides.get("head_dim")
+    if heads is None and head_dim is None and config_json:
         heads = config_json.get("num_attention_heads") or config_json.get("attention_head_dim")
-    head_dim = overrides.get("head_dim") or (None if heads is not None else overrides.get("head_dim_default"))
+    if heads is None and head_dim is None:
+        head_dim = overrides.get("head_dim_default")
     if heads is None and head_dim:
         level_ch = [max(c for c, lv in zip(channels, levels) if lv == level) for level in range(n_levels)]
         heads = [max(1, c // int(head_dim)) for c in level_ch]
@@ -80,22 +118,27 @@ def unet_config(g: Graph, config_json: dict, overrides: dict) -> UNetConfig:
                       groups=int(overrides.get("groups") or config_json.get("norm_num_groups") or 32),
                       use_linear_projection=bool(proj) and len(proj[0]) == 2,
                       n_output_blocks=g.count("output_blocks.{}"), adm_in_channels=adm, time_ids=n_ids,
-                      time_id_dim=id_dim)
+                      time_id_dim=id_dim, flip_sin_to_cos=bool(config_json.get("flip_sin_to_cos", True)),
+                      freq_shift=float(config_json.get("freq_shift", 0)),
+                      norm_eps=float(config_json.get("norm_eps", RES_EPS)),
+                      downsample_padding=int(config_json.get("downsample_padding", 1)))
 
 
-def timestep_embedding(g: Graph, t: str, dim: int) -> str:
-    """Sinusoidal embedding of a 1-D tensor, cos first (flip_sin_to_cos), computed in fp32."""
+def timestep_embedding(g: Graph, t: str, dim: int, cos_first: bool = True, shift: float = 0.0) -> str:
+    """Sinusoidal embedding of a 1-D tensor, computed in fp32: f_i = exp(-ln(10000) i / (half - shift)),
+    [cos, sin] (LDM; diffusers' flip_sin_to_cos) or [sin, cos]."""
     half = dim // 2
-    freqs = np.exp(-math.log(10000.0) * np.arange(half, dtype=np.float32) / np.float32(half)).astype(np.float32)
+    freqs = np.exp(-math.log(10000.0) * np.arange(half, dtype=np.float32) / np.float32(half - shift)).astype(np.float32)
     args = g.op("Mul", g.op("Unsqueeze", t, g.ints(1)), g.const(freqs[None, :], hint="freqs"))
-    return g.from_fp32(g.op("Concat", g.op("Cos", args), g.op("Sin", args), axis=-1))
+    parts = (g.op("Cos", args), g.op("Sin", args))
+    return g.from_fp32(g.op("Concat", *(parts if cos_first else parts[::-1]), axis=-1))
 
 
 def resblock(g: Graph, x: str, emb: str, p: str, cfg: UNetConfig) -> str:
-    h = g.conv2d(g.silu(g.group_norm(x, f"{p}.in_layers.0", cfg.groups, RES_EPS)), f"{p}.in_layers.2")
+    h = g.conv2d(g.silu(g.group_norm(x, f"{p}.in_layers.0", cfg.groups, cfg.norm_eps)), f"{p}.in_layers.2")
     e = g.linear(g.silu(emb), f"{p}.emb_layers.1")
     h = g.op("Add", h, g.op("Unsqueeze", e, g.ints(2, 3)))
-    h = g.conv2d(g.silu(g.group_norm(h, f"{p}.out_layers.0", cfg.groups, RES_EPS)), f"{p}.out_layers.3")
+    h = g.conv2d(g.silu(g.group_norm(h, f"{p}.out_layers.0", cfg.groups, cfg.norm_eps)), f"{p}.out_layers.3")
     skip = g.conv2d(x, f"{p}.skip_connection") if g.has(f"{p}.skip_connection.weight") else x
     return g.op("Add", skip, h)
 
@@ -144,12 +187,14 @@ def build_unet(g: Graph, cfg: UNetConfig) -> None:
     sample = g.input("sample", g.dtype, ["batch", cfg.in_channels, "height", "width"])
     t = g.input("timestep", FLOAT, ["steps"])
     ctx = g.input("encoder_hidden_states", g.dtype, ["batch", "sequence", cfg.context_dim])
-    emb = g.linear(g.silu(g.linear(timestep_embedding(g, t, cfg.model_channels), "time_embed.0")), "time_embed.2")
+    t_emb = timestep_embedding(g, t, cfg.model_channels, cfg.flip_sin_to_cos, cfg.freq_shift)
+    emb = g.linear(g.silu(g.linear(t_emb, "time_embed.0")), "time_embed.2")
     if cfg.adm_in_channels:  # SDXL micro-conditioning: pooled text embeds + embedded sizes/crops
         pooled = cfg.adm_in_channels - cfg.time_ids * cfg.time_id_dim
         text_embeds = g.input("text_embeds", g.dtype, ["batch", pooled])
         time_ids = g.input("time_ids", FLOAT, ["batch", cfg.time_ids])
-        ids = timestep_embedding(g, g.op("Reshape", time_ids, g.ints(-1)), cfg.time_id_dim)
+        ids = timestep_embedding(g, g.op("Reshape", time_ids, g.ints(-1)), cfg.time_id_dim,
+                                 cfg.flip_sin_to_cos, cfg.freq_shift)
         ids = g.op("Reshape", ids, g.ints(-1, cfg.time_ids * cfg.time_id_dim))
         y = g.op("Concat", text_embeds, ids, axis=1)
         emb = g.op("Add", emb, g.linear(g.silu(g.linear(y, "label_emb.0.0")), "label_emb.0.2"))
@@ -159,7 +204,8 @@ def build_unet(g: Graph, cfg: UNetConfig) -> None:
         if i == 0:
             h = g.conv2d(h, f"{p}.0")
         elif g.has(f"{p}.0.op.weight"):
-            h = g.conv2d(h, f"{p}.0.op", stride=2, pad=1)
+            pads = (1, 1, 1, 1) if cfg.downsample_padding else (0, 0, 1, 1)   # ONNX order: top, left, bottom, right
+            h = g.conv2d(h, f"{p}.0.op", stride=2, pad=pads)
         else:
             h = resblock(g, h, emb, f"{p}.0", cfg)
             if g.has(f"{p}.1.norm.weight"):
@@ -182,8 +228,8 @@ def build_unet(g: Graph, cfg: UNetConfig) -> None:
         if g.has(f"{p}.1.norm.weight"):
             h = spatial_transformer(g, h, ctx, f"{p}.1", cfg.num_heads[level], cfg)
             slot = 2
-        if g.has(f"{p}.{slot}.conv.weight"):
-            h = g.conv2d(g.upsample2x(h), f"{p}.{slot}.conv")
+        if g.has(f"{p}.{slot}.conv.weight"):   # x2, or to the next skip's size when a level had odd sizes
+            h = g.conv2d(g.upsample2x(h, like=skips[-1] if skips else None), f"{p}.{slot}.conv")
             level -= 1
-    out = g.conv2d(g.silu(g.group_norm(h, "out.0", cfg.groups, RES_EPS)), "out.2")
+    out = g.conv2d(g.silu(g.group_norm(h, "out.0", cfg.groups, cfg.norm_eps)), "out.2")
     g.output(out, "out_sample", g.dtype, ["batch", cfg.out_channels, "height", "width"])

@@ -58,7 +58,8 @@ def attn_block(g: Graph, x: str, p: str, groups: int) -> str:
 
 def mid(g: Graph, h: str, p: str, groups: int) -> str:
     h = resnet(g, h, f"{p}.mid.block_1", groups)
-    h = attn_block(g, h, f"{p}.mid.attn_1", groups)
+    if g.has(f"{p}.mid.attn_1.q.weight"):   # absent in VAEs built with mid_block_add_attention=False
+        h = attn_block(g, h, f"{p}.mid.attn_1", groups)
     return resnet(g, h, f"{p}.mid.block_2", groups)
 
 

@@ -157,11 +157,12 @@ class Graph:
             ys.append(self.op("Add", self.op("MatMul", x, wi), self.op("Slice", b, start, end, axis)))
         return ys
 
-    def conv2d(self, x: str, module: str, stride: int = 1, pad: int | None = None) -> str:
+    def conv2d(self, x: str, module: str, stride: int = 1, pad: int | tuple[int, ...] | None = None) -> str:
+        """`pad`: one size for every side, or ONNX's (top, left, bottom, right); default kernel // 2."""
         kh, kw = self.shape(f"{module}.weight")[2:]
-        p = kh // 2 if pad is None else pad
+        pads = list(pad) if isinstance(pad, tuple) else [kh // 2 if pad is None else pad] * 4
         ins = [x, self.param(f"{module}.weight"), self.param(f"{module}.bias")]
-        return self.op("Conv", *ins, strides=[stride, stride], pads=[p, p, p, p], kernel_shape=[kh, kw])
+        return self.op("Conv", *ins, strides=[stride, stride], pads=pads, kernel_shape=[kh, kw])
 
     def group_norm(self, x: str, module: str, groups: int, eps: float) -> str:
         y = self.op("GroupNormalization", self.to_fp32(x), self.param(f"{module}.weight", fp32=True),
@@ -182,10 +183,16 @@ class Graph:
     def quick_gelu(self, x: str) -> str:
         return self.op("Mul", x, self.op("Sigmoid", self.op("Mul", x, self.const(np.array(1.702), self.dtype))))
 
-    def upsample2x(self, x: str) -> str:
-        """Nearest-neighbour x2, as torch's F.interpolate(scale_factor=2, mode="nearest")."""
-        return self.op("Resize", x, "", self.const(np.array([1, 1, 2, 2], np.float32), hint="scales"),
-                       mode="nearest", coordinate_transformation_mode="asymmetric", nearest_mode="floor")
+    def upsample2x(self, x: str, like: str | None = None) -> str:
+        """Nearest-neighbour x2, as torch's F.interpolate(scale_factor=2, mode="nearest"); with
+        `like`, to that tensor's height and width instead (F.interpolate(size=...), what diffusers
+        does when a level's input had an odd size): the same result wherever that is twice x's."""
+        nearest = {"mode": "nearest", "coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"}
+        if like is None:
+            return self.op("Resize", x, "", self.const(np.array([1, 1, 2, 2], np.float32), hint="scales"), **nearest)
+        sizes = self.op("Concat", self.op("Slice", self.op("Shape", x), self.ints(0), self.ints(2)),
+                        self.op("Slice", self.op("Shape", like), self.ints(2), self.ints(4)), axis=0)
+        return self.op("Resize", x, "", "", sizes, **nearest)
 
     def softmax(self, x: str) -> str:
         return self.from_fp32(self.op("Softmax", self.to_fp32(x), axis=-1))

@@ -1,0 +1,61 @@
+"""Diffusers folders whose config.json sets fields the LDM layout fixes: the fields precast
+builds (timestep embedding order and shift, ResBlock norm eps, unpadded downsampling, a VAE
+without mid attention) match diffusers; the ones it does not build are refused by name."""
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from conftest import precast, rel_err
+import reference as ref
+
+UNET = dict(sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64, 64),
+            down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+            cross_attention_dim=32, attention_head_dim=4, norm_num_groups=32)
+
+
+def _folder(tmp, unet_fields=None, vae_fields=None):
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    torch.manual_seed(0)
+    unet = ref.randomize(UNet2DConditionModel(**UNET, **(unet_fields or {})), 1)
+    vae = ref.randomize(AutoencoderKL(
+        in_channels=3, out_channels=3, block_out_channels=(32, 64), layers_per_block=1, latent_channels=4,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        norm_num_groups=32, **(vae_fields or {})), 2)
+    unet.save_pretrained(tmp / "pipe" / "unet", safe_serialization=True)
+    vae.save_pretrained(tmp / "pipe" / "vae", safe_serialization=True)
+    (tmp / "pipe" / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
+    return tmp / "pipe", unet, vae
+
+
+def test_config_fields_precast_builds_match_diffusers(tmp_path):
+    folder, unet, vae = _folder(tmp_path, dict(flip_sin_to_cos=False, freq_shift=1, downsample_padding=0,
+                                               norm_eps=1e-2), dict(mid_block_add_attention=False))
+    precast("export", folder, "--out", tmp_path / "onnx", check=True)
+    sess = ort.InferenceSession(str(tmp_path / "onnx" / "unet" / "model.onnx"), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    for h, w in ((16, 16), (15, 9)):        # odd latent sizes: upsampled to each skip's size, as diffusers does
+        sample = rng.standard_normal((2, 4, h, w)).astype(np.float32)
+        t = np.array([999.0, 3.0], np.float32)
+        ctx = rng.standard_normal((2, 77, 32)).astype(np.float32)
+        (got,) = sess.run(None, {"sample": sample, "timestep": t, "encoder_hidden_states": ctx})
+        assert rel_err(got, ref.run_unet(unet, sample, t, ctx)) <= 1e-4, (h, w)
+    z = rng.standard_normal((1, 4, 8, 8)).astype(np.float32)
+    dec = ort.InferenceSession(str(tmp_path / "onnx" / "vae_decoder" / "model.onnx"), providers=["CPUExecutionProvider"])
+    (got,) = dec.run(None, {"latent_sample": z})
+    assert rel_err(got, ref.run_vae_decoder(vae, z)) <= 1e-4
+
+
+@pytest.mark.parametrize("field, value", [("act_fn", "mish"), ("only_cross_attention", True),
+                                          ("resnet_time_scale_shift", "scale_shift")])
+def test_config_fields_precast_does_not_build_are_refused(tmp_path, field, value):
+    folder, _, _ = _folder(tmp_path)
+    config = folder / "unet" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), field: value}))
+    proc = precast("export", folder, "--out", tmp_path / "onnx")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"{field} = {value!r} is not supported" in proc.stderr and "unet/config.json" in proc.stderr
+    assert not (tmp_path / "onnx").exists()
