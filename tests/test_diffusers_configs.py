@@ -59,3 +59,14 @@ def test_config_fields_precast_does_not_build_are_refused(tmp_path, field, value
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"{field} = {value!r} is not supported" in proc.stderr and "unet/config.json" in proc.stderr
     assert not (tmp_path / "onnx").exists()
+
+
+def test_set_head_dim_wins_over_the_folders_config(tmp_path):
+    folder, _, _ = _folder(tmp_path)              # config: attention_head_dim 4 (diffusers: 4 heads)
+    heads = {}
+    for name, sets in (("config", []), ("head_dim", ["--set", "unet.head_dim=16"]),
+                       ("num_heads", ["--set", "unet.num_heads=2"])):
+        proc = precast("export", folder, "--out", tmp_path / name, "--component", "unet", *sets, "--json", check=True)
+        (unet,) = json.loads(proc.stdout)["components"]
+        heads[name] = unet["config"]["num_heads"]
+    assert heads == {"config": [4, 4, 4], "head_dim": [2, 4, 4], "num_heads": [2, 2, 2]}
