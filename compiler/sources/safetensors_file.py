@@ -1,7 +1,8 @@
 """A strict, lazy reader for single-file .safetensors checkpoints.
 
 Owns: validating the header before any tensor is touched (header length within the file,
-known dtypes, offsets inside the data area, no overlaps, shape x dtype = byte length) and
+JSON without duplicate keys, known dtypes, shape x dtype = byte length in exact integers,
+tensors covering the data area exactly: no overlaps, gaps or trailing bytes) and
 reading one tensor at a time with a positioned read, so the peak memory of a conversion is
 near the largest tensor rather than the whole model.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from dataclasses import dataclass
 
@@ -40,8 +42,80 @@ def _bad(path: str, what: str) -> BadInput:
                     "Re-download or re-save the checkpoint (a truncated download is the usual cause).")
 
 
+class _HeaderError(ValueError):
+    """Raised inside json.loads by the hooks below; turned into one BadInput line."""
+
+
+def _unique_keys(pairs: list) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _HeaderError(f"key '{key}' appears twice in the header")
+        out[key] = value
+    return out
+
+
+def _no_constant(name: str):
+    raise _HeaderError(f"header holds {name}, which is not JSON")
+
+
+def _load_json(path: str, blob: bytes):
+    try:
+        return json.loads(blob.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+    except _HeaderError as e:
+        raise _bad(path, str(e)) from None
+    except RecursionError:
+        raise _bad(path, "header nests too deeply") from None
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError, ints past Python's digit limit
+        raise _bad(path, f"header is not valid UTF-8 JSON ({e})") from None
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _byte_count(shape: list, width: int, limit: int) -> int:
+    """width x prod(shape) in Python ints, stopping once past `limit` (no overflow, no huge products)."""
+    if 0 in shape:
+        return 0
+    n = width
+    for d in shape:
+        n *= d
+        if n > limit:
+            return limit + 1
+    return n
+
+
+def _tensor(path: str, key: str, entry, data_size: int) -> tuple[str, tuple[int, ...], int, int]:
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise _bad(path, f"tensor '{key}' entry must have exactly dtype, shape, data_offsets")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise _bad(path, f"tensor '{key}' has unknown dtype {_short(dtype)} (known: {', '.join(DTYPES)})")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise _bad(path, f"tensor '{key}' shape {_short(shape)} is not a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
+        raise _bad(path, f"tensor '{key}' data_offsets {_short(offsets)} is not [begin, end]")
+    begin, end = offsets
+    if not 0 <= begin <= end <= data_size:
+        raise _bad(path, f"tensor '{key}' data_offsets [{begin}, {end}] lie outside the "
+                         f"{data_size}-byte data area")
+    want = _byte_count(shape, DTYPES[dtype][0], data_size)
+    if end - begin != want:
+        needs = f"{want}" if want <= data_size else f"more than the {data_size}-byte data area"
+        raise _bad(path, f"tensor '{key}' holds {end - begin} bytes but {dtype}{_short(shape)} needs {needs}")
+    return dtype, tuple(shape), begin, end
+
+
 def parse_header(path: str, head: bytes, file_size: int) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Validate a safetensors header; `head` holds at least the first 8 + header-length bytes."""
+    """Validate a safetensors header; `head` holds at least the first 8 + header-length bytes.
+    As the safetensors spec asks, the tensors must cover the data area exactly: no overlaps, no
+    gaps, no bytes after the last tensor (nothing unaccounted for can hide in a file)."""
     if file_size < 8 or len(head) < 8:
         raise _bad(path, f"file is {file_size} bytes, shorter than the 8-byte header length")
     (n,) = struct.unpack("<Q", head[:8])
@@ -49,44 +123,30 @@ def parse_header(path: str, head: bytes, file_size: int) -> tuple[dict[str, Tens
         raise _bad(path, f"header length {n} exceeds the 100 MB limit")
     if 8 + n > file_size:
         raise _bad(path, f"header length {n} runs past the end of the {file_size}-byte file")
-    try:
-        header = json.loads(head[8:8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _bad(path, f"header is not valid UTF-8 JSON ({e})") from None
+    header = _load_json(path, head[8:8 + n])
     if not isinstance(header, dict):
         raise _bad(path, "header is not a JSON object")
     data_start = 8 + n
     data_size = file_size - data_start
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise _bad(path, "__metadata__ must map strings to strings")
     tensors: dict[str, TensorInfo] = {}
     spans = []
     for key, entry in header.items():
-        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-            raise _bad(path, f"tensor '{key}' entry must have exactly dtype, shape, data_offsets")
-        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if dtype not in DTYPES:
-            raise _bad(path, f"tensor '{key}' has unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
-        if (not isinstance(shape, list) or
-                not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-            raise _bad(path, f"tensor '{key}' shape {shape!r} is not a list of non-negative integers")
-        if (not isinstance(offsets, list) or len(offsets) != 2 or
-                not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
-            raise _bad(path, f"tensor '{key}' data_offsets {offsets!r} is not [begin, end]")
-        begin, end = offsets
-        if not 0 <= begin <= end <= data_size:
-            raise _bad(path, f"tensor '{key}' data_offsets [{begin}, {end}] lie outside the "
-                             f"{data_size}-byte data area")
-        want = DTYPES[dtype][0] * int(np.prod(shape, dtype=np.int64)) if shape else DTYPES[dtype][0]
-        if end - begin != want:
-            raise _bad(path, f"tensor '{key}' holds {end - begin} bytes but {dtype}{shape} needs {want}")
-        tensors[key] = TensorInfo(dtype, tuple(shape), data_start + begin, data_start + end)
+        dtype, shape, begin, end = _tensor(path, key, entry, data_size)
+        tensors[key] = TensorInfo(dtype, shape, data_start + begin, data_start + end)
         spans.append((begin, end, key))
     spans.sort()
-    for (b0, e0, k0), (b1, e1, k1) in zip(spans, spans[1:]):
-        if b1 < e0:
-            raise _bad(path, f"tensors '{k0}' and '{k1}' overlap in the data area")
+    cursor, last = 0, None
+    for begin, end, key in spans:
+        if begin < cursor:
+            raise _bad(path, f"tensors '{last}' and '{key}' overlap in the data area")
+        if begin > cursor:
+            raise _bad(path, f"bytes [{cursor}, {begin}) of the data area belong to no tensor")
+        cursor, last = end, key
+    if cursor != data_size:
+        raise _bad(path, f"{data_size - cursor} bytes after the last tensor belong to no tensor")
     return tensors, metadata
 
 
@@ -104,7 +164,11 @@ class SafetensorsFile:
             self._fd = os.open(self.path, os.O_RDONLY)
         except OSError as e:
             raise BadInput(f"{self.path}: cannot open ({e.strerror})") from None
-        size = os.fstat(self._fd).st_size
+        st = os.fstat(self._fd)
+        if not stat.S_ISREG(st.st_mode):
+            self.close()
+            raise BadInput(f"{self.path}: not a file; give the path of a .safetensors file")
+        size = st.st_size
         head = os.pread(self._fd, 8, 0)
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
         if len(head) == 8 and 8 + n <= min(size, 8 + MAX_HEADER_BYTES):
