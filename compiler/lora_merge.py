@@ -42,6 +42,12 @@ class LoraSpec:
     strength: float = 1.0
     te_strength: float | None = None      # None: the same as strength
 
+    def __post_init__(self):
+        for what, value in (("strength", self.strength), ("te_strength", self.te_strength)):
+            if value is not None and not np.isfinite(value):
+                flag = "--lora-te-strength" if what == "te_strength" else f"--lora {self.path}"
+                raise BadInput(f"{flag}: {what} {value} is not a finite number; give one such as 0.8")
+
     @property
     def text_strength(self) -> float:
         return self.strength if self.te_strength is None else self.te_strength
@@ -68,6 +74,10 @@ def delta_shape(lf: LoraFile, m: LoraModule) -> tuple[int, ...]:
     s = lambda role: lf.shape(m, role)  # noqa: E731
     have = m.tensors
     where = f"{lf.path}: {m.name}"
+    for role, key in have.items():
+        if role != "alpha" and 0 in s(role):
+            raise BadInput(f"{lf.path}: tensor {key} has shape {list(s(role))} (no values; rank 0?); "
+                           "the LoRA file is damaged")
     kind = m.kind
     if kind == "lora":
         if "down" not in have or "up" not in have:
@@ -276,6 +286,8 @@ def plan_merge(shapes: dict[str, tuple[int, ...]], loras: list[LoraSpec], allow_
                                 f"{target.describe()} {list(want)} needs {want[0]} (rows) or {want[1]} (columns) values")
                 continue
             if got is not None:
+                if m.kind in ("lora", "loha", "lokr"):
+                    lf.alpha(m, 1)  # refuses a bad alpha (values, shape, metadata) before anything is written
                 plan.patches.setdefault(target.key, []).append(Patch(i, m, target))
             if "diff_b" in m.tensors:
                 bias_key = target.key[:-len("weight")] + "bias" if target.key.endswith(".weight") else None

@@ -416,3 +416,68 @@ def test_tensorrt_rtx_refit_error_path(loras, demo_ckpt, tmp_path):
     export(demo_ckpt, tmp_path / "base", ["unet"], progress=False)
     with pytest.raises(BadInput, match="no engine"):
         refit_tensorrt_rtx(None, tmp_path / "base/unet/model.onnx", [])
+
+
+# ---- damaged LoRA files and bad strengths: exit 2, one line naming the file and the key ------------
+
+Q = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q"
+P = "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"
+
+
+def _kohya(**extra):
+    rng = np.random.default_rng(0)
+    return {Q + ".lora_down.weight": rng.standard_normal((4, 32), dtype=np.float32),
+            Q + ".lora_up.weight": rng.standard_normal((32, 4), dtype=np.float32), **extra}
+
+
+def _peft(meta):
+    rng = np.random.default_rng(0)
+    return ({P + ".lora_A.weight": rng.standard_normal((4, 32), dtype=np.float32),
+             P + ".lora_B.weight": rng.standard_normal((32, 4), dtype=np.float32)},
+            {"lora_adapter_metadata": json.dumps(meta)})
+
+
+BAD_LORAS = {
+    "rank0": ({Q + ".lora_down.weight": np.zeros((0, 32), np.float32),
+               Q + ".lora_up.weight": np.zeros((32, 0), np.float32)}, None, Q + ".lora_down.weight"),
+    "alpha_empty": (_kohya(**{Q + ".alpha": np.zeros((0,), np.float32)}), None, Q + ".alpha"),
+    "alpha_vector": (_kohya(**{Q + ".alpha": np.ones((3,), np.float32)}), None, Q + ".alpha"),
+    "alpha_nan": (_kohya(**{Q + ".alpha": np.array(np.nan, np.float32)}), None, Q + ".alpha"),
+    "alpha_inf": (_kohya(**{Q + ".alpha": np.array(np.inf, np.float32)}), None, Q + ".alpha"),
+    "down_nan": (_kohya(**{Q + ".lora_down.weight": np.full((4, 32), np.nan, np.float32)}), None,
+                 Q + ".lora_down.weight"),
+    "peft_alpha_str": (*_peft({"lora_alpha": "abc"}), "lora_alpha"),
+    "peft_alpha_list": (*_peft({"lora_alpha": [1]}), "lora_alpha"),
+    "peft_alpha_nan": (*_peft({"unet.lora_alpha": float("nan")}), "unet.lora_alpha"),
+    "peft_pattern_badre": (*_peft({"alpha_pattern": {"(": 3}}), "alpha_pattern"),
+    "peft_pattern_list": (*_peft({"alpha_pattern": [1, 2]}), "alpha_pattern"),
+    "peft_pattern_value": (*_peft({"alpha_pattern": {"to_q": "x"}}), "alpha_pattern"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_LORAS))
+def test_damaged_lora_is_one_error_line_naming_file_and_key(demo_ckpt, tmp_path, case):
+    tensors, meta, key = BAD_LORAS[case]
+    bad = tmp_path / f"{case}.safetensors"
+    save_file(tensors, str(bad), metadata=meta)
+    out = tmp_path / "out"
+    proc = precast("export", demo_ckpt, "--out", out, "--component", "unet", "--lora", bad)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(bad) in lines[0] and key in lines[0], proc.stderr
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+@pytest.mark.parametrize("args", [("{lora}:nan",), ("{lora}:inf",), ("{lora}:-inf",),
+                                  ("{lora}", "--lora-te-strength", "nan"), ("{lora}", "--lora-te-strength", "inf")])
+def test_non_finite_strength_is_refused(demo_ckpt, tmp_path, args):
+    good = tmp_path / "good.safetensors"
+    save_file(_kohya(**{Q + ".alpha": np.array(2.0, np.float32)}), str(good))
+    out = tmp_path / "out"
+    proc = precast("export", demo_ckpt, "--out", out, "--component", "unet",
+                   "--lora", *(a.format(lora=good) for a in args))
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    flag = "--lora-te-strength" if "--lora-te-strength" in args else f"--lora {good}"
+    assert len(lines) == 1 and flag in lines[0] and "finite" in lines[0], proc.stderr
+    assert not out.exists()

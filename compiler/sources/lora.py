@@ -268,12 +268,22 @@ class LoraFile:
         return self.file.tensors[module.tensors[role]].shape
 
     def read(self, module: LoraModule, role: str) -> np.ndarray:
-        return self.file.read(module.tensors[role]).astype(np.float32)
+        """A tensor in fp32; NaN or infinity is refused (it would spread into every merged weight)."""
+        key = module.tensors[role]
+        arr = self.file.read(key).astype(np.float32)
+        if not np.isfinite(arr).all():
+            raise BadInput(f"--lora {self.path}: tensor {key} holds NaN or infinity; the LoRA file is damaged "
+                           "(re-download or re-save it)")
+        return arr
 
     def alpha(self, module: LoraModule, rank: int) -> float | None:
         """alpha from the `.alpha` tensor, else diffusers' metadata (lora_alpha / alpha_pattern), else None."""
         if "alpha" in module.tensors:
-            return float(np.asarray(self.read(module, "alpha")).reshape(-1)[0])
+            n = int(np.prod(self.shape(module, "alpha"), dtype=np.int64))
+            if n != 1:
+                raise BadInput(f"--lora {self.path}: tensor {module.tensors['alpha']} holds {n} values "
+                               f"(shape {list(self.shape(module, 'alpha'))}); alpha is one number")
+            return float(self.read(module, "alpha").reshape(-1)[0])
         if not self.peft_config:
             return None
         component = module.name.split(".", 1)[0] if "." in module.name else ""
@@ -292,6 +302,33 @@ class LoraFile:
         if cfg.get("use_rslora"):
             return float(alpha) * rank / float(np.sqrt(rank))  # scale alpha/sqrt(r) expressed as alpha'/r
         return float(alpha)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and bool(np.isfinite(v))
+
+
+def _check_peft_config(p: Path, cfg: dict) -> None:
+    """The fields of diffusers' lora_adapter_metadata that alpha() reads: lora_alpha (a finite
+    number), alpha_pattern ({regex: finite number}), use_rslora (true/false); each may be
+    prefixed by its component (`unet.lora_alpha`)."""
+    where = f"--lora {p}: metadata lora_adapter_metadata"
+    for key, value in cfg.items():
+        name = str(key).rsplit(".", 1)[-1]
+        if name == "lora_alpha" and value is not None and not _is_number(value):
+            raise BadInput(f"{where}: {key} = {value!r}; expected a finite number")
+        if name == "use_rslora" and not isinstance(value, bool):
+            raise BadInput(f"{where}: {key} = {value!r}; expected true or false")
+        if name == "alpha_pattern" and value is not None:
+            if not isinstance(value, dict):
+                raise BadInput(f"{where}: {key} = {value!r}; expected {{module regex: alpha}}")
+            for pattern, alpha in value.items():
+                try:
+                    re.compile(pattern)
+                except re.error as e:
+                    raise BadInput(f"{where}: {key} pattern {pattern!r} is not a valid regex ({e})") from None
+                if not _is_number(alpha):
+                    raise BadInput(f"{where}: {key}[{pattern!r}] = {alpha!r}; expected a finite number")
 
 
 def split_key(key: str) -> tuple[str, str] | None:
@@ -331,6 +368,7 @@ def read_lora(path: str | Path, sha256: str | None = None) -> LoraFile:
             raise BadInput(f"--lora {p}: metadata lora_adapter_metadata is not JSON ({e})") from None
         if not isinstance(peft_config, dict):
             raise BadInput(f"--lora {p}: metadata lora_adapter_metadata is not a JSON object")
+        _check_peft_config(p, peft_config)
     if not modules and not stray:
         raise BadInput(f"--lora {p}: holds no tensors")
     if sha256 is None:
