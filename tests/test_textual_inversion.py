@@ -168,3 +168,78 @@ def test_tensorrt_rtx_builds_the_text_encoder_with_the_extra_input(te_export, tm
                                    progress=False)
     assert entry.metadata["profile"]["token_embeddings_extra"] == [[1, TINY.context_dim], [1, TINY.context_dim],
                                                                    [256, TINY.context_dim]]
+
+
+# ---- crafted tensor records: every element must lie inside its storage -------------------------------
+
+class _Storage:
+    """Stands for one storage of a crafted torch file; pickled as a persistent id."""
+
+
+class _TensorRecord:
+    """Pickles as torch's own tensor record with chosen (offset, size, stride): what a crafted file can say."""
+
+    def __init__(self, storage, offset, size, stride):
+        self.args = (storage, offset, size, stride)
+
+    def __reduce__(self):
+        import collections
+        return (torch._utils._rebuild_tensor_v2, (*self.args, False, collections.OrderedDict()))
+
+
+def _crafted_pt(path, offset, size, stride, floats=8):
+    storage = _Storage()
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj):
+            return ("storage", torch.FloatStorage, "0", "cpu", floats) if obj is storage else None
+    import io
+    buf = io.BytesIO()
+    Pickler(buf, protocol=2).dump({"string_to_param": {"*": _TensorRecord(storage, offset, size, stride)}})
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("archive/data.pkl", buf.getvalue())
+        z.writestr("archive/data/0", np.arange(floats, dtype="<f4").tobytes())
+        z.writestr("archive/version", "3\n")
+    return path
+
+
+@pytest.mark.parametrize("offset, size, stride, words", [
+    (0, (2, 4), (4, 1), None),                                  # the whole storage: fine
+    (2, (2, 3), (3, 1), None),                                  # an inner window: fine
+    (0, (1, 64), (64, 1), "storage too small for size/stride"),  # reads 56 floats past the end
+    (0, (1, 4), (4, 10 ** 8), "storage too small for size/stride"),
+    (5, (1, 4), (4, 1), "storage too small for size/stride"),   # the offset pushes it past the end
+    (-4, (1, 4), (4, 1), "offset -4 is not a non-negative integer"),
+    (0, (2, 4), (4, -1), "negative entry"),
+    (0, (2, 4.0), (4, 1), "not a list of integers"),
+    ("0", (2, 4), (4, 1), "not a non-negative integer"),
+    (0, (2, 4), (1,), "differ in length"),
+    (0, (10 ** 12, 64), (0, 0), "over the limit"),
+])
+def test_tensor_records_outside_their_storage_are_refused(tmp_path, offset, size, stride, words):
+    path = _crafted_pt(tmp_path / "crafted.pt", offset, size, stride)
+    if words is None:
+        want = np.lib.stride_tricks.as_strided(np.arange(8, dtype=np.float32)[offset:], size,
+                                               tuple(4 * s for s in stride))
+        np.testing.assert_array_equal(read_embedding(path)["any"], want)
+        return
+    with pytest.raises(BadInput) as e:
+        read_embedding(path)
+    assert str(e.value).startswith(f"{path}: refused: ") and words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_build_refuses_an_out_of_bounds_pt_embedding_and_writes_nothing(demo_ckpt, tmp_path):
+    """`precast build` with a crafted .pt (a stride reaching far outside its storage) used to crash
+    the process (SIGSEGV) and leave its staging folder; now: exit 2, one line, nothing written."""
+    from conftest import precast
+    emb = _crafted_pt(tmp_path / "oob.pt", 0, (1, 64), (64, 10 ** 8))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {{source: {demo_ckpt}}}\ncomponents: [text_encoder]\nembeddings: [{emb}]\n"
+                      "profiles: {height: 64, width: 64}\ntargets: [onnxruntime]\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = precast("build", recipe, "--out", work / "b", env={"PRECAST_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 2, proc.stderr
+    assert "storage too small for size/stride" in proc.stderr and str(emb) in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert list(work.iterdir()) == []

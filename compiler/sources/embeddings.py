@@ -37,11 +37,43 @@ class _StorageType:
         self.name = name
 
 
+class _Malformed(Exception):
+    """A tensor record that does not fit its storage; load_torch_restricted names the file."""
+
+
+MAX_TENSOR_ELEMENTS = 1 << 26    # 64 Mi elements: far above any embedding, far below a memory blow-up
+
+
+def _ints(value, what: str) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not all(type(v) is int for v in value):
+        raise _Malformed(f"tensor {what} {value!r:.80} is not a list of integers")
+    if any(v < 0 for v in value):
+        raise _Malformed(f"tensor {what} {value!r:.80} has a negative entry")
+    return tuple(value)
+
+
 def _rebuild_tensor(storage, offset, size, stride, *_rest):
+    """A tensor as a numpy copy of its storage's elements, after checking that every element the
+    (offset, size, stride) record addresses lies inside the storage: a pickle's numbers are data,
+    and numpy's as_strided would read whatever memory they point at."""
+    if not isinstance(storage, np.ndarray) or storage.ndim != 1:
+        raise _Malformed(f"tensor storage is a {type(storage).__name__}, not a torch storage")
+    if type(offset) is not int or offset < 0:
+        raise _Malformed(f"tensor storage offset {offset!r:.80} is not a non-negative integer")
+    size, stride = _ints(size, "size"), _ints(stride, "stride")
+    if len(size) != len(stride):
+        raise _Malformed(f"tensor size {list(size)} and stride {list(stride)} differ in length")
+    count = int(np.prod(size, dtype=object))
+    if count > MAX_TENSOR_ELEMENTS:
+        raise _Malformed(f"tensor size {list(size)} has {count} elements, over the limit of {MAX_TENSOR_ELEMENTS}")
+    last = offset + sum((n - 1) * s for n, s in zip(size, stride)) if count else offset - 1
+    if last >= storage.size:
+        raise _Malformed(f"storage too small for size/stride: size {list(size)}, stride {list(stride)} and "
+                         f"offset {offset} reach element {last}, the storage holds {storage.size}")
     if not size:
         return np.array(storage[offset], copy=True)
     itemsize = storage.dtype.itemsize
-    view = np.lib.stride_tricks.as_strided(storage[offset:], shape=tuple(size),
+    view = np.lib.stride_tricks.as_strided(storage[offset:], shape=size,
                                            strides=tuple(s * itemsize for s in stride), writeable=False)
     return np.array(view, copy=True)
 
@@ -79,6 +111,10 @@ class _Restricted(pickle.Unpickler):
             raw = self.archive.read(f"{self.root}/data/{pid[2]}")
         except KeyError:
             raise BadInput(f"{self.path}: damaged: storage {pid[2]} is missing from the archive") from None
+        itemsize = 2 if dtype == "bf16" else np.dtype(dtype).itemsize
+        if len(raw) % itemsize:
+            raise BadInput(f"{self.path}: damaged: storage {pid[2]} holds {len(raw)} bytes, "
+                           f"not a whole number of {itemsize}-byte elements")
         if dtype == "bf16":
             return (np.frombuffer(raw, "<u2").astype(np.uint32) << 16).view(np.float32)
         return np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"))
@@ -101,6 +137,8 @@ def load_torch_restricted(path: str | Path):
             return _Restricted(archive.read(pkl[0]), archive, root, path).load()
         except BadInput:
             raise
+        except _Malformed as e:
+            raise BadInput(f"{path}: refused: {e}; the file is damaged or crafted") from None
         except Exception as e:  # a malformed pickle: say so, never a traceback
             raise BadInput(f"{path}: not a readable torch file ({type(e).__name__}: {e})") from None
 
