@@ -70,3 +70,23 @@ def test_set_head_dim_wins_over_the_folders_config(tmp_path):
         (unet,) = json.loads(proc.stdout)["components"]
         heads[name] = unet["config"]["num_heads"]
     assert heads == {"config": [4, 4, 4], "head_dim": [2, 4, 4], "num_heads": [2, 2, 2]}
+
+
+def test_sharded_and_variant_weights_export_like_one_file(tmp_path):
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    folder, unet, vae = _folder(tmp_path / "plain")
+    other = tmp_path / "other" / "pipe"
+    unet.save_pretrained(other / "unet", safe_serialization=True, max_shard_size="200KB")   # shards + index
+    vae.save_pretrained(other / "vae", safe_serialization=True, variant="bf16")            # a variant name
+    (other / "model_index.json").write_text((folder / "model_index.json").read_text())
+    assert len(list((other / "unet").glob("*.safetensors"))) > 1
+    for src, out in ((folder, "a"), (other, "b")):
+        precast("export", src, "--out", tmp_path / out, check=True)
+    for comp in ("unet", "vae_decoder", "vae_encoder"):
+        a, b = (tmp_path / o / comp / "model.onnx_data" for o in "ab")
+        assert a.read_bytes() == b.read_bytes(), comp
+    weights = other / "vae" / "diffusion_pytorch_model.bf16.safetensors"
+    (other / "vae" / "diffusion_pytorch_model.ema.safetensors").write_bytes(weights.read_bytes())
+    weights.rename(other / "vae" / "diffusion_pytorch_model.non_ema.safetensors")
+    proc = precast("export", other, "--out", tmp_path / "c")     # which one? the user must say
+    assert proc.returncode == 2 and "several variants (ema, non_ema)" in proc.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 from pathlib import Path
@@ -137,21 +138,64 @@ def open_single_file(path: Path) -> Checkpoint:
     return Checkpoint(str(path), "single-file", refs, metadata=f.metadata)
 
 
-def _component_file(folder: Path, name: str) -> Path | None:
+WEIGHT_STEMS = ("diffusion_pytorch_model", "model")
+# diffusers' names for a component's weights: STEM[.VARIANT].safetensors, or shards listed by
+# STEM.safetensors.index[.VARIANT].json (or STEM[.VARIANT].safetensors.index.json)
+_WEIGHTS = re.compile(r"(?P<stem>diffusion_pytorch_model|model)(?:\.(?P<v1>[A-Za-z0-9_]+))?\.safetensors"
+                      r"(?P<index>\.index(?:\.(?P<v2>[A-Za-z0-9_]+))?\.json)?")
+VARIANT_PREFERENCE = ("", "fp16", "fp32", "bf16")   # plain weights first, then the common variants
+
+
+def _component_weights(folder: Path, name: str) -> dict[str, SafetensorsFile] | None:
+    """Each tensor of a diffusers component folder -> the .safetensors file holding it (one
+    file, a variant such as .fp16, or shards listed by an index); None when there is no folder."""
     d = folder / name
     if not d.is_dir():
         return None
-    for candidate in ("diffusion_pytorch_model.safetensors", "model.safetensors",
-                      "diffusion_pytorch_model.fp16.safetensors", "model.fp16.safetensors"):
-        if (d / candidate).is_file():
-            return d / candidate
-    if any(d.glob("*.safetensors.index.json")):
-        raise BadInput(f"{d}: sharded weights (*.safetensors.index.json) are not supported yet; "
-                       "save the component as one .safetensors file")
-    pickles = [p for p in d.iterdir() if p.suffix in PICKLE_SUFFIXES]
-    if pickles:
-        raise _refuse_pickle(pickles[0])
-    raise BadInput(f"{d}: no weights found (looked for diffusion_pytorch_model.safetensors, model.safetensors)")
+    found = {}
+    for p in sorted(d.iterdir()):
+        m = _WEIGHTS.fullmatch(p.name)
+        if m and p.is_file():
+            found.setdefault(m["v1"] or m["v2"] or "", p)
+    if not found:
+        pickles = [p for p in d.iterdir() if p.suffix in PICKLE_SUFFIXES]
+        if pickles:
+            raise _refuse_pickle(pickles[0])
+        raise BadInput(f"{d}: no weights found (looked for {' / '.join(WEIGHT_STEMS)}[.VARIANT].safetensors "
+                       "and their .index.json)")
+    variant = next((v for v in VARIANT_PREFERENCE if v in found), None)
+    if variant is None:
+        if len(found) > 1:
+            raise BadInput(f"{d}: weights in several variants ({', '.join(sorted(found))}) and none of "
+                           f"{', '.join(v for v in VARIANT_PREFERENCE if v)}; keep one")
+        variant = next(iter(found))
+    path = found[variant]
+    if not path.name.endswith(".json"):
+        f = SafetensorsFile(path)
+        return {k: f for k in f.keys()}
+    return _shards(path)
+
+
+def _shards(index: Path) -> dict[str, SafetensorsFile]:
+    """The tensors of an index's weight_map, each shard a plain file beside the index."""
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise BadInput(f"{index}: no weight_map object; save the component again")
+    files: dict[str, SafetensorsFile] = {}
+    out = {}
+    for key, shard in sorted(weight_map.items()):
+        if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
+            raise BadInput(f"{index}: weight_map[{key!r}] = {shard!r} is not a file name beside the index")
+        if shard not in files:
+            files[shard] = SafetensorsFile(index.parent / shard)
+        if key not in files[shard].tensors:
+            raise BadInput(f"{index}: {key} is listed in {shard}, which does not hold it")
+        out[key] = files[shard]
+    for shard, f in files.items():
+        unlisted = sorted(set(f.keys()) - set(out))
+        if unlisted:
+            raise BadInput(f"{index.parent / shard}: holds {unlisted[0]}, which the index does not list")
+    return out
 
 
 def _read_json(p: Path) -> dict:
@@ -189,19 +233,18 @@ def open_diffusers_folder(folder: Path) -> Checkpoint:
     texts = [(name, prefix, None) for name, prefix in _text_prefixes(folder).items()]
     for name, prefix, rename in [("unet", UNET, diffusers_names.unet_names),
                                  ("vae", VAE, diffusers_names.vae_names), *texts]:
-        wpath = _component_file(folder, name)
-        if wpath is None:
+        weights = _component_weights(folder, name)
+        if weights is None:
             continue
         found.append(name)
-        f = SafetensorsFile(wpath)
         configs[name] = _read_config(folder, name)
-        keys = f.keys()
+        keys = list(weights)
         if rename is not None:
             mapping = rename(keys)
         else:  # HF CLIPTextModel: text_model.* (some saves drop the text_model. prefix)
             mapping = {k: (k[len("text_model."):] if k.startswith("text_model.") else k) for k in keys}
         for key, canon in mapping.items():
-            refs[prefix + canon] = tensor_ref(f, key, prefix + canon)
+            refs[prefix + canon] = tensor_ref(weights[key], key, prefix + canon)
     for name, path in (("model_index", folder / "model_index.json"),
                        ("scheduler", folder / "scheduler" / "scheduler_config.json")):
         if cfg := _read_json(path):
@@ -234,11 +277,14 @@ def replace_vae(ckpt: Checkpoint, vae: Path) -> None:
         raise BadInput(f"--vae {vae}: no such file or folder")
     if vae.is_dir():
         folder = vae if (vae / "config.json").is_file() else vae / "vae"
-        f = SafetensorsFile(_component_file(folder.parent, folder.name) or folder / "missing.safetensors")
+        weights = _component_weights(folder.parent, folder.name)
+        if weights is None:
+            raise BadInput(f"--vae {vae}: a folder without a vae/ folder or a config.json; give the VAE's folder")
         ckpt.configs["vae"] = _read_config(folder.parent, folder.name)
     else:
         f = open_weights_file(vae)
-    keys = f.keys()
+        weights = {k: f for k in f.keys()}
+    keys = list(weights)
     if any(k.startswith(VAE) for k in keys):
         mapping = {k: k for k in keys if k.startswith(VAE)}
     elif any(".down_blocks." in k or ".up_blocks." in k for k in keys):
@@ -250,4 +296,4 @@ def replace_vae(ckpt: Checkpoint, vae: Path) -> None:
     for k in [k for k in ckpt.refs if k.startswith(VAE)]:
         del ckpt.refs[k]
     for key, canon in mapping.items():
-        ckpt.refs[canon] = tensor_ref(f, key, canon)
+        ckpt.refs[canon] = tensor_ref(weights[key], key, canon)
