@@ -20,13 +20,21 @@ _run = run_cli  # user mistakes -> one line + exit 2; bugs -> trace + exit 1
 
 def _parse_sets(values: tuple[str, ...]) -> dict:
     import yaml
+    from .families import set_problem
     out: dict = {}
     for item in values:
         key, eq, raw = item.partition("=")
         if not eq or "." not in key:
             raise BadInput(f"--set {item!r}: expected COMPONENT.FIELD=VALUE, e.g. unet.num_heads=8")
         comp, field = key.split(".", 1)
-        out.setdefault(comp, {})[field] = yaml.safe_load(raw)
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            value = raw  # not a YAML value: judged as the string it is
+        problem = set_problem(comp, field, value)
+        if problem:
+            raise BadInput(f"--set {item}: {problem}")
+        out.setdefault(comp, {})[field] = value
     return out
 
 

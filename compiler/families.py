@@ -4,7 +4,8 @@ live in a checkpoint, and the conventions the weights cannot say.
 Owns: the component table per family (optimum folder names; key prefixes, first present wins,
 so single files and diffusers folders both bind; the keys each graph must consume), and each
 family's defaults (SD 1.x: 8 heads; SD 2.x / SDXL: 64-wide heads; SDXL: 6 time ids, refiner 5;
-latent scale; which VAE precision is safe).
+latent scale; which VAE precision is safe); and what `--set C.FIELD=V` / recipe `model.set` may
+override (SET_FIELDS, each field with the values it takes).
 """
 from __future__ import annotations
 
@@ -73,3 +74,38 @@ FP32_VAE_FAMILIES = {"sdxl", "sdxl-refiner"}
 
 def overrides_for(family: str, component: Component, user: dict) -> dict:
     return {**DEFAULTS.get(family, {}).get(component.config_name, {}), **user.get(component.config_name, {})}
+
+
+def _is_int(v, least: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+def _choice(*names):
+    return " or ".join(names), lambda v: v in names
+
+
+POSITIVE = ("a positive integer", lambda v: _is_int(v, 1))
+NON_NEGATIVE = ("an integer >= 0", lambda v: _is_int(v, 0))
+_TEXT_FIELDS = {"num_heads": POSITIVE, "clip_skip": POSITIVE, "eos_token_id": NON_NEGATIVE,
+                "activation": _choice("quick_gelu", "gelu")}
+# Override namespace (Component.config_name, plus `model`) -> field -> (what it takes, check).
+SET_FIELDS: dict[str, dict[str, tuple[str, Callable]]] = {
+    "model": {"prediction": _choice("epsilon", "v_prediction")},
+    "text_encoder": _TEXT_FIELDS,
+    "text_encoder_2": _TEXT_FIELDS,
+    "unet": {"num_heads": ("a positive integer or a list of them (one per level), e.g. 8 or [5, 10, 20]",
+                           lambda v: _is_int(v, 1) or (isinstance(v, list) and bool(v) and all(_is_int(h, 1) for h in v))),
+             "head_dim": POSITIVE, "time_ids": NON_NEGATIVE, "addition_time_embed_dim": POSITIVE, "groups": POSITIVE},
+    "vae": {"groups": POSITIVE},
+}
+
+
+def set_problem(component, field, value) -> str | None:
+    """Why `component.field = value` is not an override precast reads (None when it is one)."""
+    fields = SET_FIELDS.get(component)
+    if fields is None:
+        return f"unknown component {component!r}; known: {', '.join(sorted(SET_FIELDS))}"
+    if field not in fields:
+        return f"unknown field {field!r}; known for {component}: {', '.join(sorted(fields))}"
+    what, ok = fields[field]
+    return None if ok(value) else f"expected {what}, got {value!r}"
