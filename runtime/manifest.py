@@ -2,8 +2,10 @@
 
 Owns: the manifest schema the runtime reads (schema version, model, components with IO and
 shape profiles, artifacts with fingerprint spec, files with size, sha256 and -- past 64 MiB --
-per-piece sha256s checked on every core), `file_record`, and `verify_bundle`, which names every
-changed, missing or unexpected file. Standard library only: the runtime is thin.
+per-piece sha256s checked on every core), its validation when read (`check_manifest`: the type
+of every field the runtime uses, so a damaged manifest is one ManifestError naming the field),
+`file_record`, and `verify_bundle`, which names every changed, missing or unexpected file.
+Standard library only: the runtime is thin.
 """
 from __future__ import annotations
 
@@ -15,12 +17,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import UserError
+from .fingerprint import Fingerprint
+
 SCHEMA = 1
 MANIFEST = "manifest.json"
+_HEX = frozenset("0123456789abcdef")
 
 
-class ManifestError(ValueError):
-    """The bundle's manifest is missing, unreadable or from an unknown schema."""
+class ManifestError(UserError, ValueError):
+    """The bundle's manifest is missing, unreadable, from an unknown schema or malformed (a user
+    error: the CLI reports it as one line, exit 2)."""
 
 
 PIECE = 64 << 20     # files over one piece also record each piece's sha256, checked on all cores
@@ -116,13 +123,144 @@ def read_manifest(bundle: str | Path) -> Manifest:
         raise ManifestError(f"{root}: not a precast bundle (no {MANIFEST})") from None
     except (OSError, ValueError) as e:
         raise ManifestError(f"{path}: unreadable ({e})") from None
+    return Manifest(root, check_manifest(data, str(path)))
+
+
+def check_manifest(data, where: str) -> dict:
+    """`data` when it has the structure the runtime reads; else ManifestError naming the field."""
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        raise ManifestError(f"{path}: schema {data.get('schema') if isinstance(data, dict) else '?'} "
+        raise ManifestError(f"{where}: schema {data.get('schema') if isinstance(data, dict) else '?'} "
                             f"is not {SCHEMA}; this precast reads schema {SCHEMA}")
     for key in ("model", "components", "artifacts", "files"):
         if key not in data:
-            raise ManifestError(f"{path}: missing field {key!r}")
-    return Manifest(root, data)
+            raise ManifestError(f"{where}: missing field {key!r}")
+    check = _Checker(where)
+    files = check.of(data, "files", dict)
+    for rel, rec in files.items():
+        check.path(rel, f"files[{rel!r}]")
+        check_record(check, rec, f"files[{rel!r}]")
+    model = check.of(data, "model", dict)
+    for key in ("family", "variant", "source", "source_sha256"):
+        check.of(model, key, str, "model")
+    check.of(model, "prediction", (str, type(None)), "model", optional=True)
+    check.of(model, "latent_scale", (int, float, type(None)), "model", optional=True)
+    for i, emb in enumerate(check.of(model, "embeddings", (list, type(None)), "model", optional=True) or []):
+        field = f"model.embeddings[{i}]"
+        check.of(emb, "name", str, field)
+        check.listed(check.of(emb, "file", str, field), files, f"{field}.file")
+    components = check.of(data, "components", dict)
+    if not components:
+        check.fail("components", "is empty")
+    for name, comp in components.items():
+        _check_component(check, comp, f"components.{name}", files)
+    for i, art in enumerate(check.of(data, "artifacts", list)):
+        _check_artifact(check, art, f"artifacts[{i}]", files)
+    return data
+
+
+def check_record(check: "_Checker", rec, field: str) -> None:
+    """A file record: {size, sha256[, pieces]}."""
+    size = check.of(rec, "size", int, field)
+    if size < 0:
+        check.fail(f"{field}.size", f"is {size}, expected a size in bytes")
+    for digest in [check.of(rec, "sha256", str, field), *(check.of(rec, "pieces", list, field, optional=True) or [])]:
+        if not isinstance(digest, str) or len(digest) != 64 or not set(digest) <= _HEX:
+            check.fail(f"{field}.sha256", f"holds {_shown(digest)}, not a sha256 hex digest")
+    pieces = rec.get("pieces")
+    if pieces is not None and len(pieces) != -(-size // PIECE):
+        check.fail(f"{field}.pieces", f"has {len(pieces)} digests; a {size}-byte file has {-(-size // PIECE)}")
+
+
+def _check_component(check: "_Checker", comp, field: str, files: dict) -> None:
+    check.of(comp, "dtype", str, field)
+    listed = check.of(comp, "files", list, field)
+    for i, rel in enumerate(listed):
+        check.listed(rel, files, f"{field}.files[{i}]")
+    onnx = check.of(comp, "onnx", str, field)
+    if onnx not in listed:
+        check.fail(f"{field}.onnx", f"{onnx!r} is not one of the component's files")
+    for io in ("inputs", "outputs"):
+        for i, item in enumerate(check.of(comp, io, list, field)):
+            check.of(item, "name", str, f"{field}.{io}[{i}]")
+            check.of(item, "shape", list, f"{field}.{io}[{i}]", optional=True)
+    config = check.of(comp, "config", dict, field, optional=True) or {}
+    for key in ("vocab", "hidden", "decoder_levels"):
+        check.of(config, key, int, f"{field}.config", optional=True)
+    profiles = check.of(comp, "profiles", list, field)
+    if not profiles:
+        check.fail(f"{field}.profiles", "is empty")
+    for i, prof in enumerate(profiles):
+        for dim in ("width", "height"):
+            check.triple(check.of(prof, dim, list, f"{field}.profiles[{i}]"), f"{field}.profiles[{i}].{dim}", int)
+
+
+def _check_artifact(check: "_Checker", art, field: str, files: dict) -> None:
+    for key in ("id", "component", "backend"):
+        check.of(art, key, str, field)
+    try:
+        Fingerprint.from_string(check.of(art, "fingerprint", str, field))
+    except ValueError as e:
+        check.fail(f"{field}.fingerprint", f"is invalid ({e})")
+    listed = check.of(art, "files", list, field)
+    for i, rel in enumerate(listed):
+        check.listed(rel, files, f"{field}.files[{i}]")
+    entry = check.of(art, "entry", str, field)
+    if entry not in listed:
+        check.fail(f"{field}.entry", f"{entry!r} is not one of the artifact's files")
+    for name, prof in (check.of(art, "shapes", dict, field, optional=True) or {}).items():
+        check.triple(prof, f"{field}.shapes.{name}", list)
+        for shape in prof:
+            if not all(type(n) is int for n in shape):
+                check.fail(f"{field}.shapes.{name}", f"holds {_shown(shape)}, not a shape of integers")
+    check.of(art, "metadata", dict, field, optional=True)
+
+
+def _shown(value) -> str:
+    if isinstance(value, (dict, list)):
+        return f"{'an object' if isinstance(value, dict) else 'a list'} of {len(value)}"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class _Checker:
+    """Type checks that raise one ManifestError naming the manifest file and the field."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, field: str, problem: str):
+        raise ManifestError(f"{self.where}: field {field} {problem}; the manifest is damaged or was edited "
+                            "by hand: rebuild or re-download the bundle")
+
+    def of(self, obj, key: str, kind, parent: str = "", optional: bool = False):
+        """obj[key], which must be a `kind` (absent allowed when optional; null only where kind has NoneType)."""
+        field = f"{parent}.{key}" if parent else key
+        if not isinstance(obj, dict):
+            self.fail(parent or "(top level)", f"is {_shown(obj)}, expected an object")
+        value = obj.get(key)
+        if key not in obj and optional:
+            return None
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if key not in obj or not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            names = "a number" if float in kinds else {dict: "an object", list: "a list", str: "a string",
+                                                       int: "an integer"}[kinds[0]]
+            self.fail(field, f"is missing, expected {names}" if key not in obj else
+                      f"is {_shown(value)}, expected {names}")
+        return value
+
+    def triple(self, value, field: str, kind) -> None:
+        if not isinstance(value, list) or len(value) != 3 or not all(
+                isinstance(v, kind) and not isinstance(v, bool) for v in value):
+            self.fail(field, f"is {_shown(value)}, expected [min, opt, max]")
+
+    def path(self, rel, field: str) -> None:
+        if not isinstance(rel, str) or not rel:
+            self.fail(field, f"is {_shown(rel)}, expected a path inside the bundle")
+
+    def listed(self, rel, files: dict, field: str) -> None:
+        self.path(rel, field)
+        if rel not in files:
+            self.fail(field, f"names {rel!r}, which the manifest's files do not list")
 
 
 def verify_file(root: Path, rel: str, record: dict, whole: bool = False) -> str | None:
@@ -154,8 +292,4 @@ def verify_bundle(bundle: str | Path) -> list[str]:
         rel = p.relative_to(m.root).as_posix()
         if (p.is_file() or p.is_symlink()) and rel not in listed:
             problems.append(f"{rel}: not listed in the manifest")
-    for a in m.artifacts():
-        for rel in a.files:
-            if rel not in m.files:
-                problems.append(f"{rel}: artifact {a.id} needs it but the manifest does not list it")
     return problems

@@ -186,3 +186,61 @@ def test_shipped_recipes_plan_without_their_checkpoints(name):
     assert proc.returncode == 0, proc.stderr
     entries = json.loads(proc.stdout)["entries"]
     assert entries and all(e["needs"] for e in entries)
+
+
+def _unet_data(m):
+    return next(f for f in m["files"] if f.startswith("artifacts/unet/") and f.endswith(".blob"))
+
+
+def _set(path, value):
+    """A manifest edit: set the field at `path` (keys, or callables picking one) to value, or delete it (_DEL)."""
+    def edit(m):
+        obj = m
+        for key in path[:-1]:
+            obj = obj[key(m) if callable(key) else key]
+        last = path[-1](m) if callable(path[-1]) else path[-1]
+        if value is _DEL:
+            del obj[last]
+        else:
+            obj[last] = value(m) if callable(value) else value
+    return edit
+
+
+_DEL = object()
+
+
+@pytest.mark.parametrize("edit, field", [
+    (_set(["files", _unet_data], "abc"), "files['artifacts/unet/"),
+    (_set(["files", _unet_data, "size"], _DEL), ".size is missing"),
+    (_set(["files", _unet_data, "size"], "big"), ".size is 'big'"),
+    (_set(["files", _unet_data, "sha256"], "xyz"), ".sha256 holds 'xyz'"),
+    (_set(["files"], lambda m: list(m["files"])), "field files is a list"),
+    (_set(["artifacts"], {"a": 1}), "field artifacts is an object"),
+    (_set(["artifacts", 0, "entry"], _DEL), "field artifacts[0].entry is missing"),
+    (_set(["artifacts", 0, "fingerprint"], "x"), "field artifacts[0].fingerprint is invalid"),
+    (_set(["artifacts", 0, "shapes"], {"sample": "x"}), "field artifacts[0].shapes.sample"),
+    (_set(["components"], ["unet"]), "field components is a list"),
+    (_set(["components"], {}), "field components is empty"),
+    (_set(["components", "unet", "profiles"], "x"), "field components.unet.profiles is 'x'"),
+    (_set(["components", "unet", "inputs"], [1]), "field components.unet.inputs[0] is 1"),
+    (_set(["model"], "x"), "field model is 'x'"),
+    (_set(["model", "latent_scale"], "x"), "field model.latent_scale is 'x'"),
+    (_set(["model", "embeddings"], [{"name": "a", "file": "embeddings/a.safetensors"}]),
+     "model.embeddings[0].file names 'embeddings/a.safetensors', which the manifest's files do not list"),
+])
+def test_malformed_manifest_is_one_line_naming_the_field(bundle, tmp_path, edit, field):
+    """Each command reads the manifest through one check: a damaged field is exit 2 and one line
+    naming the manifest and the field, never a traceback."""
+    m = json.loads((bundle[0] / "manifest.json").read_text())
+    edit(m)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "manifest.json").write_text(json.dumps(m))
+    for args in (["bundle", "verify", bad], ["bundle", "inspect", bad], ["doctor", bad],
+                 ["generate", bad, "--prompt", "x", "--steps", "1", "--size", "64x64", "--out", tmp_path / "x.png"]):
+        proc = precast(*args)
+        assert proc.returncode == 2, (args, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in proc.stderr, (args, proc.stderr)
+        assert f"{bad}/manifest.json: " in lines[0] and field in lines[0], (args, lines[0])
+    assert not (tmp_path / "x.png").exists()
