@@ -11,10 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 import uuid
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Callable
 
@@ -30,6 +32,23 @@ def cache_root() -> Path:
         return Path(env)
     import platformdirs
     return Path(platformdirs.user_cache_dir("precast"))
+
+
+def _root_name(root: Path) -> str:
+    """How the user named the cache folder, for error messages."""
+    env = os.environ.get("PRECAST_CACHE")
+    return f"PRECAST_CACHE={env}" if env and Path(env) == root else f"cache folder {root}"
+
+
+def check_root(root: Path) -> None:
+    """The cache folder, or the nearest existing folder above it, must be a folder."""
+    probe = root
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        where = "is" if probe == root else f"lies under {probe}, which is"
+        raise BadInput(f"{_root_name(root)}: {where} a file, not a folder; "
+                       "point PRECAST_CACHE at a folder (or unset it)")
 
 
 def input_digest(path: Path, memo_dir: Path | None = None) -> str:
@@ -66,36 +85,93 @@ class Entry:
     path: Path
     files: dict[str, dict]      # name -> {size, sha256}
     metadata: dict
+    damaged: str | None = None  # why entry.json cannot be trusted (then files and metadata are empty)
 
     @property
     def size(self) -> int:
         return sum(f["size"] for f in self.files.values())
 
+    def last_used(self) -> float:
+        try:
+            return os.path.getmtime(self.path / ENTRY_FILE)
+        except OSError:
+            return os.path.getmtime(self.path) if self.path.exists() else 0.0
+
     def summary(self) -> dict:
         return {"key": self.key, "path": str(self.path), "size": self.size, "files": self.files,
-                "metadata": self.metadata, "last_used": os.path.getmtime(self.path / ENTRY_FILE)}
+                "metadata": self.metadata, "last_used": self.last_used(), "damaged": self.damaged}
+
+
+class DamagedEntry(ValueError):
+    """entry.json is missing, unreadable or not the structure `get_or_build` writes."""
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _file_record_problem(name, rec) -> str | None:
+    if not isinstance(name, str) or not name or "/" in name or name in (".", "..", ENTRY_FILE):
+        return f"file name {name!r} is not a plain file name"
+    if not isinstance(rec, dict):
+        return f"record of {name} is not an object"
+    size, digest, pieces = rec.get("size"), rec.get("sha256"), rec.get("pieces", [])
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        return f"size of {name} is not a non-negative integer"
+    if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+        return f"sha256 of {name} is not 64 hex digits"
+    if not isinstance(pieces, list) or not all(isinstance(p, str) and _SHA256.fullmatch(p) for p in pieces):
+        return f"pieces of {name} are not a list of sha256s"
+    return None
+
+
+def parse_entry(path: Path) -> Entry:
+    """An entry folder's entry.json, checked for the structure `get_or_build` writes."""
+    try:
+        info = json.loads((path / ENTRY_FILE).read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise DamagedEntry(f"{ENTRY_FILE} unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(info, dict):
+        raise DamagedEntry(f"{ENTRY_FILE} is not a JSON object")
+    if info.get("key") != path.name:
+        raise DamagedEntry(f"{ENTRY_FILE} key does not match the folder name")
+    files, metadata = info.get("files"), info.get("metadata")
+    if not isinstance(files, dict):
+        raise DamagedEntry(f"{ENTRY_FILE} files is not an object")
+    if not isinstance(metadata, dict):
+        raise DamagedEntry(f"{ENTRY_FILE} metadata is not an object")
+    for name, rec in files.items():
+        problem = _file_record_problem(name, rec)
+        if problem:
+            raise DamagedEntry(f"{ENTRY_FILE}: {problem}")
+    return Entry(path.name, path, files, metadata)
 
 
 class Cache:
     def __init__(self, root: str | os.PathLike | None = None):
         self.root = Path(root) if root else cache_root()
+        check_root(self.root)
         self.entries, self.tmp, self.locks = self.root / "entries", self.root / "tmp", self.root / "locks"
 
     def _dir(self, key: str) -> Path:
         return self.entries / key[:2] / key
 
+    def _mkdir(self, folder: Path) -> None:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise BadInput(f"{_root_name(self.root)}: cannot create {folder} ({e.strerror}); "
+                           "point PRECAST_CACHE at a writable folder") from None
+
     def _lock(self, key: str):
         from filelock import FileLock
-        self.locks.mkdir(parents=True, exist_ok=True)
+        self._mkdir(self.locks)
         return FileLock(str(self.locks / f"{key}.lock"))
 
     # ---- reading ------------------------------------------------------------------
-    def _load(self, path: Path) -> Entry:
-        info = json.loads((path / ENTRY_FILE).read_text())
-        return Entry(info["key"], path, info["files"], info["metadata"])
-
     def verify(self, entry: Entry) -> str | None:
         """None when every file is present with its recorded size and sha256; else what is wrong."""
+        if entry.damaged:
+            return entry.damaged
         present = {p.name for p in entry.path.iterdir()} - {ENTRY_FILE}
         if present != set(entry.files):
             return f"files {sorted(present ^ set(entry.files))} missing or unexpected"
@@ -110,9 +186,11 @@ class Cache:
         if not path.exists():
             return None, None
         try:
-            entry = self._load(path)
+            entry = parse_entry(path)
             problem = self.verify(entry)
-        except (OSError, ValueError, KeyError) as e:
+        except DamagedEntry as e:
+            problem = str(e)
+        except OSError as e:
             problem = f"unreadable entry ({e})"
         if problem:
             shutil.rmtree(path, ignore_errors=True)
@@ -127,7 +205,7 @@ class Cache:
             entry, evicted = self.get(key)
             if entry is not None:
                 return entry, True, None
-            self.tmp.mkdir(parents=True, exist_ok=True)
+            self._mkdir(self.tmp)
             work = self.tmp / f"{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             work.mkdir()
             try:
@@ -140,20 +218,23 @@ class Cache:
                     os.fsync(f.fileno())
                 os.rename(tmp_entry, work / ENTRY_FILE)
                 target = self._dir(key)
-                target.parent.mkdir(parents=True, exist_ok=True)
+                self._mkdir(target.parent)
                 os.rename(work, target)
             finally:
                 shutil.rmtree(work, ignore_errors=True)
-            return self._load(target), False, evicted
+            return parse_entry(target), False, evicted
 
     # ---- management ---------------------------------------------------------------
     def list(self) -> list[Entry]:
+        """Every entry folder; one whose entry.json is damaged comes back with `damaged` set."""
         out = []
         for path in sorted(self.entries.glob("*/*")):
-            try:
-                out.append(self._load(path))
-            except (OSError, ValueError, KeyError):
+            if not path.is_dir():
                 continue
+            try:
+                out.append(parse_entry(path))
+            except DamagedEntry as e:
+                out.append(Entry(path.name, path, {}, {}, damaged=str(e)))
         return out
 
     def find(self, prefix: str) -> Entry:
@@ -184,7 +265,7 @@ class Cache:
                     shutil.rmtree(work, ignore_errors=True)
                     stale += 1
         if max_size is not None:
-            entries = sorted(self.list(), key=lambda e: os.path.getmtime(e.path / ENTRY_FILE))
+            entries = sorted(self.list(), key=Entry.last_used)
             total = sum(e.size for e in entries)
             for e in entries:
                 if total <= max_size:
@@ -207,11 +288,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
+_SIZE = re.compile(r"([0-9]{1,20}(?:\.[0-9]{1,20})?)\s*([KMGT]?)B?", re.IGNORECASE)
+
+
 def parse_size(text: str) -> int:
-    units = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "G": 1 << 30, "GB": 1 << 30}
-    t = text.strip().upper()
-    num = t.rstrip("KMGB")
-    try:
-        return int(float(num) * units[t[len(num):]])
-    except (ValueError, KeyError):
-        raise BadInput(f"--max-size {text!r}: expected a size like 500M or 20G") from None
+    """'500M', '20G', '1.5T', '0' -> bytes; only finite, non-negative sizes in plain digits."""
+    m = _SIZE.fullmatch(text.strip())
+    if not m:
+        raise BadInput(f"--max-size {text!r}: expected a non-negative size like 0, 500M, 20G or 1.5T")
+    scale = 1 << (10 * " KMGT".index(m.group(2).upper() or " "))
+    return int(Fraction(m.group(1)) * scale)

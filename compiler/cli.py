@@ -176,6 +176,9 @@ def cache_ls(as_json):
             return
         for e in entries:
             m = e["metadata"]
+            if e["damaged"]:
+                click.echo(f"{e['key'][:12]}  DAMAGED: {e['damaged']}; `precast cache gc` removes it")
+                continue
             click.echo(f"{e['key'][:12]}  {m.get('component', '?'):<13} {m.get('backend', '?'):<13} "
                        f"{e['size'] / 1e6:8.1f} MB  {m.get('fingerprint', '')}")
         click.echo(f"{len(entries)} entries, {sum(e['size'] for e in entries) / 1e6:.1f} MB in {cache.root}")

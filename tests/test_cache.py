@@ -83,3 +83,73 @@ def test_damaged_entry_is_evicted_and_rebuilt(export_dir, tmp_path):
     data.unlink()
     (third,) = json.loads(precast(*args, env=env, check=True).stdout)["artifacts"]
     assert third["cache"] == "miss" and "missing" in third["evicted"]
+
+
+def _compile_unet(export_dir, env):
+    args = ["compile", export_dir, "--target", "onnxruntime", "--component", "unet", "--height", "64", "--width",
+            "64", "--json"]
+    proc = precast(*args, env=env)
+    assert proc.returncode == 0, proc.stderr
+    (record,) = json.loads(proc.stdout)["artifacts"]
+    return record
+
+
+@pytest.mark.parametrize("sub", ["", "below"])
+def test_cache_folder_that_is_a_file_is_one_clear_error(export_dir, tmp_path, sub):
+    (tmp_path / "afile").write_text("not a folder")
+    env = {"PRECAST_CACHE": str(tmp_path / "afile" / sub) if sub else str(tmp_path / "afile")}
+    for args in (["cache", "ls"], ["cache", "gc"],
+                 ["compile", export_dir, "--target", "onnxruntime", "--component", "unet"]):
+        proc = precast(*args, env=env)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert "Traceback" not in proc.stderr
+        (line,) = proc.stderr.strip().splitlines()
+        assert f"PRECAST_CACHE={env['PRECAST_CACHE']}" in line and "not a folder" in line
+
+
+DAMAGES = {"not an object": "[1]", "files as a list": None, "garbled JSON": '{"key": "ab", "files": {'}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_damaged_entry_json_is_shown_evicted_and_collected(export_dir, tmp_path, damage):
+    env = {"PRECAST_CACHE": str(tmp_path / "cache")}
+    first = _compile_unet(export_dir, env)
+    entry_json = next((tmp_path / "cache" / "entries").rglob("entry.json"))
+    good = json.loads(entry_json.read_text())
+
+    def spoil():
+        if DAMAGES[damage] is None:
+            entry_json.write_text(json.dumps({**good, "files": list(good["files"])}))
+        else:
+            entry_json.write_text(DAMAGES[damage])
+
+    spoil()
+    ls = precast("cache", "ls", env=env)
+    assert ls.returncode == 0 and "Traceback" not in ls.stderr
+    assert f"{first['key'][:12]}  DAMAGED: entry.json" in ls.stdout and "1 entries" in ls.stdout
+    (listed,) = json.loads(precast("cache", "ls", "--json", env=env, check=True).stdout)["entries"]
+    assert listed["damaged"]
+    show = precast("cache", "show", first["key"][:12], env=env)
+    assert show.returncode == 0 and "verified  entry.json" in show.stdout
+    second = _compile_unet(export_dir, env)            # evicted and rebuilt
+    assert second["cache"] == "miss" and "entry.json" in second["evicted"]
+    (rebuilt,) = Cache(tmp_path / "cache").list()
+    assert second["key"] == first["key"] and rebuilt.damaged is None and Cache(tmp_path / "cache").verify(rebuilt) is None
+    spoil()
+    gc = json.loads(precast("cache", "gc", "--json", env=env, check=True).stdout)
+    assert gc["removed"] == [first["key"]] and not entry_json.parent.exists()
+
+
+@pytest.mark.parametrize("size", ["inf", "1e400", "-5G", "nan", "²G", "9" * 5000])
+def test_gc_refuses_sizes_that_are_not_finite_and_non_negative(export_dir, tmp_path, size):
+    env = {"PRECAST_CACHE": str(tmp_path / "cache")}
+    _compile_unet(export_dir, env)
+    proc = precast("cache", "gc", "--max-size", size, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error: --max-size") and "non-negative size like" in proc.stderr
+    assert len(Cache(tmp_path / "cache").list()) == 1        # nothing removed
+
+
+def test_gc_max_size_units(tmp_path):
+    from precast.compiler.cache import parse_size
+    assert [parse_size(t) for t in ("0", "10", "5KB", "1.5g", "20G", "2T")] == [0, 10, 5 << 10, 3 << 29, 20 << 30, 2 << 40]
