@@ -137,7 +137,7 @@ def check_manifest(data, where: str) -> dict:
     check = _Checker(where)
     files = check.of(data, "files", dict)
     for rel, rec in files.items():
-        check.path(rel, f"files[{rel!r}]")
+        check.path(rel, "files")
         check_record(check, rec, f"files[{rel!r}]")
     model = check.of(data, "model", dict)
     for key in ("family", "variant", "source", "source_sha256"):
@@ -156,6 +156,23 @@ def check_manifest(data, where: str) -> dict:
     for i, art in enumerate(check.of(data, "artifacts", list)):
         _check_artifact(check, art, f"artifacts[{i}]", files)
     return data
+
+
+def path_problem(rel) -> str | None:
+    """Why `rel` cannot name a file inside a bundle, or None. Bundle paths are relative and
+    '/'-separated, with no empty, '.' or '..' component and no backslash, so they never leave it."""
+    if not isinstance(rel, str) or not rel:
+        return f"is {_shown(rel)}, not a path"
+    if rel.startswith("/"):
+        return f"{rel!r} is an absolute path"
+    if "\\" in rel or "\0" in rel:
+        return f"{rel!r} holds a backslash or NUL"
+    parts = rel.split("/")
+    if ".." in parts:
+        return f"{rel!r} has a '..' component"
+    if "" in parts or "." in parts:
+        return f"{rel!r} has an empty or '.' component"
+    return None
 
 
 def check_record(check: "_Checker", rec, field: str) -> None:
@@ -254,8 +271,10 @@ class _Checker:
             self.fail(field, f"is {_shown(value)}, expected [min, opt, max]")
 
     def path(self, rel, field: str) -> None:
-        if not isinstance(rel, str) or not rel:
-            self.fail(field, f"is {_shown(rel)}, expected a path inside the bundle")
+        why = path_problem(rel)
+        if why:
+            raise ManifestError(f"{self.where}: field {field}: {why}: a bundle's files are named relative to its "
+                                "folder, '/'-separated, without '..'; refusing this bundle (rebuild or re-download it)")
 
     def listed(self, rel, files: dict, field: str) -> None:
         self.path(rel, field)
@@ -269,6 +288,8 @@ def verify_file(root: Path, rel: str, record: dict, whole: bool = False) -> str 
     p = root / rel
     if not p.is_file() or p.is_symlink():
         return f"{rel}: missing"
+    if os.path.realpath(p) != os.path.join(os.path.realpath(root), *rel.split("/")):
+        return f"{rel}: reached through a link that leaves the bundle folder (bundle files must be plain files in it)"
     if p.stat().st_size != record["size"]:
         return f"{rel}: size {p.stat().st_size}, manifest says {record['size']}"
     pieces = record.get("pieces")

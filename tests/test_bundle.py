@@ -244,3 +244,55 @@ def test_malformed_manifest_is_one_line_naming_the_field(bundle, tmp_path, edit,
         assert len(lines) == 1 and "Traceback" not in proc.stderr, (args, proc.stderr)
         assert f"{bad}/manifest.json: " in lines[0] and field in lines[0], (args, lines[0])
     assert not (tmp_path / "x.png").exists()
+
+
+def _move_unet_artifact(prefix):
+    """Rename the unet artifact's files (entry, files, records) to prefix + their bundle path."""
+    def edit(m):
+        art = next(a for a in m["artifacts"] if a["component"] == "unet")
+        for rel in art["files"]:
+            m["files"][prefix(m) + rel] = m["files"].pop(rel)
+        art["files"] = [prefix(m) + rel for rel in art["files"]]
+        art["entry"] = prefix(m) + art["entry"]
+    return edit
+
+
+@pytest.mark.parametrize("prefix, why", [
+    (lambda m: m["__outside"], "has a '..' component"),       # the real bundle's files, from next door
+    (lambda m: m["__abs"], "is an absolute path"),
+    (lambda m: "artifacts\\", "holds a backslash"),
+    (lambda m: "artifacts//", "has an empty or '.' component"),
+    (lambda m: "./", "has an empty or '.' component"),
+])
+def test_manifest_paths_outside_the_bundle_are_refused(bundle, tmp_path, prefix, why):
+    """A manifest naming files outside its folder (here: the intact bundle's own engines, by '..' or
+    an absolute path, so every sha256 matches) passed verify and was loaded by doctor and generate."""
+    import os
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    m = json.loads((bundle[0] / "manifest.json").read_text())
+    unet = {rel for a in m["artifacts"] if a["component"] == "unet" for rel in a["files"]}
+    for rel in set(m["files"]) - unet:     # every other file in place: only the moved paths are wrong
+        (bad / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(bundle[0] / rel, bad / rel)
+    m["__outside"] = os.path.relpath(bundle[0], bad) + "/"
+    m["__abs"] = f"{bundle[0]}/"
+    _move_unet_artifact(prefix)(m)
+    del m["__outside"], m["__abs"]
+    (bad / "manifest.json").write_text(json.dumps(m))
+    for args in (["bundle", "verify", bad], ["bundle", "inspect", bad], ["doctor", bad],
+                 ["generate", bad, "--prompt", "x", "--steps", "1", "--size", "64x64", "--out", tmp_path / "x.png"]):
+        proc = precast(*args)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, (args, proc.stderr)
+        assert lines[0].startswith(f"error: {bad}/manifest.json: field files: ") and why in lines[0], lines[0]
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_files_reached_through_a_linked_folder_do_not_verify(bundle, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(bundle[0], copy)
+    shutil.rmtree(copy / "tokenizer")
+    (copy / "tokenizer").symlink_to(bundle[0] / "tokenizer")
+    proc = precast("bundle", "verify", copy)
+    assert proc.returncode == 1 and "tokenizer/vocab.json: reached through a link" in proc.stderr
