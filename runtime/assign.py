@@ -12,6 +12,7 @@ weight streaming) where the backend supports it.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from .devices import Device
@@ -66,8 +67,9 @@ def resolve_device(name: str, devices: list[Device]) -> Device:
         if not gpus:
             raise UserError("device 'gpu': this machine has no GPU (devices: " + _ids(devices) + ")")
         return gpus[0]
-    if n.startswith("gpu") and n[3:].isdigit():
-        i = int(n[3:])
+    numbered = re.fullmatch(r"gpu([0-9]{1,6})", n)  # ASCII digits only ('gpu²' is a name, not a number)
+    if numbered:
+        i = int(numbered.group(1))
         if i >= len(gpus):
             raise UserError(f"device '{name}': only {len(gpus)} GPU(s) here (devices: {_ids(devices)})")
         return gpus[i]

@@ -8,8 +8,14 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
+import os
+import re
+import shutil
 import sys
+import tempfile
 import traceback
+from pathlib import Path
 
 import click
 
@@ -61,11 +67,68 @@ def main() -> None:
     """precast: compile diffusion models ahead of time; run them with a thin runtime."""
 
 
-def _parse_size(size: str) -> tuple[int, int]:
-    w, sep, h = size.lower().partition("x")
-    if not sep or not w.isdigit() or not h.isdigit() or int(w) <= 0 or int(h) <= 0:
-        raise UserError(f"--size {size!r}: expected WIDTHxHEIGHT, e.g. 512x512")
-    return int(w), int(h)
+MAX_SIDE = 4096  # px per side, unless the bundle's shape profiles declare more
+_SIZE = re.compile(r"([0-9]{1,6})[xX]([0-9]{1,6})")
+
+
+def parse_size(size: str, manifest) -> tuple[int, int]:
+    """'WIDTHxHEIGHT' -> (width, height), checked against the bundle: ASCII digits, multiples of
+    its VAE's factor, at most MAX_SIDE px per side or the largest side its profiles declare."""
+    from .pipeline import latent_factor
+    m = _SIZE.fullmatch(size.strip())
+    if not m:
+        raise UserError(f"--size {size!r}: expected WIDTHxHEIGHT in pixels, e.g. 512x512")
+    w, h = int(m.group(1)), int(m.group(2))
+    f = latent_factor(manifest)
+    declared = [p[dim][2] for c in manifest.components.values() for p in c["profiles"] for dim in ("width", "height")]
+    limit = max([MAX_SIDE, *declared])
+    if not (f <= w <= limit and f <= h <= limit):
+        raise UserError(f"--size {size}: each side must be {f} to {limit} px "
+                        f"(the larger of {MAX_SIDE} and this bundle's largest profile)")
+    if w % f or h % f:
+        raise UserError(f"--size {size}: width and height must be multiples of {f}")
+    return w, h
+
+
+def _manifest(bundle: str):
+    from .manifest import ManifestError, read_manifest
+    try:
+        return read_manifest(bundle)
+    except ManifestError as e:
+        raise UserError(str(e)) from None
+
+
+def _check_text(option: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UserError(f"{option}: not valid UTF-8 text; pass it in UTF-8 (check the terminal's locale)") from None
+
+
+def _check_out(out: str) -> Path:
+    """Refuse an --out that cannot become a PNG file before any work is done."""
+    path = Path(out)
+    if path.is_dir() or out.endswith(os.sep):
+        raise UserError(f"--out {out}: is a folder; give a file path such as {path / 'image.png'}")
+    if not path.parent.is_dir():
+        raise UserError(f"--out {out}: folder {path.parent} does not exist; create it first")
+    if not os.access(path.parent, os.W_OK):
+        raise UserError(f"--out {out}: folder {path.parent} is not writable; choose another path")
+    return path
+
+
+def _write_image(path: Path, image) -> None:
+    """The PNG is written in a private temp folder beside `path`, then renamed into place; the
+    temp folder goes on any failure, so a failed write leaves nothing behind."""
+    from .png import write_png
+    work = tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        write_png(os.path.join(work, "image.png"), image)
+        os.replace(os.path.join(work, "image.png"), path)
+    except OSError as e:
+        raise UserError(f"--out {path}: cannot write ({e.strerror})") from None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 @main.command("doctor")
@@ -81,7 +144,6 @@ def doctor_cmd(bundle, backend, params_backend, size, sysroot, as_json):
         import os
         from .assign import COMPONENT_MODULE, assign_modules
         from .devices import apply_device_override, discover_devices
-        from .manifest import ManifestError, read_manifest
         from .select import installed_backends, select_all
         devices, warning = apply_device_override(discover_devices(sysroot, os.environ), os.environ)
         placements = assign_modules(devices, backend, params_backend)
@@ -91,12 +153,9 @@ def doctor_cmd(bundle, backend, params_backend, size, sysroot, as_json):
                "assignment": {m: {"device": p.device.id, "params": p.params.id} for m, p in placements.items()}}
         if bundle:
             from .pipeline import requests
-            try:
-                m = read_manifest(bundle)
-            except ManifestError as e:
-                raise UserError(str(e)) from None
+            m = _manifest(bundle)
             if size:
-                w, h = _parse_size(size)
+                w, h = parse_size(size, m)
             else:
                 prof = next(iter(m.components.values()))["profiles"][0]
                 w, h = prof["width"][1], prof["height"][1]
@@ -131,9 +190,12 @@ def doctor_cmd(bundle, backend, params_backend, size, sysroot, as_json):
 @click.option("--prompt", required=True)
 @click.option("--negative", default="", show_default=True)
 @click.option("--steps", default=20, show_default=True, type=int)
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--size", default="512x512", show_default=True, help="WIDTHxHEIGHT in pixels.")
-@click.option("--guidance", default=7.5, show_default=True, type=float)
+@click.option("--seed", default=0, show_default=True, type=int,
+              help="Noise seed: 0 or more (negative seeds are refused, not wrapped).")
+@click.option("--size", default="512x512", show_default=True,
+              help=f"WIDTHxHEIGHT in pixels: multiples of the VAE factor (8), at most {MAX_SIDE} per side "
+                   "(or the bundle's largest profile).")
+@click.option("--guidance", default=7.5, show_default=True, type=float, help="Classifier-free guidance scale (finite).")
 @click.option("--scheduler", default="euler", show_default=True, help="euler | dpm++2m")
 @click.option("--out", required=True, type=click.Path(), help="PNG file to write.")
 @click.option("--backend", default=None, help="Module assignment, e.g. te=cpu,vae=gpu0,unet=gpu0.")
@@ -146,13 +208,19 @@ def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, schedule
     def go():
         import time
         from .pipeline import Txt2Img, describe_where, to_uint8
-        from .png import write_png
-        w, h = _parse_size(size)
+        w, h = parse_size(size, _manifest(bundle))
+        if seed < 0:
+            raise UserError(f"--seed {seed}: must be 0 or more (negative seeds are refused)")
+        if not math.isfinite(guidance):
+            raise UserError(f"--guidance {guidance}: must be a finite number, e.g. 7.5")
+        _check_text("--prompt", prompt)
+        _check_text("--negative", negative)
+        out_path = _check_out(out)
         t0 = time.perf_counter()
         pipe = Txt2Img(bundle, backend, params_backend, width=w, height=h, sysroot=sysroot)
         t1 = time.perf_counter()
         image = pipe(prompt, negative, steps, seed, guidance, scheduler, progress=not as_json)
-        write_png(out, to_uint8(image))
+        _write_image(out_path, to_uint8(image))
         report = {**pipe.report(), "out": out, "load_seconds": round(t1 - t0, 3),
                   "generate_seconds": round(time.perf_counter() - t1, 3)}
         if as_json:
