@@ -108,9 +108,11 @@ def encoder_feeds(session, component: str, ids: np.ndarray, embeddings: "Embeddi
     return (embeddings or Embeddings()).feeds(component, ids, hidden, dtype)
 
 
-def load_bundle_embeddings(root: str | Path, manifest_model: dict, tokenizer, vocab: int | None) -> Embeddings:
-    """The embeddings a bundle's manifest lists (model.embeddings), registered with `tokenizer`."""
+def load_bundle_embeddings(manifest, tokenizer, vocab: int | None) -> Embeddings:
+    """The embeddings a bundle's manifest lists (model.embeddings), each file checked against its
+    record (size, sha256) before it is read, registered with `tokenizer`."""
     emb = Embeddings(vocab=vocab)
-    for item in manifest_model.get("embeddings") or []:
-        emb.add(tokenizer, item["name"], read_vectors(Path(root) / item["file"]))
+    for item in manifest.model.get("embeddings") or []:
+        manifest.check_file(item["file"])
+        emb.add(tokenizer, item["name"], read_vectors(manifest.root / item["file"]))
     return emb

@@ -105,6 +105,19 @@ class Manifest:
     def files(self) -> dict[str, dict]:
         return self.data["files"]
 
+    def check_file(self, rel: str, required: bool = True) -> None:
+        """Raise a UserError naming `rel` unless it matches its record (size, sha256). A file the
+        manifest does not list is an error when required or when it is present anyway."""
+        where = f"{self.root}/{rel}"
+        if rel not in self.files:
+            if required or os.path.lexists(self.root / rel):
+                raise UserError(f"{where}: not listed in the bundle's manifest, so it cannot be checked; "
+                                "the bundle was changed after it was built: rebuild or re-download it")
+            return
+        problem = verify_file(self.root, rel, self.files[rel])
+        if problem:
+            raise UserError(f"{self.root}/{problem}; refusing to read it: rebuild or re-download the bundle")
+
     def artifacts(self, component: str | None = None) -> list[Artifact]:
         out = []
         for a in self.data["artifacts"]:

@@ -50,6 +50,18 @@ def requests(manifest, batch: int, height: int, width: int, tokens: int = 77, cf
             "unet": unet, "vae_decoder": {"latent_sample": lat}, "vae_encoder": {"sample": (batch, 3, height, width)}}
 
 
+def load_tokenizer(manifest, folder: str):
+    """The bundle's tokenizer in `folder`, every file it reads checked against the manifest first
+    (vocab.json and merges.txt must be listed: a missing one would silently mean other ids)."""
+    from .tokenizer import FOLDER_FILES, ClipTokenizer
+    for name in FOLDER_FILES:
+        manifest.check_file(f"{folder}/{name}", required=name in ("vocab.json", "merges.txt"))
+    try:
+        return ClipTokenizer.from_folder(manifest.root / folder)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{manifest.root}/{folder}: not a readable tokenizer ({e})") from None
+
+
 def _progress(total: int, enabled: bool):
     try:
         from tqdm import tqdm
@@ -105,13 +117,11 @@ class Txt2Img:
             session, cand, reasons = load_component(self.selections[comp], outputs, placement.offload)
             self.loaded[comp] = Loaded(session, cand.describe(), reasons)
         from .embeddings import load_bundle_embeddings
-        from .tokenizer import ClipTokenizer
         self.tokenizers, self.embeddings = {}, {}
         for comp in (c for c in needed if c.startswith("text_encoder")):
-            tok = ClipTokenizer.from_folder(Path(bundle) / TOKENIZER_FOLDER[comp])
+            tok = self.tokenizers[comp] = load_tokenizer(self.manifest, TOKENIZER_FOLDER[comp])
             vocab = self.manifest.components[comp].get("config", {}).get("vocab")
-            self.tokenizers[comp] = tok
-            self.embeddings[comp] = load_bundle_embeddings(bundle, self.manifest.model, tok, vocab)
+            self.embeddings[comp] = load_bundle_embeddings(self.manifest, tok, vocab)
         self.tokenizer = self.tokenizers.get("text_encoder") or self.tokenizers["text_encoder_2"]
         self.latent_scale = float(self.manifest.model.get("latent_scale") or LATENT_SCALE[family])
         self.prediction = self.manifest.model.get("prediction") or "epsilon"

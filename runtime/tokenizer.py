@@ -33,6 +33,7 @@ N_MERGES = 49152 - 256 - 2
 SOT, EOT = "<|startoftext|>", "<|endoftext|>"
 EOW = "</w>"
 TRIGGERS_JSON = "trigger_words.json"    # precast's own side file for textual-inversion words
+FOLDER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json", TRIGGERS_JSON)
 
 # Pre-tokenisation. CLIP's pattern (for the `regex` module, IGNORECASE) is:
 #   <|startoftext|> | <|endoftext|> | 's|'t|'re|'ve|'m|'ll|'d | [\p{L}]+ | [\p{N}] | [^\s\p{L}\p{N}]+
@@ -195,7 +196,7 @@ class ClipTokenizer:
         or what write_files wrote), else shipped(). pad_id defaults to the folder's
         tokenizer_config.json / special_tokens_map.json pad_token (SD2/XL's OpenCLIP one pads
         with "!" = 0), else 49407. Trigger words that write_files saved are registered again."""
-        folder = Path(folder)
+        folder = Path(folder)     # reads FOLDER_FILES only (a bundle checks them against its manifest first)
         vocab, merges = folder / "vocab.json", folder / "merges.txt"
         if vocab.is_file() and merges.is_file():
             tok = cls.from_files(vocab, merges)

@@ -100,3 +100,29 @@ def test_runtime_commands_need_no_build_side(bundle, tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, "export", "x.safetensors", "--out", "y"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "precast[compiler]" in proc.stderr
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("flip", "tokenizer/vocab.json: sha256 differs from the manifest"),
+    ("remove", "tokenizer/merges.txt: missing"),
+    ("unlisted", "tokenizer/trigger_words.json: not listed in the bundle's manifest"),
+])
+def test_generate_refuses_a_changed_tokenizer(bundle, tmp_path, damage, words):
+    """Tokenizer files are checked against the manifest like engines: a changed vocab.json used to
+    crash with a JSONDecodeError traceback, a removed merges.txt silently meant the shipped vocabulary."""
+    import shutil
+    from conftest import flip_byte
+    copy = tmp_path / "copy"
+    shutil.copytree(bundle[0], copy)
+    if damage == "flip":
+        flip_byte(copy / "tokenizer/vocab.json", 100, mask=1)
+    elif damage == "remove":
+        (copy / "tokenizer/merges.txt").unlink()
+    else:
+        (copy / "tokenizer/trigger_words.json").write_text('{"cat": [49408]}')
+    out = tmp_path / "x.png"
+    proc = precast("generate", copy, "--prompt", "a cat", "--steps", "1", "--size", "64x64", "--out", out)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{copy}/{words}" in lines[0], lines[0]
+    assert not out.exists()

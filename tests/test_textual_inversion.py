@@ -149,12 +149,18 @@ def test_bundle_embeddings_apply_without_rebuilding_the_engine(demo_ckpt, tmp_pa
     (entry,) = m.model["embeddings"]
     assert entry["name"] == "mystyle" and entry["vectors"] == 2 and entry["encoders"] == ["text_encoder"]
     tok = ClipTokenizer.from_folder(tmp_path / "ti/tokenizer")
-    emb = load_bundle_embeddings(tmp_path / "ti", m.model, tok, m.components["text_encoder"]["config"]["vocab"])
+    emb = load_bundle_embeddings(m, tok, m.components["text_encoder"]["config"]["vocab"])
     session = open_artifact(tmp_path / "ti", {"backend": "openvino", "entry": a_ti.entry, **a_ti.metadata})
     ids = tok(PROMPT)[None]
     got = session.run(emb.feeds("text_encoder", ids, TINY.context_dim))["last_hidden_state"]
     want, _ = _reference(demo_ckpt, tmp_path, [("mystyle", tmp_path / "mystyle.safetensors")])
     assert rel_err(got, want) <= 1e-4
+    # changed vectors are refused, not applied: the file is checked against the manifest before it is read
+    from conftest import flip_byte
+    from precast.runtime.errors import UserError
+    flip_byte(tmp_path / "ti" / entry["file"], (tmp_path / "ti" / entry["file"]).stat().st_size - 3, mask=1)
+    with pytest.raises(UserError, match=r"ti/embeddings/mystyle\.safetensors: sha256 differs from the manifest"):
+        load_bundle_embeddings(m, ClipTokenizer.from_folder(tmp_path / "ti/tokenizer"), TINY.vocab)
 
 
 def test_tensorrt_rtx_builds_the_text_encoder_with_the_extra_input(te_export, tmp_path):
