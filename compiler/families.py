@@ -66,6 +66,7 @@ DEFAULTS: dict[str, dict[str, dict]] = {
     "sdxl": {"unet": {"head_dim_default": 64, "time_ids": 6}},
     "sdxl-refiner": {"unet": {"head_dim_default": 64, "time_ids": 5}},
 }
+TEXT_POSITIONS = 77  # every supported text encoder (CLIP-L, OpenCLIP-H, bigG) has 77 positions
 LATENT_SCALE = {"sd1": 0.18215, "sd2": 0.18215, "sdxl": 0.13025, "sdxl-refiner": 0.13025}
 # The SDXL VAE overflows in fp16 (activations past 65504): exported in fp32 unless the user
 # brings the fp16-fix VAE or asks for fp16 knowingly.

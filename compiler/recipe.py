@@ -6,12 +6,14 @@ folder; `demo:tiny-sd15` names the embedded default checkpoint (written on deman
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 from .errors import BadInput
+from .families import SET_FIELDS, TEXT_POSITIONS, set_problem
 from .profiles import ShapeProfile, parse_range
 from .targets import TargetSpec, get_target, parse_target
 
@@ -24,6 +26,7 @@ TOP_FIELDS = {"name", "model", "components", "precision", "loras", "embeddings",
 MODEL_FIELDS = {"source", "family", "set", "vae", "prediction"}
 PROFILE_FIELDS = {"batch", "height", "width", "tokens", "static"}
 DEMO_SOURCES = {"demo:tiny-sd15"}
+MAX_RECIPE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -51,15 +54,34 @@ class Recipe:
     lines: dict = field(default_factory=dict, compare=False)
 
 
+class _Loader(yaml.SafeLoader):
+    """Safe YAML without aliases: `*name` could repeat a subtree exponentially or refer to itself."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(None, None, "YAML aliases (*name) are not accepted in recipes; "
+                                              "write the value out", self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+
 class _Doc:
     """A YAML document as plain data, remembering the line of every value by its field path."""
 
     def __init__(self, path: Path):
         self.path = path
         try:
-            node = yaml.compose(path.read_text())
+            raw = path.read_bytes()
         except OSError as e:
             raise BadInput(f"{path}: cannot read recipe ({e.strerror})") from None
+        if len(raw) > MAX_RECIPE_BYTES:
+            raise BadInput(f"{path}: {len(raw)} bytes; a recipe is at most {MAX_RECIPE_BYTES} bytes")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = raw[:e.start].count(b"\n") + 1
+            raise BadInput(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}); save the recipe as UTF-8") from None
+        try:
+            node = yaml.compose(text, Loader=_Loader)
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f"{path}:{mark.line + 1}" if mark else str(path)
@@ -69,18 +91,26 @@ class _Doc:
 
     def _plain(self, node, where: str):
         self.lines[where] = node.start_mark.line + 1
+        if not isinstance(node, yaml.ScalarNode) and node.tag not in ("tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"):
+            raise self.error(where, f"YAML tag {node.tag} is not accepted; write a plain value")
         if isinstance(node, yaml.MappingNode):
             out = {}
             for k, v in node.value:
                 key = str(k.value)
                 sub = f"{where}.{key}" if where else key
+                if key in out:
+                    first, self.lines[sub] = self.lines[sub], k.start_mark.line + 1
+                    raise self.error(sub, f"given twice (lines {first} and {self.lines[sub]}); keep one")
                 self.lines[sub] = k.start_mark.line + 1
                 out[key] = self._plain(v, sub)
                 self.lines[sub] = k.start_mark.line + 1
             return out
         if isinstance(node, yaml.SequenceNode):
             return [self._plain(v, f"{where}[{i}]") for i, v in enumerate(node.value)]
-        return yaml.safe_load(yaml.serialize(node))
+        try:
+            return yaml.SafeLoader("").construct_object(node)
+        except yaml.YAMLError:
+            raise self.error(where, f"YAML tag {node.tag} is not accepted; write a plain value") from None
 
     def error(self, where: str, message: str) -> BadInput:
         line = self.lines.get(where) or self.lines.get(where.rsplit(".", 1)[0]) or 1
@@ -95,6 +125,46 @@ def _check_keys(doc: _Doc, where: str, value, allowed: set[str]) -> dict:
             sub = f"{where}.{k}" if where else k
             raise doc.error(sub, f"unknown field {k!r}; allowed: {', '.join(sorted(allowed))}")
     return value
+
+
+def _string(doc: _Doc, where: str, value, what: str = "a string") -> str:
+    if not isinstance(value, str) or not value:
+        raise doc.error(where, f"expected {what}, got {value!r}")
+    return value
+
+
+def _list(doc: _Doc, where: str, value, what: str) -> list:
+    """A YAML list (absent: empty). A string is refused, never iterated character by character."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise doc.error(where, f"expected a list of {what}, got {value!r}")
+    return value
+
+
+def _number(doc: _Doc, where: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise doc.error(where, f"expected a finite number, got {value!r}")
+    return float(value)
+
+
+def _overrides(doc: _Doc, value) -> dict:
+    """`model.set`: {component: {field: value}}, each field one precast reads (families.SET_FIELDS)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise doc.error("model.set", "expected {component: {field: value}}, e.g. {unet: {num_heads: 8}}")
+    for comp, fields in value.items():
+        where = f"model.set.{comp}"
+        if comp not in SET_FIELDS:
+            raise doc.error(where, set_problem(comp, "", None))
+        if not isinstance(fields, dict):
+            raise doc.error(where, f"expected {{field: value}} with fields {', '.join(sorted(SET_FIELDS[comp]))}")
+        for f, v in fields.items():
+            problem = set_problem(comp, f, v)
+            if problem:
+                raise doc.error(f"{where}.{f}", problem)
+    return {comp: dict(fields) for comp, fields in value.items()}
 
 
 def _range(doc: _Doc, where: str, value, default: int):
@@ -140,6 +210,8 @@ def _one_profile(doc, where, value, static=False) -> ShapeProfile:
         p.check()
     except BadInput as e:
         raise doc.error(where, str(e)) from None
+    if p.tokens[2] > TEXT_POSITIONS:
+        raise doc.error(f"{where}.tokens", f"{p.tokens[2]} tokens: the text encoders take at most {TEXT_POSITIONS}")
     return p
 
 
@@ -188,7 +260,7 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
             raise doc.error("model.source", f"{resolved} does not exist")
         source = str(resolved)
     family = model.get("family")
-    if family is not None and family not in DEFAULT_COMPONENTS:
+    if family is not None and (not isinstance(family, str) or family not in DEFAULT_COMPONENTS):
         raise doc.error("model.family", f"{family!r}: allowed: {', '.join(DEFAULT_COMPONENTS)}")
     comps = data.get("components", list(DEFAULT_COMPONENTS[family or "sd1"]))
     if not isinstance(comps, list) or not comps:
@@ -208,7 +280,7 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
     explicit = frozenset(c for c in comps if c in precision)
     vae = model.get("vae")
     if vae is not None:
-        vae_path = (path.parent / str(vae)).resolve()
+        vae_path = (path.parent / _string(doc, "model.vae", vae, "a VAE file or folder")).resolve()
         if check_files and not vae_path.exists():
             raise doc.error("model.vae", f"{vae_path} does not exist")
         vae = str(vae_path)
@@ -216,23 +288,19 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
     if prediction is not None and prediction not in ("epsilon", "v_prediction"):
         raise doc.error("model.prediction", f"{prediction!r}: allowed: epsilon, v_prediction")
     loras = []
-    for i, item in enumerate(data.get("loras") or []):
+    for i, item in enumerate(_list(doc, "loras", data.get("loras"), "LoRA files or {path, strength, te_strength}")):
         w = f"loras[{i}]"
         item = {"path": item} if isinstance(item, str) else _check_keys(doc, w, item, {"path", "strength", "te_strength"})
-        if not isinstance(item.get("path"), str):
-            raise doc.error(w, "expected {path: FILE, strength: S}")
-        for key in ("strength", "te_strength"):
-            if key in item and not isinstance(item[key], (int, float)):
-                raise doc.error(f"{w}.{key}", f"expected a number, got {item[key]!r}")
-        loras.append(Lora(str((path.parent / item["path"]).resolve()), float(item.get("strength", 1.0)),
-                          None if item.get("te_strength") is None else float(item["te_strength"])))
-    embeddings = tuple(str((path.parent / e).resolve()) for e in (data.get("embeddings") or []))
-    overrides = dict(model.get("set") or {})
-    if not isinstance(model.get("set") or {}, dict):
-        raise doc.error("model.set", "expected {component: {field: value}}, e.g. {unet: {num_heads: 8}}")
+        lora_path = _string(doc, f"{w}.path" if "path" in item else w, item.get("path"), "{path: FILE, strength: S}")
+        strength = _number(doc, f"{w}.strength", item["strength"]) if "strength" in item else 1.0
+        te = None if item.get("te_strength") is None else _number(doc, f"{w}.te_strength", item["te_strength"])
+        loras.append(Lora(str((path.parent / lora_path).resolve()), strength, te))
+    embeddings = tuple(str((path.parent / _string(doc, f"embeddings[{i}]", e, "an embedding file")).resolve())
+                       for i, e in enumerate(_list(doc, "embeddings", data.get("embeddings"), "embedding files")))
+    overrides = _overrides(doc, model.get("set"))
     if prediction:
         overrides["model"] = {**overrides.get("model", {}), "prediction": prediction}
-    name = data.get("name") or path.stem
+    name = path.stem if data.get("name") is None else _string(doc, "name", data["name"], "a name (a string)")
     return Recipe(str(path), str(name), source, family, overrides, tuple(comps), per_comp, explicit, vae,
                   tuple(loras), embeddings, _profiles(doc, data.get("profiles")), _targets(doc, data.get("targets")),
                   lines=doc.lines)

@@ -1,0 +1,90 @@
+"""Bad recipes: every mistake is exit 2 from both `plan` and `build`, one line naming file:line and
+the field, and `build` writes nothing. Fields are typed (a string where a list belongs is refused,
+not iterated), `model.set` is checked against the fields precast reads, YAML aliases and duplicate
+keys are refused, numbers must be finite."""
+import subprocess
+import sys
+
+import pytest
+
+from conftest import precast
+
+HEAD = "name: t\nmodel:\n  source: demo:tiny-sd15\n"
+TAIL = "profiles: {height: 64, width: 64}\ntargets:\n  - onnxruntime\n"
+
+
+def _recipe(model="", top="", targets=None):
+    return HEAD + model + top + (TAIL if targets is None else f"targets:\n  - {targets}\n")
+
+
+CASES = {  # name: (recipe text, line, words the error must hold)
+    "family_list": (_recipe("  family: [sd1]\n"), 4, "model.family"),
+    "set_list": (_recipe("  set: [1, 2]\n"), 4, "model.set: expected {component: {field: value}}"),
+    "set_str": (_recipe("  set: abc\n"), 4, "model.set: expected"),
+    "set_inner_list": (_recipe("  set: {unet: [1]}\n"), 4, "model.set.unet: expected {field: value}"),
+    "set_heads_str": (_recipe("  set: {unet: {num_heads: abc}}\n"), 4, "model.set.unet.num_heads: expected a positive"),
+    "set_heads_inf": (_recipe("  set:\n    unet:\n      num_heads: .inf\n"), 6, "model.set.unet.num_heads"),
+    "set_unknown_component": (_recipe("  set: {foo: {bar: 1}}\n"), 4, "model.set.foo: unknown component 'foo'; known:"),
+    "set_unknown_field": (_recipe("  set:\n    unet: {bogus: 1}\n"), 5,
+                          "model.set.unet.bogus: unknown field 'bogus'; known for unet: addition_time_embed_dim"),
+    "set_prediction": (_recipe("  set: {model: {prediction: xyz}}\n"), 4, "model.set.model.prediction: expected epsilon"),
+    "vae_list": (_recipe("  vae: [a]\n"), 4, "model.vae: expected"),
+    "name_list": (_recipe().replace("name: t", "name: [1, 2]"), 1, "name: expected"),
+    "loras_int": (_recipe(top="loras: 5\n"), 4, "loras: expected a list"),
+    "loras_str": (_recipe(top="loras: abc\n"), 4, "loras: expected a list"),
+    "loras_path_int": (_recipe(top="loras: [{path: 5}]\n"), 4, "loras[0].path: expected"),
+    "loras_strength_nan": (_recipe(top="loras: [{path: x.safetensors, strength: .nan}]\n"), 4,
+                           "loras[0].strength: expected a finite number, got nan"),
+    "loras_strength_inf": (_recipe(top="loras:\n  - path: x.safetensors\n    te_strength: -.inf\n"), 6,
+                           "loras[0].te_strength: expected a finite number"),
+    "loras_strength_bool": (_recipe(top="loras: [{path: x.safetensors, strength: true}]\n"), 4, "loras[0].strength"),
+    "emb_str": (_recipe(top="embeddings: /path/x.pt\n"), 4, "embeddings: expected a list"),
+    "emb_int": (_recipe(top="embeddings: 5\n"), 4, "embeddings: expected a list"),
+    "emb_list_int": (_recipe(top="embeddings: [5]\n"), 4, "embeddings[0]: expected"),
+    "tokens_big": (_recipe().replace("height: 64,", "tokens: 100, height: 64,"), 4, "profiles.tokens: 100 tokens"),
+    "duplicate_key": (_recipe().replace("name: t\n", "name: t\nname: u\n"), 2, "name: given twice (lines 1 and 2)"),
+    "recursive_alias": ("a: &x [*x]\n" + _recipe(), 1, "aliases"),
+    "python_tag": (_recipe().replace("name: t", "name: !!python/object/apply:os.system [true]"), 1, "YAML tag"),
+}
+
+
+def _check(proc, recipe, line, words):
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {recipe}:{line}: ") and words in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_recipe_is_one_line_with_file_line_and_field(tmp_path, case):
+    text, line, words = CASES[case]
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(text)
+    env = {"PRECAST_CACHE": str(tmp_path / "cache")}
+    _check(precast("plan", recipe, env=env), recipe, line, words)
+    _check(precast("build", recipe, "--out", tmp_path / "b", env=env), recipe, line, words)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]
+
+
+def test_non_utf8_recipe(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_bytes(_recipe().replace("name: t", "name: t\xff").encode("latin-1"))
+    _check(precast("plan", recipe), recipe, 1, "not UTF-8")
+
+
+def test_nested_aliases_are_refused_at_once(tmp_path):
+    laughs = "l0: &l0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]\n" for i in range(1, 9))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(laughs + _recipe())
+    proc = subprocess.run([sys.executable, "-m", "precast.runtime.cli", "plan", str(recipe)], capture_output=True,
+                          text=True, timeout=60)  # before: expanding 10^9 nodes, for minutes
+    _check(proc, recipe, 2, "aliases")
+
+
+def test_a_good_recipe_still_plans(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(_recipe("  set: {unet: {num_heads: [2, 2, 2]}, text_encoder: {clip_skip: 1}}\n  prediction: epsilon\n",
+                              "loras: [{path: x.safetensors, strength: 0.5, te_strength: 1}]\nembeddings: [a.pt]\n",
+                              "openvino: {device: CPU, threads: 2, num_streams: AUTO}"))
+    proc = precast("plan", recipe)
+    assert proc.returncode == 0 and "unet.openvino-CPU" in proc.stdout, proc.stderr
