@@ -23,6 +23,17 @@ OPTIONS: dict[str, dict[str, tuple]] = {   # option -> allowed values (empty: fr
     "migraphx": {"gfx": (), "fp16": BOOL, "fast_math": BOOL},
 }
 
+_text = lambda v: isinstance(v, str) and bool(v)  # noqa: E731
+_count = lambda v, least: isinstance(v, int) and not isinstance(v, bool) and v >= least  # noqa: E731
+OPTION_TYPES: dict[str, tuple[str, object]] = {   # free-form option -> (what it takes, check)
+    "device": ("a device name such as CPU or GPU.0", _text),
+    "gfx": ("a gfx name such as gfx1100", _text),
+    "threads": ("an integer >= 0 (0: OpenVINO decides)", lambda v: _count(v, 0)),
+    "num_streams": ("an integer >= 1 or AUTO", lambda v: _count(v, 1) or v == "AUTO"),
+    "compute_capabilities": ("a list such as [sm_86, sm_89]",
+                             lambda v: _text(v) or (isinstance(v, list) and all(_text(c) or _count(c, 0) for c in v))),
+}
+
 
 def get_target(name: str) -> Target:
     key = ALIASES.get(name, name)
@@ -47,6 +58,8 @@ def parse_target(text: str, options: dict | None = None) -> TargetSpec:
             raise BadInput(f"target {target.name}: unknown option {k!r}; allowed: {', '.join(sorted(allowed))}")
         if allowed[k] and v not in allowed[k]:
             raise BadInput(f"target {target.name}: {k}={v!r}; allowed: {', '.join(map(str, allowed[k]))}")
+        if k in OPTION_TYPES and not OPTION_TYPES[k][1](v):
+            raise BadInput(f"target {target.name}: {k}={v!r}; expected {OPTION_TYPES[k][0]}")
     frozen = {k: tuple(v) if isinstance(v, list) else v for k, v in opts.items()}
     spec = TargetSpec(target.name, tuple(sorted(frozen.items())))
     if target.name == "tensorrt-rtx":
