@@ -25,6 +25,7 @@ class ExportedComponent:
     onnx_path: Path
     inputs: list[dict]
     outputs: list[dict]
+    sizes: dict | None = None   # file name -> bytes, as the export recorded them
 
 
 def read_export(folder: str | Path) -> dict[str, ExportedComponent]:
@@ -35,14 +36,37 @@ def read_export(folder: str | Path) -> dict[str, ExportedComponent]:
         raise BadInput(f"{folder}: not a precast export folder (no precast_export.json); run `precast export` first")
     try:
         report = json.loads(index.read_text())
-        comps = {c["name"]: ExportedComponent(c["name"], folder / c["path"], c["inputs"], c["outputs"])
-                 for c in report["components"]}
-    except (ValueError, KeyError, TypeError) as e:
+        comps = {c["name"]: ExportedComponent(c["name"], folder / c["path"], c["inputs"], c["outputs"],
+                                              dict(c.get("files") or {})) for c in report["components"]}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise BadInput(f"{index}: damaged ({e}); export again") from None
-    for c in comps.values():
-        if not c.onnx_path.is_file():
-            raise BadInput(f"{c.onnx_path}: missing; export again")
     return comps
+
+
+def check_exported(comp: ExportedComponent) -> None:
+    """The component's files are there with the sizes the export recorded, and its graph parses;
+    else one line naming the file (a deleted model.onnx_data or a garbage model.onnx would
+    otherwise surface as an onnx/protobuf traceback inside a target)."""
+    folder, sizes = comp.onnx_path.parent, comp.sizes or {}
+    for name in sorted({comp.onnx_path.name, *sizes}):
+        path, want = folder / name, sizes.get(name)
+        if not path.is_file():
+            raise BadInput(f"{path}: missing; export again")
+        if isinstance(want, int) and path.stat().st_size != want:
+            raise BadInput(f"{path}: {path.stat().st_size} bytes, the export wrote {want}; export again")
+    import onnx
+    try:
+        model = onnx.load(str(comp.onnx_path), load_external_data=False)
+    except Exception as e:  # protobuf's DecodeError and friends: the file is not an ONNX model
+        raise BadInput(f"{comp.onnx_path}: not a readable ONNX model ({type(e).__name__}); export again") from None
+    for tensor in model.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            where = {e.key: e.value for e in tensor.external_data}
+            data = folder / where.get("location", "")
+            end = sum(int(v) if v.isascii() and v.isdigit() else -1 for k, v in where.items() if k in ("offset", "length"))
+            if not data.is_file() or end < 0 or data.stat().st_size < end:
+                raise BadInput(f"{data}: missing or shorter than {comp.onnx_path.name} says "
+                               f"(tensor {tensor.name}); export again")
 
 
 def artifact_key(comp: ExportedComponent, spec: TargetSpec, shapes: dict, toolchain: dict, fingerprint: str,
@@ -63,6 +87,7 @@ def compile_component(comp: ExportedComponent, spec: TargetSpec, profile: ShapeP
                       progress: bool = True) -> tuple[dict, Entry]:
     """Build (or fetch) one artifact; returns (report record, verified cache entry)."""
     target = get_target(spec.backend)
+    check_exported(comp)
     t0 = time.perf_counter()
     toolchain = target.toolchain()            # BadInput here when the backend is not installed
     fingerprint = target.fingerprint(spec).to_string()

@@ -173,3 +173,37 @@ def test_onnxruntime_group_norms_become_instance_norms_with_equal_outputs(export
     got = open_artifact(entry.path, entry.metadata).run(feeds)["sample"]
     want = OnnxRuntimeSession(export_dir / "vae_decoder/model.onnx").run(feeds)["sample"]
     assert rel_err(got, want) <= 1e-5
+
+
+def _copy_export(export_dir, dest, component="unet"):
+    import shutil
+    shutil.copytree(export_dir / component, dest / component)
+    shutil.copy(export_dir / "precast_export.json", dest / "precast_export.json")
+    return dest
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("delete data", ["unet/model.onnx_data: missing", "export again"]),
+    ("truncate data", ["unet/model.onnx_data: ", "bytes, the export wrote", "export again"]),
+    ("garbage graph", ["unet/model.onnx: not a readable ONNX model", "export again"]),
+    ("graph names a lost file", ["unet/model.onnx_data: missing or shorter than model.onnx says", "export again"]),
+])
+def test_damaged_export_is_one_line_naming_the_file(export_dir, cache_env, tmp_path, damage, words):
+    bad = _copy_export(export_dir, tmp_path / "exp")
+    data, graph = bad / "unet" / "model.onnx_data", bad / "unet" / "model.onnx"
+    if damage == "delete data":
+        data.unlink()
+    elif damage == "truncate data":
+        data.write_bytes(data.read_bytes()[:1000])
+    elif damage == "garbage graph":
+        graph.write_bytes(b"\xff" * graph.stat().st_size)        # same size: only parsing can tell
+    else:  # the export's record of files lost, and the weights with it
+        index = json.loads((bad / "precast_export.json").read_text())
+        for c in index["components"]:
+            c.pop("files", None)
+        (bad / "precast_export.json").write_text(json.dumps(index))
+        data.unlink()
+    proc = precast("compile", bad, "--target", "onnxruntime", "--component", "unet", env=cache_env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert all(w in line for w in words), line
