@@ -114,7 +114,10 @@ def _options(values: tuple[str, ...]) -> dict:
         key, eq, raw = item.partition("=")
         if not eq or not key:
             raise BadInput(f"--option {item!r}: expected KEY=VALUE, e.g. weight_streaming=true")
-        out[key] = yaml.safe_load(raw)
+        try:
+            out[key] = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            out[key] = raw  # not a YAML value: the target judges it as the string it is
     return out
 
 

@@ -207,3 +207,20 @@ def test_damaged_export_is_one_line_naming_the_file(export_dir, cache_env, tmp_p
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert all(w in line for w in words), line
+
+
+@pytest.mark.parametrize("target, option, words", [
+    ("openvino", "threads=abc", ["target openvino: threads='abc'", "integer from 0 to 4096"]),
+    ("openvino", "threads=[", ["threads='['"]),                     # not YAML: judged as the string it is
+    ("openvino", "threads=99999999999999999999", ["integer from 0 to 4096"]),
+    ("openvino", "num_streams=0", ["num_streams=0", "integer from 1 to 4096 or AUTO"]),
+    ("openvino", "ir=1", ["ir=1", "allowed: true, false"]),
+    ("onnxruntime", "optimize=0", ["optimize=0", "allowed: true, false"]),
+    ("openvino", "device=CPU.0", ["device CPU.0", "use CPU"]),
+])
+def test_target_options_are_checked_before_building(export_dir, cache_env, target, option, words):
+    proc = precast("compile", export_dir, "--target", target, "--option", option, "--component", "unet",
+                   "--height", "64", "--width", "64", env=cache_env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert all(w in line for w in words), line

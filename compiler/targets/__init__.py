@@ -24,12 +24,13 @@ OPTIONS: dict[str, dict[str, tuple]] = {   # option -> allowed values (empty: fr
 }
 
 _text = lambda v: isinstance(v, str) and bool(v)  # noqa: E731
-_count = lambda v, least: isinstance(v, int) and not isinstance(v, bool) and v >= least  # noqa: E731
+MAX_COUNT = 4096   # threads / streams: past this a backend overflows or refuses at build time
+_count = lambda v, least: isinstance(v, int) and not isinstance(v, bool) and least <= v <= MAX_COUNT  # noqa: E731
 OPTION_TYPES: dict[str, tuple[str, object]] = {   # free-form option -> (what it takes, check)
     "device": ("a device name such as CPU or GPU.0", _text),
     "gfx": ("a gfx name such as gfx1100", _text),
-    "threads": ("an integer >= 0 (0: OpenVINO decides)", lambda v: _count(v, 0)),
-    "num_streams": ("an integer >= 1 or AUTO", lambda v: _count(v, 1) or v == "AUTO"),
+    "threads": (f"an integer from 0 to {MAX_COUNT} (0: OpenVINO decides)", lambda v: _count(v, 0)),
+    "num_streams": (f"an integer from 1 to {MAX_COUNT} or AUTO", lambda v: _count(v, 1) or v == "AUTO"),
     "compute_capabilities": ("a list such as [sm_86, sm_89]",
                              lambda v: _text(v) or (isinstance(v, list) and all(_text(c) or _count(c, 0) for c in v))),
 }
@@ -56,8 +57,9 @@ def parse_target(text: str, options: dict | None = None) -> TargetSpec:
     for k, v in opts.items():
         if k not in allowed:
             raise BadInput(f"target {target.name}: unknown option {k!r}; allowed: {', '.join(sorted(allowed))}")
-        if allowed[k] and v not in allowed[k]:
-            raise BadInput(f"target {target.name}: {k}={v!r}; allowed: {', '.join(map(str, allowed[k]))}")
+        if allowed[k] and not any(type(v) is type(a) and v == a for a in allowed[k]):  # 1 is not true
+            shown = ", ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in allowed[k])
+            raise BadInput(f"target {target.name}: {k}={v!r}; allowed: {shown}")
         if k in OPTION_TYPES and not OPTION_TYPES[k][1](v):
             raise BadInput(f"target {target.name}: {k}={v!r}; expected {OPTION_TYPES[k][0]}")
     frozen = {k: tuple(v) if isinstance(v, list) else v for k, v in opts.items()}

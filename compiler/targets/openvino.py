@@ -36,6 +36,8 @@ class OpenVinoTarget:
     def device_arch(self, device: str) -> str:
         if device == "CPU":
             return isa_level(cpu_flags())
+        if device.split(".")[0].upper() == "CPU":
+            raise BadInput(f"target openvino device {device}: the CPU takes no index or other spelling; use CPU")
         core = self._ov().Core()
         if device.split(".")[0] not in {d.split(".")[0] for d in core.available_devices}:
             raise BadInput(f"target openvino device {device}: not present on this machine "
