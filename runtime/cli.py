@@ -25,7 +25,8 @@ BUILD_COMMANDS = ("bundle", "build", "cache", "compile", "demo-model", "export",
 
 
 def run_cli(fn):
-    """Run a command body: user mistakes -> one line + exit 2; bugs -> trace + exit 1."""
+    """Run a command body: user mistakes -> one line + exit 2; bugs -> trace + exit 1; a closed
+    stdout -> exit 141, silently."""
     try:
         return fn()
     except UserError as e:
@@ -34,6 +35,9 @@ def run_cli(fn):
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)
+    except BrokenPipeError:  # the reader went away (`precast cache ls | head -1`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        sys.exit(141)  # 128 + SIGPIPE, as other tools in a pipe report it
     except Exception:
         traceback.print_exc()
         click.echo("error: internal failure (a bug in precast); please report it with the trace above", err=True)

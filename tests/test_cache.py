@@ -153,3 +153,13 @@ def test_gc_refuses_sizes_that_are_not_finite_and_non_negative(export_dir, tmp_p
 def test_gc_max_size_units(tmp_path):
     from precast.compiler.cache import parse_size
     assert [parse_size(t) for t in ("0", "10", "5KB", "1.5g", "20G", "2T")] == [0, 10, 5 << 10, 3 << 29, 20 << 30, 2 << 40]
+
+
+def test_closed_stdout_ends_quietly(tmp_path):
+    """`precast cache ls | head -1`: the reader is gone before precast writes; no BrokenPipeError trace."""
+    for args in (["cache", "ls"], ["cache", "ls", "--json"]):
+        p = subprocess.Popen([sys.executable, "-m", "precast.runtime.cli", *args], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PRECAST_CACHE": str(tmp_path)})
+        p.stdout.close()                      # the pipe's reader exits before precast has started
+        err = p.stderr.read()
+        assert p.wait(timeout=60) == 141 and err == "", err
