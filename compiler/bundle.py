@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from ..runtime.manifest import MANIFEST, SCHEMA, file_record, read_manifest, sha256_file, verify_bundle
+from .bundle_archive import check_out
 from .cache import Cache, Entry, cache_key
 from .engines import PRECAST_VERSION, ExportedComponent, compile_component
 from .errors import BadInput
@@ -153,6 +154,7 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
     from .sources.detect import detect_family, require_supported
     t0 = time.perf_counter()
     out = Path(out)
+    check_out(out)
     cache = cache or Cache()
     entries = select(make_plan(recipe), only, shard)
     source = materialize_source(recipe, cache)
@@ -268,6 +270,7 @@ def add_tokenizer(writer: BundleWriter, source: Path, name: str = "tokenizer", p
 def merge_bundles(inputs: list[str | Path], out: str | Path) -> dict:
     """Join shard bundles of one model into one; the same artifact in two shards must agree."""
     out = Path(out)
+    check_out(out)
     manifests = []
     for b in inputs:
         problems = verify_bundle(b)

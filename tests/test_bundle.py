@@ -296,3 +296,117 @@ def test_files_reached_through_a_linked_folder_do_not_verify(bundle, tmp_path):
     (copy / "tokenizer").symlink_to(bundle[0] / "tokenizer")
     proc = precast("bundle", "verify", copy)
     assert proc.returncode == 1 and "tokenizer/vocab.json: reached through a link" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def packed(bundle, tmp_path_factory):
+    """The tiny bundle as a plain .tar: (path, [(TarInfo, bytes or None)])."""
+    path = tmp_path_factory.mktemp("packed") / "b.tar"
+    precast("bundle", "pack", bundle[0], "--out", path, check=True)
+    with tarfile.open(path) as tar:
+        return path, [(m, tar.extractfile(m).read() if m.isfile() else None) for m in tar.getmembers()]
+
+
+def _rewrite(packed, path, mode="w", drop=(), replace=None, extra=()):
+    """The packed bundle's members (less `drop`, `replace`d by name) plus `extra` ones, into path."""
+    with tarfile.open(path, mode) as tar:
+        for info, data in [*((i, d) for i, d in packed[1] if i.name not in drop), *extra]:
+            if replace and info.name in replace:
+                data = replace[info.name]
+                info = tarfile.TarInfo(info.name)
+                info.size = len(data)
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    return path
+
+
+def _member(name, data=b"x", kind=tarfile.REGTYPE):
+    info = tarfile.TarInfo(name)
+    info.type, info.size = kind, len(data) if kind == tarfile.REGTYPE else 0
+    return info, data if kind == tarfile.REGTYPE else None
+
+
+def _limited_precast(limit, *args):
+    """precast under RLIMIT_FSIZE: writing any file past `limit` bytes kills it (SIGXFSZ) or fails."""
+    import resource
+    import subprocess
+    import sys
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return subprocess.run([sys.executable, "-m", "precast.runtime.cli", *map(str, args)], capture_output=True,
+                          text=True, preexec_fn=cap)
+
+
+@pytest.mark.parametrize("case", ["unlisted", "oversized"])
+def test_unpack_checks_members_against_the_manifest_before_writing(packed, tmp_path, case):
+    """A compressed archive with a huge zero member (unlisted, or under a listed name with another size)
+    was extracted whole before it was refused: a disk-fill. Now nothing is written: the process may
+    write no file past 2 MiB here, and still refuses the 16 MiB member with one line."""
+    manifest = next((i, d) for i, d in packed[1] if i.name == "manifest.json")
+    zeros = bytes(16 << 20)
+    name = "zzz.bin" if case == "unlisted" else "tokenizer/vocab.json"
+    archive = tmp_path / "bomb.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for info, data in (manifest, _member(name, zeros)):
+            tar.addfile(info, io.BytesIO(data))
+    words = ("member 'zzz.bin' is not listed in the manifest" if case == "unlisted" else
+             f"member 'tokenizer/vocab.json' holds {len(zeros)} bytes, the manifest says")
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = _limited_precast(2 << 20, "bundle", "unpack", archive, "--out", work / "u")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert words in lines[0] and "nothing was written" in lines[0], lines[0]
+    assert list(work.iterdir()) == []
+
+
+def _file(path, data):
+    path.write_bytes(data)
+    return path
+
+
+def _dir_named_manifest():
+    return _member("manifest.json", kind=tarfile.DIRTYPE)
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda p, t: _rewrite(p, t / "a.tar", drop=("manifest.json",)), "no manifest.json in the archive"),
+    (lambda p, t: _rewrite(p, t / "a.tar", extra=[_member("manifest.json", b'{"garbage": 1}')]),
+     "member 'manifest.json' is a name that appears twice"),
+    (lambda p, t: _rewrite(p, t / "a.tar", drop=("manifest.json",), extra=[_dir_named_manifest()]),
+     "member 'manifest.json' is a manifest that is not a regular file"),
+    (lambda p, t: _rewrite(p, t / "a.tar", replace={"manifest.json": b'{"schema": 1, "model": {}, "components": {}, '
+                                                                        b'"artifacts": [], "files": []}'}),
+     "manifest.json: field files is a list"),
+    (lambda p, t: _rewrite(p, t / "a.tar", drop=("tokenizer/merges.txt",)),
+     "tokenizer/merges.txt is listed in the manifest but not in the archive"),
+    (lambda p, t: _file(t / "a.tar.zst", b"\x28\xb5\x2f\xfd" + b"garbage" * 100), "not a readable bundle archive"),
+    (lambda p, t: _file(t / "a.tar", b""), "not a tar, tar.gz or tar.zst archive"),
+    (lambda p, t: _file(t / "a.tar", b"not a tar file\n" * 10), "not a tar, tar.gz or tar.zst archive"),
+])
+def test_unpack_bad_archives_are_one_line(packed, tmp_path, make, words):
+    archive = make(packed, tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = precast("bundle", "unpack", archive, "--out", work / "u")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert words in lines[0] and "nothing was written" in lines[0], lines[0]
+    assert list(work.iterdir()) == []
+
+
+def test_bundle_commands_bad_out_and_inputs_are_one_line(bundle, packed, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "folder").mkdir()
+    for args, words in (
+            (["bundle", "unpack", packed[0], "--out", tmp_path / "afile/sub"], "afile is a file, not a folder"),
+            (["bundle", "pack", bundle[0], "--out", tmp_path / "nodir/x.tar"], "nodir does not exist"),
+            (["bundle", "pack", bundle[0], "--out", tmp_path / "folder"], "is a folder; name the archive file"),
+            (["bundle", "merge", bundle[0], tmp_path / "nonexistent", "--out", tmp_path / "mg"],
+             "nonexistent: not a precast bundle"),
+            (["bundle", "merge", bundle[0], "--out", tmp_path / "afile/mg"], "afile is a file, not a folder")):
+        proc = precast(*args)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and words in lines[0], (args, proc.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "folder"]
+    assert list((tmp_path / "folder").iterdir()) == []
