@@ -56,6 +56,8 @@ class Embeddings:
         if len(counts) != 1:
             raise UserError(f"embedding {name}: its encoders disagree on the vector count ({sorted(counts)})")
         n = counts.pop()
+        if n < 1:
+            raise UserError(f"embedding {name}: has no vectors; rebuild the bundle without it")
         if self.rows + n + 1 > MAX_EXTRA_ROWS:
             raise UserError(f"embedding {name}: {self.rows + n} vectors in all exceed the engines' limit "
                             f"of {MAX_EXTRA_ROWS - 1}; use fewer embeddings")

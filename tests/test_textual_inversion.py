@@ -249,3 +249,33 @@ def test_build_refuses_an_out_of_bounds_pt_embedding_and_writes_nothing(demo_ckp
     assert "storage too small for size/stride" in proc.stderr and str(emb) in proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert list(work.iterdir()) == []
+
+
+# ---- vector counts the runtime can take are checked at build time -------------------------------------
+
+def test_embeddings_outside_the_runtime_row_limit_are_refused_at_build(demo_ckpt, tmp_path):
+    """0 vectors built fine and crashed generate ("n must be at least 1"); more than 255 vectors in all
+    built fine and generate refused them. Both are now build errors naming the file and the limit."""
+    from conftest import precast
+    from precast.compiler.sources.embeddings import write_bundle_embeddings
+    save_file({"emb_params": np.zeros((0, TINY.context_dim), np.float32)}, str(tmp_path / "empty.safetensors"))
+    save_file({"emb_params": _vectors(200)}, str(tmp_path / "big.safetensors"))
+    save_file({"emb_params": _vectors(56)}, str(tmp_path / "more.safetensors"))
+    save_file({"emb_params": _vectors(55)}, str(tmp_path / "fits.safetensors"))
+    for files, words in ((["empty"], "no vectors; an embedding needs at least one"),
+                         (["big", "more"], "256 vectors in all, over the runtime's limit of 255")):
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text(f"model: {{source: {demo_ckpt}}}\ncomponents: [text_encoder]\n"
+                          f"embeddings: [{', '.join(str(tmp_path / f'{n}.safetensors') for n in files)}]\n"
+                          "profiles: {height: 64, width: 64}\ntargets: [onnxruntime]\n")
+        work = tmp_path / "work"
+        work.mkdir()
+        proc = precast("build", recipe, "--out", work / "b", env={"PRECAST_CACHE": str(tmp_path / "cache")})
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and words in lines[0], proc.stderr
+        assert f"{tmp_path / files[-1]}.safetensors" in lines[0]
+        assert list(work.iterdir()) == []
+        work.rmdir()
+    entries, _ = write_bundle_embeddings([tmp_path / "big.safetensors", tmp_path / "fits.safetensors"],
+                                         {"text_encoder": TINY.context_dim}, tmp_path / "root")
+    assert [e["vectors"] for e in entries] == [200, 55]    # 255 in all: the most the runtime takes

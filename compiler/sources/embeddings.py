@@ -146,6 +146,8 @@ def load_torch_restricted(path: str | Path):
 def _as_matrix(path: str, key: str, arr) -> np.ndarray:
     if not isinstance(arr, np.ndarray) or arr.ndim not in (1, 2) or not np.issubdtype(arr.dtype, np.floating):
         raise BadInput(f"{path}: {key} is not a float vector or [n, dim] matrix")
+    if arr.size == 0:
+        raise BadInput(f"{path}: {key} has shape {list(arr.shape)}, no vectors; an embedding needs at least one")
     return np.asarray(arr, np.float32).reshape(-1, arr.shape[-1])
 
 
@@ -219,7 +221,8 @@ def write_bundle_embeddings(paths, encoders: dict[str, int], root: Path) -> tupl
     from safetensors.numpy import save_file
 
     from ...runtime.manifest import sha256_file
-    entries, files, seen = [], {}, {}
+    from ...runtime.embeddings import MAX_EXTRA_ROWS
+    entries, files, seen, rows = [], {}, {}, 0
     for path in paths:
         p = Path(path)
         name = p.stem
@@ -229,6 +232,10 @@ def write_bundle_embeddings(paths, encoders: dict[str, int], root: Path) -> tupl
             raise BadInput(f"embedding {p}: {seen[name.lower()]} has the same trigger word {name!r}; rename one")
         seen[name.lower()] = str(p)
         vectors = assign_encoders(p, read_embedding(p), encoders)
+        rows += next(iter(vectors.values())).shape[0]
+        if rows > MAX_EXTRA_ROWS - 1:
+            raise BadInput(f"embedding {p}: brings the embeddings to {rows} vectors in all, over the runtime's limit "
+                           f"of {MAX_EXTRA_ROWS - 1} (the text encoders' extra-token input); use fewer embeddings")
         rel = f"embeddings/{name}.safetensors"
         (root / "embeddings").mkdir(parents=True, exist_ok=True)
         save_file({k: np.ascontiguousarray(v, np.float32) for k, v in sorted(vectors.items())}, str(root / rel))
