@@ -86,6 +86,17 @@ def test_onnxruntime_artifact_is_simplified_optimized_and_equal(export_dir, cach
     assert dims["sample"] == ["batch", 4, "height", "width"]          # the universal graph: any shape
 
 
+def test_onnxruntime_builds_are_byte_identical(export_dir, tmp_path):
+    """ONNX Runtime writes its optimized nodes in an order (and with names) that vary run to run;
+    the target puts them in one order, so two builders of one key ship the same bytes."""
+    digests = []
+    for run in ("a", "b", "c"):
+        env = {"PRECAST_CACHE": str(tmp_path / run)}
+        (rec,) = _compile(export_dir, env, "--target", "onnxruntime", "--component", "unet")
+        digests.append(Cache(env["PRECAST_CACHE"]).get(rec["key"])[0].files)
+    assert digests[0] == digests[1] == digests[2]
+
+
 def test_tensorrt_rtx_engines_for_sm86_and_the_default_set(export_dir, cache_env):
     trt = pytest.importorskip("tensorrt_rtx")
     recs = _compile(export_dir, cache_env, "--target", "tensorrt-rtx:sm_86", "--target", "tensorrt-rtx",
