@@ -208,6 +208,8 @@ def unpack_bundle(archive: str | Path, out: str | Path) -> dict:
         raise BadInput(f"{archive}: not a readable bundle archive ({_one_line(e)}); nothing was written") from None
     try:
         files = check_manifest(json.loads(raw), f"{archive}: {MANIFEST}")["files"]
+    except RecursionError:
+        raise BadInput(f"{archive}: {MANIFEST} is unreadable (nested too deeply); nothing was written") from None
     except ValueError as e:
         raise BadInput(f"{archive}: {MANIFEST} is unreadable ({_one_line(e)}); nothing was written") from None
     _check_against(archive, files, members)

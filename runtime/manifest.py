@@ -134,6 +134,8 @@ def read_manifest(bundle: str | Path) -> Manifest:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise ManifestError(f"{root}: not a precast bundle (no {MANIFEST})") from None
+    except RecursionError:
+        raise ManifestError(f"{path}: unreadable (nested too deeply)") from None
     except (OSError, ValueError) as e:
         raise ManifestError(f"{path}: unreadable ({e})") from None
     return Manifest(root, check_manifest(data, str(path)))

@@ -410,3 +410,24 @@ def test_bundle_commands_bad_out_and_inputs_are_one_line(bundle, packed, tmp_pat
         assert proc.returncode == 2 and len(lines) == 1 and words in lines[0], (args, proc.stderr)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "folder"]
     assert list((tmp_path / "folder").iterdir()) == []
+
+
+def test_deeply_nested_manifest_is_one_line(packed, tmp_path):
+    """A manifest.json of 100000 nested brackets raised RecursionError past the (OSError, ValueError)
+    handlers of verify and unpack: a traceback. Now one line, exit 2, nothing written."""
+    deep = b"[" * 100000
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "manifest.json").write_bytes(deep)
+    proc = precast("bundle", "verify", bad)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{bad}/manifest.json: unreadable" in lines[0], lines[0]
+    archive = _rewrite(packed, tmp_path / "a.tar", replace={"manifest.json": deep})
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = precast("bundle", "unpack", archive, "--out", work / "u")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "manifest.json is unreadable" in lines[0] and "nothing was written" in lines[0], lines[0]
+    assert list(work.iterdir()) == []
