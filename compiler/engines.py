@@ -44,9 +44,8 @@ def read_export(folder: str | Path) -> dict[str, ExportedComponent]:
 
 
 def check_exported(comp: ExportedComponent) -> None:
-    """The component's files are there with the sizes the export recorded, and its graph parses;
-    else one line naming the file (a deleted model.onnx_data or a garbage model.onnx would
-    otherwise surface as an onnx/protobuf traceback inside a target)."""
+    """The component's files are there with the sizes the export recorded; else one line naming
+    the file (a deleted model.onnx_data would otherwise surface as a traceback inside a target)."""
     folder, sizes = comp.onnx_path.parent, comp.sizes or {}
     for name in sorted({comp.onnx_path.name, *sizes}):
         path, want = folder / name, sizes.get(name)
@@ -54,6 +53,13 @@ def check_exported(comp: ExportedComponent) -> None:
             raise BadInput(f"{path}: missing; export again")
         if isinstance(want, int) and path.stat().st_size != want:
             raise BadInput(f"{path}: {path.stat().st_size} bytes, the export wrote {want}; export again")
+
+
+def check_exported_graph(comp: ExportedComponent) -> None:
+    """Before a build: the graph parses and every external tensor lies inside its data file
+    (a garbage model.onnx would otherwise be an onnx/protobuf traceback inside a target). A cache
+    hit needs no parse: its key already covers the files' digests."""
+    folder = comp.onnx_path.parent
     import onnx
     try:
         model = onnx.load(str(comp.onnx_path), load_external_data=False)
@@ -97,6 +103,7 @@ def compile_component(comp: ExportedComponent, spec: TargetSpec, profile: ShapeP
 
     def build(folder: Path) -> dict:
         b0 = time.perf_counter()
+        check_exported_graph(comp)
         meta = target.build(job, spec, folder)
         return {**meta, "component": comp.name, "backend": spec.backend, "target": spec.describe(),
                 "fingerprint": fingerprint, "toolchain": {**toolchain, "precast": PRECAST_VERSION},

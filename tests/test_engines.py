@@ -1,6 +1,7 @@
 """Engines through the cache: OpenVINO and ONNX Runtime run and agree; TensorRT-RTX AOT engines
 carry the compute capabilities asked for; rebuilds are cache hits; MIGraphX without ROCm is a
 clear error."""
+import ctypes.util
 import json
 
 import numpy as np
@@ -108,7 +109,8 @@ def test_tensorrt_rtx_engines_for_sm86_and_the_default_set(export_dir, cache_env
         with map_engine(entry.path / "model.engine") as mapped:     # what the runtime deserializes from
             header = read_header(bytes(mapped[:64]))
             validity, _ = trt.Runtime(trt.Logger()).get_engine_validity(mapped)   # takes the map, no copy
-        assert isinstance(validity, trt.EngineValidity)               # INVALID here: no driver
+        if ctypes.util.find_library("cuda") is None:                 # no driver (as in CI): INVALID
+            assert validity == trt.EngineValidity.INVALID
         assert header.compute_capabilities == want
         assert tuple(entry.metadata["compute_capabilities"]) == want
         assert rec["fingerprint"].split("/")[3] == ",".join(want)

@@ -129,6 +129,7 @@ def sort_nodes(graph) -> bool:
     a node holds a subgraph, whose implicit inputs this order does not see."""
     import heapq
     import re
+    from collections import Counter
     nodes = list(graph.node)
     if any(a.type in (a.GRAPH, a.GRAPHS) for n in nodes for a in n.attribute):
         return False
@@ -152,7 +153,7 @@ def sort_nodes(graph) -> bool:
     if len(order) != len(nodes):      # a cycle cannot be: keep ONNX Runtime's order
         return False
     bases = [re.sub(r"_token_\d+$", "", n.name) for n in order]   # its counter, or none, varies
-    seen = {b: bases.count(b) for b in set(bases)}
+    seen = Counter(bases)
     for position, (node, base) in enumerate(zip(order, bases)):
         node.name = f"{base}_n{position}" if base == node.op_type or seen[base] > 1 or not base else base
     graph.ClearField("node")
