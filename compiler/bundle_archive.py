@@ -16,6 +16,7 @@ import os
 import shutil
 import tarfile
 import zlib
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
 from ..runtime.manifest import MANIFEST, PIECE, check_manifest, path_problem, read_manifest, verify_bundle
@@ -173,21 +174,43 @@ def _check_against(archive: Path, files: dict, members: dict[str, tarfile.TarInf
                        f"({len(missing)} missing); nothing was written")
 
 
+class _WriteFailed(Exception):
+    """An OSError from writing the unpacked files (full disk, permissions), not from reading the archive."""
+
+
+@contextmanager
+def _writing():
+    try:
+        yield
+    except OSError as e:
+        raise _WriteFailed(e.strerror or str(e)) from None
+
+
 def _copy_checked(src, dst: Path, rel: str, rec: dict) -> None:
     """Write exactly rec["size"] bytes of src to a new file dst, checking sha256 (and pieces) on the way."""
     whole, piece, pieces, left, in_piece = hashlib.sha256(), hashlib.sha256(), [], rec["size"], 0
-    with open(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb") as f:
+    with _writing():
+        f = open(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb")
+    try:
         while left:
             chunk = src.read(min(left, 16 << 20, PIECE - in_piece))
             if not chunk:
                 raise BadInput(f"{rel}: the archive ends inside this member (truncated); nothing was kept")
-            f.write(chunk)
+            with _writing():
+                f.write(chunk)
             whole.update(chunk)
             piece.update(chunk)
             left, in_piece = left - len(chunk), in_piece + len(chunk)
             if in_piece == PIECE or not left:
                 pieces.append(piece.hexdigest())
                 piece, in_piece = hashlib.sha256(), 0
+        with _writing():
+            f.close()
+    finally:
+        try:
+            f.close()
+        except OSError:
+            pass                                       # the error being raised already says what went wrong
     if whole.hexdigest() != rec["sha256"] or ("pieces" in rec and pieces != rec["pieces"]):
         raise BadInput(f"{rel}: sha256 differs from the manifest (changed or damaged); nothing was kept")
 
@@ -224,20 +247,32 @@ def unpack_bundle(archive: str | Path, out: str | Path) -> dict:
         staging.mkdir(parents=True)
     except OSError as e:
         raise BadInput(f"--out {out}: cannot create it ({e.strerror or e})") from None
+    changed = f"{archive}: changed while it was unpacked; nothing was kept"
     try:
-        (staging / MANIFEST).write_bytes(raw)
+        with _writing():
+            (staging / MANIFEST).write_bytes(raw)
+        seen = set()
         with _open_archive(archive) as tar:            # second pass: the checked members, nothing else
             for m in tar:
-                if members.get(m.name) is None or members[m.name].size != m.size or m.type != members[m.name].type:
-                    raise BadInput(f"{archive}: changed while it was unpacked; nothing was kept")
+                if (m.name in seen or members.get(m.name) is None or members[m.name].size != m.size
+                        or m.type != members[m.name].type):
+                    raise BadInput(changed)
+                seen.add(m.name)
                 if m.isdir():
-                    (staging / m.name).mkdir(parents=True, exist_ok=True)
+                    with _writing():
+                        (staging / m.name).mkdir(parents=True, exist_ok=True)
                 elif m.name != MANIFEST:
-                    (staging / m.name).parent.mkdir(parents=True, exist_ok=True)
+                    with _writing():
+                        (staging / m.name).parent.mkdir(parents=True, exist_ok=True)
                     _copy_checked(tar.extractfile(m), staging / m.name, m.name, files[m.name])
-        os.rename(staging, out)
+        if seen != set(members):                       # shortened or replaced since the first pass
+            raise BadInput(changed)
+        with _writing():
+            os.rename(staging, out)
     except BadInput:
         raise
+    except _WriteFailed as e:
+        raise BadInput(f"--out {out}: cannot write ({e}); nothing was kept") from None
     except errors as e:
         raise BadInput(f"{archive}: not a readable bundle archive ({_one_line(e)}); nothing was kept") from None
     finally:

@@ -431,3 +431,47 @@ def test_deeply_nested_manifest_is_one_line(packed, tmp_path):
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "manifest.json is unreadable" in lines[0] and "nothing was written" in lines[0], lines[0]
     assert list(work.iterdir()) == []
+
+
+def test_an_archive_shortened_between_the_two_passes_is_refused(packed, tmp_path, monkeypatch):
+    """The second pass wrote what it found; a member gone since the first pass (the archive replaced
+    in between) left a bundle with a file missing. Now every first-pass member must be written."""
+    from precast.compiler import bundle_archive
+    from precast.compiler.errors import BadInput
+    archive = _rewrite(packed, tmp_path / "a.tar")
+    real_scan = bundle_archive._scan
+
+    def scan_then_shorten(path):
+        found = real_scan(path)
+        _rewrite(packed, path, drop=("tokenizer/merges.txt",))
+        return found
+    monkeypatch.setattr(bundle_archive, "_scan", scan_then_shorten)
+    work = tmp_path / "work"
+    work.mkdir()
+    with pytest.raises(BadInput, match="changed while it was unpacked; nothing was kept"):
+        bundle_archive.unpack_bundle(archive, work / "u")
+    assert list(work.iterdir()) == []
+
+
+def test_a_failed_write_is_named_as_a_write_failure(packed, tmp_path):
+    """A write error (here: files capped at 64 KiB, EFBIG) was reported as 'not a readable bundle
+    archive'; now it names --out and the reason, and nothing is kept."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    assert max(i.size for i, _ in packed[1]) > 64 << 10
+    limit = 64 << 10
+
+    def cap():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "precast.runtime.cli", "bundle", "unpack", str(packed[0]),
+                           "--out", str(work / "u")], capture_output=True, text=True, preexec_fn=cap)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"--out {work / 'u'}: cannot write (" in lines[0] and "nothing was kept" in lines[0], lines[0]
+    assert list(work.iterdir()) == []
