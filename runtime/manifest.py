@@ -218,6 +218,9 @@ def _check_component(check: "_Checker", comp, field: str, files: dict) -> None:
     config = check.of(comp, "config", dict, field, optional=True) or {}
     for key in ("vocab", "hidden", "decoder_levels"):
         check.of(config, key, int, f"{field}.config", optional=True)
+    levels = config.get("decoder_levels")
+    if levels is not None and not 1 <= levels <= 8:      # the latent factor is 2 ** (levels - 1)
+        check.fail(f"{field}.config.decoder_levels", f"is {levels}, expected 1 to 8")
     profiles = check.of(comp, "profiles", list, field)
     if not profiles:
         check.fail(f"{field}.profiles", "is empty")
