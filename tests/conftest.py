@@ -38,3 +38,19 @@ def demo_ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("demo") / "tiny.safetensors"
     write_demo_model(str(path))
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tmp_path_factory):
+    """One tiny SD 1.x bundle (text encoder, UNet, VAE decoder; ONNX Runtime and OpenVINO CPU; 64x64),
+    built once per session and shared read-only: (bundle folder, the demo checkpoint it was built from).
+    A test that changes the bundle works on a copy."""
+    from precast.compiler.demo_model import write_demo_model
+    tmp = tmp_path_factory.mktemp("tiny-bundle")
+    recipe = tmp / "tiny.yaml"
+    recipe.write_text("model: {source: demo:tiny-sd15}\ncomponents: [text_encoder, unet, vae_decoder]\n"
+                      "profiles: {batch: 1, height: 64, width: 64}\ntargets: [onnxruntime, {openvino: {device: CPU}}]\n")
+    precast("build", recipe, "--out", tmp / "bundle", env={"PRECAST_CACHE": str(tmp / "cache")}, check=True)
+    ckpt = tmp / "demo.safetensors"
+    write_demo_model(str(ckpt))  # the same seeded checkpoint the recipe's demo source names
+    return tmp / "bundle", ckpt

@@ -11,20 +11,12 @@ import torch
 
 from conftest import precast
 import reference as ref
-from precast.compiler.demo_model import TINY, write_demo_model
+from precast.compiler.demo_model import TINY
 
 
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pipeline")
-    recipe = tmp / "tiny.yaml"
-    recipe.write_text("model: {source: demo:tiny-sd15}\ncomponents: [text_encoder, unet, vae_decoder]\n"
-                      "profiles: {batch: 1, height: 64, width: 64}\ntargets: [onnxruntime, {openvino: {device: CPU}}]\n")
-    env = {"PRECAST_CACHE": str(tmp / "cache")}
-    precast("build", recipe, "--out", tmp / "bundle", env=env, check=True)
-    ckpt = tmp / "demo.safetensors"
-    write_demo_model(str(ckpt))  # the same seeded checkpoint the recipe's demo source names
-    return tmp / "bundle", ckpt
+@pytest.fixture
+def bundle(tiny_bundle):
+    return tiny_bundle
 
 
 def psnr(a, b):

@@ -13,14 +13,9 @@ from precast.runtime.errors import UserError
 from precast.runtime.manifest import read_manifest
 
 
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("runtime-cli")
-    recipe = tmp / "tiny.yaml"
-    recipe.write_text("model: {source: demo:tiny-sd15}\ncomponents: [text_encoder, unet, vae_decoder]\n"
-                      "profiles: {batch: 1, height: 64, width: 64}\ntargets: [onnxruntime]\n")
-    precast("build", recipe, "--out", tmp / "bundle", env={"PRECAST_CACHE": str(tmp / "cache")}, check=True)
-    return tmp / "bundle"
+@pytest.fixture
+def bundle(tiny_bundle):
+    return tiny_bundle[0]
 
 
 def _one_error_line(proc, *words):
