@@ -110,11 +110,24 @@ def encoder_feeds(session, component: str, ids: np.ndarray, embeddings: "Embeddi
     return (embeddings or Embeddings()).feeds(component, ids, hidden, dtype)
 
 
-def load_bundle_embeddings(manifest, tokenizer, vocab: int | None) -> Embeddings:
-    """The embeddings a bundle's manifest lists (model.embeddings), each file checked against its
-    record (size, sha256) before it is read, registered with `tokenizer`."""
-    emb = Embeddings(vocab=vocab)
+def read_bundle_embeddings(manifest) -> list[tuple[str, dict[str, np.ndarray]]]:
+    """The embeddings a bundle's manifest lists (model.embeddings), in order, each file checked
+    against its record (size, sha256) before it is read: [(name, {component: vectors})]."""
+    out = []
     for item in manifest.model.get("embeddings") or []:
         manifest.check_file(item["file"])
-        emb.add(tokenizer, item["name"], read_vectors(manifest.root / item["file"]))
+        out.append((item["name"], read_vectors(manifest.root / item["file"])))
+    return out
+
+
+def register_embeddings(items: list[tuple[str, dict[str, np.ndarray]]], tokenizer, vocab: int | None) -> Embeddings:
+    """Embeddings read by read_bundle_embeddings, registered with `tokenizer` (one text encoder's)."""
+    emb = Embeddings(vocab=vocab)
+    for name, vectors in items:
+        emb.add(tokenizer, name, vectors)
     return emb
+
+
+def load_bundle_embeddings(manifest, tokenizer, vocab: int | None) -> Embeddings:
+    """The embeddings a bundle's manifest lists, checked, read and registered with `tokenizer`."""
+    return register_embeddings(read_bundle_embeddings(manifest), tokenizer, vocab)

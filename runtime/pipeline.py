@@ -62,6 +62,20 @@ def load_tokenizer(manifest, folder: str):
         raise UserError(f"{manifest.root}/{folder}: not a readable tokenizer ({e})") from None
 
 
+def bundle_tokenizers(manifest, needed) -> tuple[dict, dict]:
+    """({text encoder: tokenizer}, {text encoder: Embeddings}) for the text encoders in `needed`; each
+    embedding file is checked and read once, then registered with every encoder's tokenizer."""
+    from .embeddings import read_bundle_embeddings, register_embeddings
+    tokenizers, embeddings, items = {}, {}, None
+    for comp in (c for c in needed if c.startswith("text_encoder")):
+        tok = tokenizers[comp] = load_tokenizer(manifest, TOKENIZER_FOLDER[comp])
+        if items is None:
+            items = read_bundle_embeddings(manifest)
+        vocab = manifest.components[comp].get("config", {}).get("vocab")
+        embeddings[comp] = register_embeddings(items, tok, vocab)
+    return tokenizers, embeddings
+
+
 def _progress(total: int, enabled: bool):
     try:
         from tqdm import tqdm
@@ -108,6 +122,9 @@ class Txt2Img:
         self.devices, self.device_warning = apply_device_override(devices, env)
         self.placements = assign_modules(self.devices, backend, params_backend)
         self.installed = installed_backends()
+        # the tokenizers and embeddings are small: checked before any engine is verified or loaded
+        self.tokenizers, self.embeddings = bundle_tokenizers(self.manifest, needed)
+        self.tokenizer = self.tokenizers.get("text_encoder") or self.tokenizers["text_encoder_2"]
         self.selections = select_all(self.manifest, self.placements, self.devices,
                                      requests(self.manifest, 1, height, width), self.installed, verify)
         self.loaded: dict[str, Loaded] = {}
@@ -116,13 +133,6 @@ class Txt2Img:
             placement = self.placements[COMPONENT_MODULE[comp]]
             session, cand, reasons = load_component(self.selections[comp], outputs, placement.offload)
             self.loaded[comp] = Loaded(session, cand.describe(), reasons)
-        from .embeddings import load_bundle_embeddings
-        self.tokenizers, self.embeddings = {}, {}
-        for comp in (c for c in needed if c.startswith("text_encoder")):
-            tok = self.tokenizers[comp] = load_tokenizer(self.manifest, TOKENIZER_FOLDER[comp])
-            vocab = self.manifest.components[comp].get("config", {}).get("vocab")
-            self.embeddings[comp] = load_bundle_embeddings(self.manifest, tok, vocab)
-        self.tokenizer = self.tokenizers.get("text_encoder") or self.tokenizers["text_encoder_2"]
         self.latent_scale = float(self.manifest.model.get("latent_scale") or LATENT_SCALE[family])
         self.prediction = self.manifest.model.get("prediction") or "epsilon"
 

@@ -118,3 +118,51 @@ def test_generate_refuses_a_changed_tokenizer(bundle, tmp_path, damage, words):
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert f"{copy}/{words}" in lines[0], lines[0]
     assert not out.exists()
+
+
+def test_a_changed_tokenizer_fails_before_any_engine_is_verified_or_loaded(bundle, tmp_path, monkeypatch):
+    """The tokenizer was checked after every engine was loaded (GBs for SDXL); now first."""
+    import shutil
+    from conftest import flip_byte
+    from precast.runtime import pipeline
+    from precast.runtime.errors import UserError
+    copy = tmp_path / "copy"
+    shutil.copytree(bundle[0], copy)
+    flip_byte(copy / "tokenizer/vocab.json", 100, mask=1)
+
+    def no_engines(*a, **k):
+        raise AssertionError("an engine was selected or loaded before the tokenizer was checked")
+    monkeypatch.setattr(pipeline, "select_all", no_engines)
+    monkeypatch.setattr(pipeline, "load_component", no_engines)
+    with pytest.raises(UserError, match="tokenizer/vocab.json: sha256 differs"):
+        pipeline.Txt2Img(copy, width=64, height=64)
+
+
+def test_sdxl_embedding_files_are_checked_and_read_once_for_both_encoders(monkeypatch):
+    """Each embedding file was hashed and read once per text encoder (twice for SDXL); now once,
+    registered with both encoders' tokenizers."""
+    from pathlib import Path
+    from types import SimpleNamespace
+    from precast.runtime import embeddings, pipeline
+
+    class Tok:
+        def __init__(self):
+            self.vocab_size = 10
+
+        def add_tokens(self, name, n):
+            ids = list(range(self.vocab_size, self.vocab_size + n))
+            self.vocab_size += n
+            return ids
+    checked, read = [], []
+    manifest = SimpleNamespace(
+        root=Path("/bundle"), check_file=checked.append,
+        model={"embeddings": [{"name": "cat", "file": "embeddings/cat.safetensors"}]},
+        components={c: {"config": {"vocab": 10}} for c in ("text_encoder", "text_encoder_2")})
+    monkeypatch.setattr(pipeline, "load_tokenizer", lambda m, folder: Tok())
+    monkeypatch.setattr(embeddings, "read_vectors", lambda p: read.append(p) or {
+        "text_encoder": np.ones((2, 4), np.float32), "text_encoder_2": np.ones((2, 6), np.float32)})
+    toks, embs = pipeline.bundle_tokenizers(manifest, ("text_encoder", "text_encoder_2", "unet", "vae_decoder"))
+    assert checked == ["embeddings/cat.safetensors"] and read == [Path("/bundle/embeddings/cat.safetensors")]
+    assert set(toks) == set(embs) == {"text_encoder", "text_encoder_2"}
+    assert all(t.vocab_size == 12 for t in toks.values())
+    assert all([name for name, _ in e.items] == ["cat"] for e in embs.values())
