@@ -11,9 +11,7 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
-import tempfile
 import traceback
 from pathlib import Path
 
@@ -122,17 +120,13 @@ def _check_out(out: str) -> Path:
 
 
 def _write_image(path: Path, image) -> None:
-    """The PNG is written in a private temp folder beside `path`, then renamed into place; the
-    temp folder goes on any failure, so a failed write leaves nothing behind."""
+    """The PNG is written to a temp file beside `path` and renamed into place (write_png removes
+    the temp file on any failure, so a failed write leaves nothing behind)."""
     from .png import write_png
-    work = tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
-        write_png(os.path.join(work, "image.png"), image)
-        os.replace(os.path.join(work, "image.png"), path)
+        write_png(path, image)
     except OSError as e:
-        raise UserError(f"--out {path}: cannot write ({e.strerror})") from None
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        raise UserError(f"--out {path}: cannot write ({e.strerror or e})") from None
 
 
 @main.command("doctor")

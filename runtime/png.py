@@ -13,7 +13,8 @@ def _chunk(kind: bytes, data: bytes) -> bytes:
 
 
 def write_png(path: str | os.PathLike, image: np.ndarray) -> None:
-    """image: [H, W, 3] uint8. Written to a temp file, then renamed."""
+    """image: [H, W, 3] uint8. Written to a temp file beside `path`, then renamed; the temp file is
+    removed on any failure, so a failed write leaves nothing behind."""
     img = np.ascontiguousarray(image, dtype=np.uint8)
     if img.ndim != 3 or img.shape[2] != 3:
         raise ValueError(f"expected [H, W, 3] uint8, got {img.shape}")
@@ -22,6 +23,13 @@ def write_png(path: str | os.PathLike, image: np.ndarray) -> None:
     data = (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)) +
             _chunk(b"IDAT", zlib.compress(raw, 6)) + _chunk(b"IEND", b""))
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass                                        # never created, or already gone
+        raise

@@ -67,9 +67,37 @@ def test_generate_writes_only_the_png(bundle, tmp_path):
     assert os.listdir(tmp_path) == ["a.png"] and (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_a_failed_png_write_leaves_no_temp_file(tmp_path):
-    with pytest.raises(ValueError):
-        _write_image(tmp_path / "x.png", np.zeros((4, 4), np.uint8))   # not [H, W, 3]: write_png refuses
+@pytest.mark.parametrize("fail", ["write", "replace"])
+def test_a_failed_png_write_leaves_no_temp_file(tmp_path, monkeypatch, fail):
+    """An OSError part-way through (the disk fills while the temp file is written, or the rename
+    fails after it was written) is one user error, and the temp file is gone."""
+    from precast.runtime import png
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+    if fail == "replace":
+        monkeypatch.setattr(png.os, "replace", full)
+    else:
+        class Half:
+            def __init__(self, f):
+                self.f = f
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self.f.close()
+
+            def write(self, data):
+                self.f.write(data[:10])
+                self.f.flush()
+                full()
+        monkeypatch.setattr(png, "open", lambda p, mode: Half(open(p, mode)), raising=False)
+    with pytest.raises(UserError, match=r"--out .*x.png: cannot write \(No space left on device\)"):
+        _write_image(tmp_path / "x.png", np.zeros((4, 4, 3), np.uint8))
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(OSError):                       # write_png itself removes its temp file
+        png.write_png(tmp_path / "y.png", np.zeros((4, 4, 3), np.uint8))
     assert os.listdir(tmp_path) == []
 
 
