@@ -324,11 +324,8 @@ def bundle_unpack(archive, out, as_json):
 def bundle_verify(bundle, as_json):
     """Check every file of BUNDLE against its manifest (size and sha256). Exit 1 when any differs."""
     def go():
-        from ..runtime.manifest import ManifestError, verify_bundle
-        try:
-            problems = verify_bundle(bundle)
-        except ManifestError as e:
-            raise BadInput(str(e)) from None
+        from ..runtime.manifest import verify_bundle
+        problems = verify_bundle(bundle)          # a ManifestError is a UserError: one line, exit 2
         if as_json:
             click.echo(json.dumps({"bundle": bundle, "ok": not problems, "problems": problems}, indent=2))
         else:
@@ -346,11 +343,8 @@ def bundle_verify(bundle, as_json):
 def bundle_inspect(bundle, as_json):
     """Show what BUNDLE holds: model, components, artifacts with their fingerprints."""
     def go():
-        from ..runtime.manifest import ManifestError, read_manifest
-        try:
-            m = read_manifest(bundle)
-        except ManifestError as e:
-            raise BadInput(str(e)) from None
+        from ..runtime.manifest import read_manifest
+        m = read_manifest(bundle)
         if as_json:
             click.echo(json.dumps(m.data, indent=2))
             return

@@ -92,14 +92,6 @@ def parse_size(size: str, manifest) -> tuple[int, int]:
     return w, h
 
 
-def _manifest(bundle: str):
-    from .manifest import ManifestError, read_manifest
-    try:
-        return read_manifest(bundle)
-    except ManifestError as e:
-        raise UserError(str(e)) from None
-
-
 def _check_text(option: str, text: str) -> None:
     try:
         text.encode("utf-8")
@@ -150,8 +142,9 @@ def doctor_cmd(bundle, backend, params_backend, size, sysroot, as_json):
                "device_warning": warning,
                "assignment": {m: {"device": p.device.id, "params": p.params.id} for m, p in placements.items()}}
         if bundle:
+            from .manifest import read_manifest
             from .pipeline import requests
-            m = _manifest(bundle)
+            m = read_manifest(bundle)
             if size:
                 w, h = parse_size(size, m)
             else:
@@ -205,8 +198,10 @@ def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, schedule
     """Text to image with BUNDLE, each module on its device; prints what ran where."""
     def go():
         import time
+        from .manifest import read_manifest
         from .pipeline import Txt2Img, describe_where, to_uint8
-        w, h = parse_size(size, _manifest(bundle))
+        manifest = read_manifest(bundle)
+        w, h = parse_size(size, manifest)
         if seed < 0:
             raise UserError(f"--seed {seed}: must be 0 or more (negative seeds are refused)")
         if not math.isfinite(guidance):
@@ -215,7 +210,7 @@ def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, schedule
         _check_text("--negative", negative)
         out_path = _check_out(out)
         t0 = time.perf_counter()
-        pipe = Txt2Img(bundle, backend, params_backend, width=w, height=h, sysroot=sysroot)
+        pipe = Txt2Img(manifest, backend, params_backend, width=w, height=h, sysroot=sysroot)
         t1 = time.perf_counter()
         image = pipe(prompt, negative, steps, seed, guidance, scheduler, progress=not as_json)
         _write_image(out_path, to_uint8(image))

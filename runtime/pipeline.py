@@ -19,7 +19,7 @@ import numpy as np
 from .assign import COMPONENT_MODULE, assign_modules
 from .devices import apply_device_override, discover_devices
 from .errors import UserError
-from .manifest import ManifestError, read_manifest
+from .manifest import Manifest, read_manifest
 from .schedulers import NoiseSchedule, make_sampler
 from .select import installed_backends, load_component, select_all
 
@@ -100,13 +100,12 @@ class Loaded:
 class Txt2Img:
     """Text-to-image over a bundle, each component on the device it is assigned to."""
 
-    def __init__(self, bundle: str | Path, backend: str | None = None, params_backend: str | None = None,
+    def __init__(self, bundle: str | Path | Manifest, backend: str | None = None, params_backend: str | None = None,
                  width: int = 512, height: int = 512, sysroot: str = "/", env=None, verify: bool = True):
+        """`bundle`: a bundle folder, or its manifest already read (and so checked) by read_manifest."""
         env = os.environ if env is None else env
-        try:
-            self.manifest = read_manifest(bundle)
-        except ManifestError as e:
-            raise UserError(str(e)) from None
+        self.manifest = bundle if isinstance(bundle, Manifest) else read_manifest(bundle)
+        bundle = self.manifest.root
         family = self.family = self.manifest.model.get("family")
         if family not in LATENT_SCALE:
             raise UserError(f"{bundle}: the reference pipeline runs SD 1.x/2.x/XL bundles; this one is {family}")
