@@ -20,7 +20,7 @@ UNET = dict(sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, b
 def _folder(tmp, unet_fields=None, vae_fields=None):
     from diffusers import AutoencoderKL, UNet2DConditionModel
     torch.manual_seed(0)
-    unet = ref.randomize(UNet2DConditionModel(**UNET, **(unet_fields or {})), 1)
+    unet = ref.randomize(UNet2DConditionModel(**{**UNET, **(unet_fields or {})}), 1)
     vae = ref.randomize(AutoencoderKL(
         in_channels=3, out_channels=3, block_out_channels=(32, 64), layers_per_block=1, latent_channels=4,
         down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
@@ -33,7 +33,8 @@ def _folder(tmp, unet_fields=None, vae_fields=None):
 
 def test_config_fields_precast_builds_match_diffusers(tmp_path):
     folder, unet, vae = _folder(tmp_path, dict(flip_sin_to_cos=False, freq_shift=1, downsample_padding=0,
-                                               norm_eps=1e-2), dict(mid_block_add_attention=False))
+                                               norm_eps=1e-2, center_input_sample=True),
+                                dict(mid_block_add_attention=False))
     precast("export", folder, "--out", tmp_path / "onnx", check=True)
     sess = ort.InferenceSession(str(tmp_path / "onnx" / "unet" / "model.onnx"), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
@@ -49,16 +50,55 @@ def test_config_fields_precast_builds_match_diffusers(tmp_path):
     assert rel_err(got, ref.run_vae_decoder(vae, z)) <= 1e-4
 
 
-@pytest.mark.parametrize("field, value", [("act_fn", "mish"), ("only_cross_attention", True),
-                                          ("resnet_time_scale_shift", "scale_shift")])
-def test_config_fields_precast_does_not_build_are_refused(tmp_path, field, value):
+def test_odd_first_width_pads_the_timestep_embedding_as_diffusers_does(tmp_path):
+    """A first level 9 channels wide: the sinusoidal embedding is 8 wide plus a zero column."""
+    from diffusers import UNet2DConditionModel
+    torch.manual_seed(0)
+    unet = ref.randomize(UNet2DConditionModel(
+        sample_size=8, block_out_channels=(9, 18), layers_per_block=1, norm_num_groups=3, attention_head_dim=3,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=12), 1)
+    unet.save_pretrained(tmp_path / "pipe" / "unet", safe_serialization=True)
+    (tmp_path / "pipe" / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
+    precast("export", tmp_path / "pipe", "--out", tmp_path / "onnx", "--component", "unet", check=True)
+    sess = ort.InferenceSession(str(tmp_path / "onnx" / "unet" / "model.onnx"), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(1)
+    sample = rng.standard_normal((2, 4, 8, 8)).astype(np.float32)
+    t, ctx = np.array([500.0, 7.0], np.float32), rng.standard_normal((2, 5, 12)).astype(np.float32)
+    (got,) = sess.run(None, {"sample": sample, "timestep": t, "encoder_hidden_states": ctx})
+    assert rel_err(got, ref.run_unet(unet, sample, t, ctx)) <= 1e-4
+
+
+@pytest.mark.parametrize("part, field, value", [
+    ("unet", "act_fn", "mish"), ("unet", "only_cross_attention", True), ("unet", "resnet_time_scale_shift", "scale_shift"),
+    ("vae", "act_fn", "gelu"), ("vae", "down_block_types", ["DownEncoderBlock2D", "AttnDownEncoderBlock2D"]),
+    ("vae", "up_block_types", ["AttnUpDecoderBlock2D", "UpDecoderBlock2D"])])
+def test_config_fields_precast_does_not_build_are_refused(tmp_path, part, field, value):
     folder, _, _ = _folder(tmp_path)
-    config = folder / "unet" / "config.json"
+    config = folder / part / "config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), field: value}))
     proc = precast("export", folder, "--out", tmp_path / "onnx")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert f"{field} = {value!r} is not supported" in proc.stderr and "unet/config.json" in proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    shown = f"{field} = {value!r} is not supported" if isinstance(value, (str, bool)) else \
+        f"{field} has {value[0] if value[0].startswith('Attn') else value[1]!r}, not supported"
+    assert shown in proc.stderr and f"{part}/config.json" in proc.stderr, proc.stderr
     assert not (tmp_path / "onnx").exists()
+
+
+def test_group_count_that_does_not_divide_the_channels_is_named(tmp_path):
+    folder, _, _ = _folder(tmp_path)
+    for part, groups in (("unet", 5), ("vae", 7)):
+        proc = precast("export", folder, "--out", tmp_path / "onnx", "--set", f"{part}.groups={groups}")
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"do not split into {groups} groups" in proc.stderr and f"--set {part}.groups=N" in proc.stderr
+        assert not (tmp_path / "onnx").exists()
+
+
+def test_unet_without_cross_attention_is_refused(tmp_path):
+    folder, _, _ = _folder(tmp_path, dict(down_block_types=("DownBlock2D",) * 3, up_block_types=("UpBlock2D",) * 3,
+                                          mid_block_type="UNetMidBlock2D"))
+    proc = precast("export", folder, "--out", tmp_path / "onnx", "--component", "unet")
+    assert proc.returncode == 2 and "no cross-attention" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_set_head_dim_wins_over_the_folders_config(tmp_path):

@@ -194,6 +194,12 @@ def test_missing_and_unexpected_tensors_are_listed(demo_ckpt, tmp_path):
     proc = precast("export", path, "--out", tmp_path / "o2", "--component", "unet")
     assert proc.returncode == 2 and extra in proc.stderr and "not used" in proc.stderr
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+    attn = {f"first_stage_model.encoder.down.0.attn.{i}.{n}.weight": ("F16", (2,), np.ones(2))
+            for i in range(4) for n in ("q", "k", "v", "proj_out")}    # an LDM VAE with attn_resolutions
+    path = _retyped(demo_ckpt, tmp_path, "vae-attn.safetensors", add=attn)
+    proc = precast("export", path, "--out", tmp_path / "o3", "--component", "vae_encoder")
+    assert proc.returncode == 2 and "16 tensor(s) not used" in proc.stderr and len(proc.stderr) < 700, proc.stderr
+    assert "Attention inside the VAE's down/up blocks" in proc.stderr and "not supported yet" in proc.stderr
 
 
 @pytest.mark.parametrize("keys, family", [
@@ -209,6 +215,17 @@ def test_other_families_are_detected_and_refused(tmp_path, keys, family):
     proc = precast("export", path, "--out", tmp_path / "o")
     assert proc.returncode == 2
     assert f"detected {family}" in proc.stderr and "not supported yet" in proc.stderr, proc.stderr
+
+
+def test_a_vae_alone_or_one_diffusers_component_is_pointed_to_the_right_input(tmp_path):
+    vae = _zeros_file(tmp_path / "vae.safetensors", {"first_stage_model.decoder.conv_in.weight": [8, 4, 3, 3]})
+    proc = precast("export", vae, "--out", tmp_path / "o")
+    assert proc.returncode == 2 and "holds a VAE only" in proc.stderr and "--vae FILE" in proc.stderr, proc.stderr
+    bare = _zeros_file(tmp_path / "diffusion_pytorch_model.safetensors",
+                       {"conv_in.weight": [8, 4, 3, 3], "down_blocks.0.resnets.0.conv1.weight": [8, 8, 3, 3]})
+    proc = precast("export", bare, "--out", tmp_path / "o")
+    assert proc.returncode == 2 and "not a recognised" in proc.stderr and "model_index.json" in proc.stderr
+    assert not (tmp_path / "o").exists()
 
 
 def test_bad_options_are_named(demo_ckpt, tmp_path):

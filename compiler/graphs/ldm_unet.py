@@ -38,6 +38,7 @@ class UNetConfig:
     freq_shift: float = 0.0
     norm_eps: float = RES_EPS        # ResBlocks' and the output's GroupNorm
     downsample_padding: int = 1      # 0: pad right/bottom by one, then a stride-2 conv without padding
+    center_input_sample: bool = False  # diffusers: the sample is mapped to 2 * sample - 1 first
 
     def describe(self) -> dict:
         return asdict(self)
@@ -91,6 +92,9 @@ def unet_config(g: Graph, config_json: dict, overrides: dict) -> UNetConfig:
            if k.startswith(g.prefix) and k.endswith("attn2.to_k.weight")]
     proj = [g.shape(k[len(g.prefix):]) for k in g.ckpt.refs if k.startswith(g.prefix) and k.endswith("proj_in.weight")]
     n_levels = level + 1
+    if not ctx:
+        raise BadInput(f"{g.ckpt.path}: the UNet has no cross-attention (no attn2.to_k weights), so it takes no "
+                       "text conditioning; unconditional UNets are not supported")
     if config_json:
         check_diffusers_config(config_json, f"{g.ckpt.path} unet/config.json")
     # heads: --set num_heads, else --set head_dim, else the folder's config (diffusers'
@@ -121,17 +125,21 @@ def unet_config(g: Graph, config_json: dict, overrides: dict) -> UNetConfig:
                       time_id_dim=id_dim, flip_sin_to_cos=bool(config_json.get("flip_sin_to_cos", True)),
                       freq_shift=float(config_json.get("freq_shift", 0)),
                       norm_eps=float(config_json.get("norm_eps", RES_EPS)),
-                      downsample_padding=int(config_json.get("downsample_padding", 1)))
+                      downsample_padding=int(config_json.get("downsample_padding", 1)),
+                      center_input_sample=bool(config_json.get("center_input_sample", False)))
 
 
 def timestep_embedding(g: Graph, t: str, dim: int, cos_first: bool = True, shift: float = 0.0) -> str:
     """Sinusoidal embedding of a 1-D tensor, computed in fp32: f_i = exp(-ln(10000) i / (half - shift)),
-    [cos, sin] (LDM; diffusers' flip_sin_to_cos) or [sin, cos]."""
+    [cos, sin] (LDM; diffusers' flip_sin_to_cos) or [sin, cos]; an odd `dim` ends with a zero column."""
     half = dim // 2
     freqs = np.exp(-math.log(10000.0) * np.arange(half, dtype=np.float32) / np.float32(half - shift)).astype(np.float32)
     args = g.op("Mul", g.op("Unsqueeze", t, g.ints(1)), g.const(freqs[None, :], hint="freqs"))
     parts = (g.op("Cos", args), g.op("Sin", args))
-    return g.from_fp32(g.op("Concat", *(parts if cos_first else parts[::-1]), axis=-1))
+    emb = g.op("Concat", *(parts if cos_first else parts[::-1]), axis=-1)
+    if dim % 2:
+        emb = g.op("Pad", emb, g.ints(0, 0, 0, 1), mode="constant")
+    return g.from_fp32(emb)
 
 
 def resblock(g: Graph, x: str, emb: str, p: str, cfg: UNetConfig) -> str:
@@ -199,6 +207,8 @@ def build_unet(g: Graph, cfg: UNetConfig) -> None:
         y = g.op("Concat", text_embeds, ids, axis=1)
         emb = g.op("Add", emb, g.linear(g.silu(g.linear(y, "label_emb.0.0")), "label_emb.0.2"))
     h, skips = sample, []
+    if cfg.center_input_sample:
+        h = g.op("Sub", g.op("Mul", h, g.const(np.array(2.0), g.dtype)), g.const(np.array(1.0), g.dtype))
     for i in range(len(cfg.channels)):
         p = f"input_blocks.{i}"
         if i == 0:

@@ -10,6 +10,7 @@ Building a graph reads only the checkpoint header; tensor bytes are read in `sav
 from __future__ import annotations
 
 import os
+import re
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,9 @@ IR_VERSION = 10
 FLOAT, FLOAT16, INT64, INT32 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT64, TensorProto.INT32
 NP_OF = {FLOAT: np.float32, FLOAT16: np.float16}
 ALIGN_SMALL, ALIGN_LARGE, LARGE = 64, 4096, 1 << 20
+# unused checkpoint tensors that mean a known layout this builder does not write: (pattern, why)
+UNBUILT = [(r"(^|\.)(encoder\.down|decoder\.up)\.\d+\.attn\.", "Attention inside the VAE's down/up blocks "
+            "(attn_resolutions; diffusers AttnDownEncoderBlock2D / AttnUpDecoderBlock2D) is not supported yet")]
 WRITERS = 2          # weight-writer threads: two keep this machine's 2 cores busy (measured in benchmarks/export_unet.py)
 
 
@@ -165,6 +169,13 @@ class Graph:
         return self.op("Conv", *ins, strides=[stride, stride], pads=pads, kernel_shape=[kh, kw])
 
     def group_norm(self, x: str, module: str, groups: int, eps: float) -> str:
+        if self.has(f"{module}.weight"):
+            channels = self.shape(f"{module}.weight")[0]
+            if groups < 1 or channels % groups:
+                section = "vae" if self.name.startswith("vae") else self.name
+                raise BadInput(f"{self.ckpt.path}: {self.prefix}{module} normalizes {channels} channels, which do not "
+                               f"split into {groups} groups; pass the model's group count with "
+                               f"--set {section}.groups=N (a divisor of {channels}; a diffusers config's norm_num_groups)")
         y = self.op("GroupNormalization", self.to_fp32(x), self.param(f"{module}.weight", fp32=True),
                     self.param(f"{module}.bias", fp32=True), num_groups=groups, epsilon=eps)
         return self.from_fp32(y)
@@ -226,10 +237,13 @@ class Graph:
             if self.missing:
                 parts.append(f"missing {len(self.missing)} tensor(s): {', '.join(sorted(set(self.missing))[:12])}")
             if unused:
-                parts.append(f"{len(unused)} tensor(s) not used by the graph: {', '.join(unused[:12])}")
+                parts.append(f"{len(unused)} tensor(s) not used by the graph: {', '.join(unused[:5])}"
+                             + (", ..." if len(unused) > 5 else ""))
+            known = [why for pattern, why in UNBUILT if any(re.search(pattern, k) for k in unused)]
             raise BadInput(f"{self.ckpt.path}: the {self.name} weights do not match the detected architecture "
-                           f"({'; '.join(parts)}). The checkpoint may be damaged, merged from different models, "
-                           "or of a family precast detected wrongly.")
+                           f"({'; '.join(parts)}). " + (f"{known[0]}." if known else
+                           "The checkpoint may be damaged, merged from different models, "
+                           "or of a family precast detected wrongly."))
 
     def to_proto(self) -> onnx.GraphProto:
         r = self.renames

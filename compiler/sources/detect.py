@@ -14,6 +14,10 @@ SUPPORTED = {"sd1", "sd2", "sdxl", "sdxl-refiner"}
 LOOKED_FOR = (f"{UNET}input_blocks.0.0.weight (SD/SDXL UNet), joint_blocks.* (SD3), double_blocks.* (Flux), "
               f"zero_convs.* (ControlNet), {VAE}decoder.conv_in.weight (VAE)")
 
+# names a single file holds when it is one component of a diffusers folder saved on its own
+DIFFUSERS_COMPONENT_NAMES = ("down_blocks.", "up_blocks.", "mid_block.", "conv_in.", "time_embedding.",
+                             "text_model.", "encoder.down_blocks.", "decoder.up_blocks.")
+
 
 @dataclass(frozen=True)
 class Family:
@@ -69,8 +73,12 @@ def detect_family(ckpt: Checkpoint) -> Family:
         return Family("sd1", variant, ev)
     if VAE + "decoder.conv_in.weight" in keys or "decoder.conv_in.weight" in keys:
         return Family("vae", "", "decoder.conv_in.weight without a UNet")
+    hint = ""
+    if any(k.startswith(DIFFUSERS_COMPONENT_NAMES) for k in keys):
+        hint = (" These look like the tensors of one component of a diffusers folder (unet/, vae/, "
+                "text_encoder/): pass the folder that holds model_index.json instead of the file.")
     raise BadInput(f"{ckpt.path}: not a recognised diffusion model checkpoint. Looked for: {LOOKED_FOR}. "
-                   f"Found {len(keys)} tensors, e.g. {', '.join(sorted(keys)[:3]) or 'none'}.")
+                   f"Found {len(keys)} tensors, e.g. {', '.join(sorted(keys)[:3]) or 'none'}.{hint}")
 
 
 def _sdxl_base_or_refiner(ckpt: Checkpoint, label_in: int, context: int | None) -> tuple[str, str]:
@@ -94,6 +102,9 @@ def _sdxl_base_or_refiner(ckpt: Checkpoint, label_in: int, context: int | None) 
 
 
 def require_supported(ckpt: Checkpoint, family: Family) -> None:
+    if family.name == "vae":
+        raise BadInput(f"{ckpt.path}: holds a VAE only ({family.evidence}); give the whole model as the "
+                       "checkpoint and this file as its VAE: --vae FILE (recipe: model.vae)")
     if not family.supported:
         raise BadInput(f"{ckpt.path}: detected {family.name}{' (' + family.variant + ')' if family.variant else ''} "
                        f"from {family.evidence}; {family.name} is not supported yet "
