@@ -128,12 +128,30 @@ def write_manifest(root: Path, manifest: dict) -> None:
     (root / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
+def _is_bundle(folder: Path) -> bool:
+    """A precast bundle's manifest is there (JSON, schema 1, a file table): replacing it is allowed."""
+    try:
+        data = json.loads((folder / MANIFEST).read_bytes()) if (folder / MANIFEST).stat().st_size < 64 << 20 else None
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and data.get("schema") == SCHEMA and isinstance(data.get("files"), dict)
+
+
+def check_replaceable(out: Path) -> None:
+    """--out may be new, empty, or an earlier bundle; any other folder is the user's and is kept."""
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not _is_bundle(out))):
+        raise BadInput(f"--out {out}: exists and is not a precast bundle (no readable schema-{SCHEMA} "
+                       f"{MANIFEST}); its contents would be replaced: choose a new or empty folder")
+
+
 def commit_bundle(staging: Path, out: Path) -> None:
     """Rename the finished staging folder to `out`, replacing an existing bundle there."""
     if out.exists():
-        if not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).exists()):
+        try:
+            check_replaceable(out)
+        except BadInput:
             shutil.rmtree(staging, ignore_errors=True)
-            raise BadInput(f"--out {out}: exists and is not a precast bundle; choose another folder")
+            raise
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         os.rename(out, old)
         os.rename(staging, out)
@@ -155,6 +173,7 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
     t0 = time.perf_counter()
     out = Path(out)
     check_out(out)
+    check_replaceable(out)
     cache = cache or Cache()
     entries = select(make_plan(recipe), only, shard)
     source = materialize_source(recipe, cache)
@@ -271,6 +290,7 @@ def merge_bundles(inputs: list[str | Path], out: str | Path) -> dict:
     """Join shard bundles of one model into one; the same artifact in two shards must agree."""
     out = Path(out)
     check_out(out)
+    check_replaceable(out)
     manifests = []
     for b in inputs:
         problems = verify_bundle(b)

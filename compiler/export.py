@@ -19,6 +19,7 @@ from .errors import BadInput
 from .families import FAMILIES, FP32_VAE_FAMILIES, LATENT_SCALE, Component, overrides_for
 from .graphs.onnx_graph import Graph, save_model
 from .sources.checkpoint import Checkpoint, open_checkpoint
+from .sources.config_fields import field
 from .sources.detect import Family, detect_family, require_supported
 
 
@@ -91,6 +92,9 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise BadInput(f"--out {out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / "precast_export.json").is_file():
+        raise BadInput(f"--out {out}: exists, is not empty and is not a precast export (no precast_export.json); "
+                       "its folders would be replaced: choose a new or empty folder")
     ckpt = open_checkpoint(source, vae=vae)
     family = detect_family(ckpt)
     require_supported(ckpt, family)
@@ -103,7 +107,8 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
     shutil.rmtree(staging, ignore_errors=True)
     report = {"source": str(source), "layout": ckpt.layout, "family": family.name, "variant": family.variant,
               "dtype": dtype, "source_identity": ckpt.identity(), "components": [],
-              "latent_scale": float(ckpt.configs.get("vae", {}).get("scaling_factor", LATENT_SCALE[family.name])),
+              "latent_scale": float(field(ckpt.configs.get("vae", {}), "scaling_factor", "positive",
+                                          LATENT_SCALE[family.name], f"{ckpt.path} vae/config.json")),
               "prediction": prediction_type(ckpt, family, overrides or {})}
     if vae is not None:
         report["vae"] = str(vae)
@@ -154,8 +159,10 @@ def prediction_type(ckpt: Checkpoint, family: Family, overrides: dict) -> str:
     ComfyUI's rule: the last attention block's norm1 bias has std > 0.09 in v-models."""
     if overrides.get("model", {}).get("prediction"):
         return str(overrides["model"]["prediction"])
-    if ckpt.configs.get("scheduler", {}).get("prediction_type"):
-        return ckpt.configs["scheduler"]["prediction_type"]
+    scheduler = field(ckpt.configs.get("scheduler", {}), "prediction_type", "", None,
+                      f"{ckpt.path} scheduler/scheduler_config.json", ("epsilon", "v_prediction"))
+    if scheduler:
+        return scheduler
     if "v_pred" in ckpt.refs:
         return "v_prediction"
     if family.name == "sd2":

@@ -69,25 +69,30 @@ class _Doc:
 
     def __init__(self, path: Path):
         self.path = path
+        if path.exists() and not path.is_file():
+            raise BadInput(f"{path}: not a file; give the path of a recipe .yaml file")
         try:
-            raw = path.read_bytes()
+            with open(path, "rb") as f:
+                raw = f.read(MAX_RECIPE_BYTES + 1)
         except OSError as e:
             raise BadInput(f"{path}: cannot read recipe ({e.strerror})") from None
         if len(raw) > MAX_RECIPE_BYTES:
-            raise BadInput(f"{path}: {len(raw)} bytes; a recipe is at most {MAX_RECIPE_BYTES} bytes")
+            raise BadInput(f"{path}: more than {MAX_RECIPE_BYTES} bytes; a recipe is at most that")
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
             line = raw[:e.start].count(b"\n") + 1
             raise BadInput(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}); save the recipe as UTF-8") from None
+        self.lines: dict[str, int] = {}
         try:
             node = yaml.compose(text, Loader=_Loader)
+            self.data = self._plain(node, "") if node is not None else {}
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f"{path}:{mark.line + 1}" if mark else str(path)
             raise BadInput(f"{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
-        self.lines: dict[str, int] = {}
-        self.data = self._plain(node, "") if node is not None else {}
+        except RecursionError:
+            raise BadInput(f"{path}: nested too deeply to be a recipe") from None
 
     def _plain(self, node, where: str):
         self.lines[where] = node.start_mark.line + 1
@@ -258,6 +263,8 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
         resolved = (path.parent / source).resolve()
         if check_files and not resolved.exists():
             raise doc.error("model.source", f"{resolved} does not exist")
+        if check_files and not (resolved.is_file() or resolved.is_dir()):
+            raise doc.error("model.source", f"{resolved} is not a file or folder")
         source = str(resolved)
     family = model.get("family")
     if family is not None and (not isinstance(family, str) or family not in DEFAULT_COMPONENTS):
@@ -283,6 +290,8 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
         vae_path = (path.parent / _string(doc, "model.vae", vae, "a VAE file or folder")).resolve()
         if check_files and not vae_path.exists():
             raise doc.error("model.vae", f"{vae_path} does not exist")
+        if check_files and not (vae_path.is_file() or vae_path.is_dir()):
+            raise doc.error("model.vae", f"{vae_path} is not a file or folder")
         vae = str(vae_path)
     prediction = model.get("prediction")
     if prediction is not None and prediction not in ("epsilon", "v_prediction"):

@@ -104,6 +104,9 @@ def _check_out(out: str) -> Path:
     path = Path(out)
     if path.is_dir() or out.endswith(os.sep):
         raise UserError(f"--out {out}: is a folder; give a file path such as {path / 'image.png'}")
+    if os.path.lexists(path) and not path.is_file():
+        raise UserError(f"--out {out}: exists and is not a regular file (a device, pipe or broken link); "
+                        "choose another path")
     if not path.parent.is_dir():
         raise UserError(f"--out {out}: folder {path.parent} does not exist; create it first")
     if not os.access(path.parent, os.W_OK):
@@ -199,7 +202,8 @@ def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, schedule
     def go():
         import time
         from .manifest import read_manifest
-        from .pipeline import Txt2Img, describe_where, to_uint8
+        from .pipeline import Txt2Img, check_steps, describe_where, to_uint8
+        check_steps(steps)
         manifest = read_manifest(bundle)
         w, h = parse_size(size, manifest)
         if seed < 0:

@@ -97,6 +97,14 @@ class Loaded:
     reasons: list[str] = field(default_factory=list)
 
 
+MAX_STEPS = 1000   # the schedules' training timesteps: more steps than that repeat timesteps
+
+
+def check_steps(steps: int) -> None:
+    if not 1 <= steps <= MAX_STEPS:
+        raise UserError(f"--steps {steps}: must be 1 to {MAX_STEPS} (the noise schedule's timesteps)")
+
+
 class Txt2Img:
     """Text-to-image over a bundle, each component on the device it is assigned to."""
 
@@ -173,8 +181,7 @@ class Txt2Img:
                  original_size: tuple[int, int] | None = None, crop: tuple[int, int] = (0, 0),
                  aesthetic_score: float = 6.0, negative_aesthetic_score: float = 2.5) -> np.ndarray:
         """Returns the decoded image as float32 [H, W, 3] in [0, 1]."""
-        if steps < 1:
-            raise UserError(f"--steps {steps}: must be at least 1")
+        check_steps(steps)
         f = latent_factor(self.manifest)
         shape = (1, 4, self.height // f, self.width // f)
         sampler = make_sampler(scheduler, steps, NoiseSchedule(prediction_type=self.prediction))

@@ -130,3 +130,24 @@ def test_sharded_and_variant_weights_export_like_one_file(tmp_path):
     weights.rename(other / "vae" / "diffusion_pytorch_model.non_ema.safetensors")
     proc = precast("export", other, "--out", tmp_path / "c")     # which one? the user must say
     assert proc.returncode == 2 and "several variants (ema, non_ema)" in proc.stderr
+
+
+@pytest.mark.parametrize("part, file, field, value", [
+    ("unet", "config.json", "norm_eps", "x"), ("unet", "config.json", "norm_eps", -1),
+    ("unet", "config.json", "freq_shift", float("nan")), ("unet", "config.json", "attention_head_dim", ["a", "b", "c"]),
+    ("unet", "config.json", "flip_sin_to_cos", "yes"), ("unet", "config.json", "norm_num_groups", 0),
+    ("vae", "config.json", "scaling_factor", "abc"), ("vae", "config.json", "scaling_factor", -1),
+    ("vae", "config.json", "norm_num_groups", "x"),
+    ("scheduler", "scheduler_config.json", "prediction_type", ["v_prediction"]),
+    ("scheduler", "scheduler_config.json", "prediction_type", "sample")])
+def test_config_values_of_the_wrong_type_or_range_are_named(tmp_path, part, file, field, value):
+    """Before: tracebacks (exit 1), NaN models or bundles their own reader rejected."""
+    folder, _, _ = _folder(tmp_path)
+    config = folder / part / file
+    config.parent.mkdir(exist_ok=True)
+    old = json.loads(config.read_text()) if config.exists() else {}
+    config.write_text(json.dumps({**old, field: value}))
+    proc = precast("export", folder, "--out", tmp_path / "onnx")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"{part}/{file}: {field} = " in proc.stderr and "expected" in proc.stderr, proc.stderr
+    assert not (tmp_path / "onnx").exists()

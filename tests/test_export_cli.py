@@ -2,6 +2,7 @@
 kind of bad input with nothing left behind, no torch needed, components replaced atomically."""
 import hashlib
 import json
+import os
 import pickle
 import struct
 import subprocess
@@ -269,3 +270,27 @@ def test_any_missing_tensor_is_bad_input_not_a_crash(tmp_path):
             with pytest.raises(BadInput):
                 export(path, tmp_path / "out", dtype="fp32", progress=False)
             assert not (tmp_path / "out").exists(), keys[i]
+
+
+def test_out_that_is_the_source_folder_or_any_other_folder_is_kept(tmp_path):
+    """Before: `export pipe --out pipe` replaced the diffusers folder's unet/ with the ONNX one."""
+    from diffusers import UNet2DConditionModel
+    pipe = tmp_path / "pipe"
+    UNet2DConditionModel(sample_size=8, block_out_channels=(32, 32), layers_per_block=1, cross_attention_dim=32,
+                         down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), attention_head_dim=4,
+                         up_block_types=("UpBlock2D", "CrossAttnUpBlock2D")).save_pretrained(pipe / "unet")
+    (pipe / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
+    before = _digests(pipe)
+    proc = precast("export", pipe, "--out", pipe)
+    assert proc.returncode == 2 and "is not a precast export" in proc.stderr, proc.stderr
+    assert _digests(pipe) == before
+    precast("export", pipe, "--out", tmp_path / "onnx", check=True)     # an earlier export may be updated
+    precast("export", pipe, "--out", tmp_path / "onnx", check=True)
+
+
+def test_a_pipe_as_checkpoint_does_not_block(tmp_path):
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    proc = subprocess.run([sys.executable, "-m", "precast.runtime.cli", "export", str(fifo), "--out",
+                           str(tmp_path / "o")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "not a file" in proc.stderr and "Traceback" not in proc.stderr

@@ -2,6 +2,7 @@
 the field, and `build` writes nothing. Fields are typed (a string where a list belongs is refused,
 not iterated), `model.set` is checked against the fields precast reads, YAML aliases and duplicate
 keys are refused, numbers must be finite."""
+import os
 import subprocess
 import sys
 
@@ -94,3 +95,29 @@ def test_a_good_recipe_still_plans(tmp_path):
                               "openvino: {device: CPU, threads: 2, num_streams: AUTO}"))
     proc = precast("plan", recipe)
     assert proc.returncode == 0 and "unet.openvino-CPU" in proc.stdout, proc.stderr
+
+
+def test_deeply_nested_recipe_and_a_pipe_as_recipe_are_one_line(tmp_path):
+    recipe = tmp_path / "deep.yaml"
+    recipe.write_text(_recipe(top="loras: " + "[" * 20000 + "]" * 20000 + "\n"))
+    proc = precast("plan", recipe)
+    assert proc.returncode == 2 and proc.stderr.strip() == f"error: {recipe}: nested too deeply to be a recipe"
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    proc = subprocess.run([sys.executable, "-m", "precast.runtime.cli", "plan", str(fifo)], capture_output=True,
+                          text=True, timeout=60)    # before: blocked forever opening the pipe
+    assert proc.returncode == 2 and "not a file" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_build_keeps_a_folder_that_is_not_a_bundle(tmp_path):
+    """Before: any folder holding a file named manifest.json was replaced, its other files deleted."""
+    out = tmp_path / "project"
+    (out / "src").mkdir(parents=True)
+    (out / "manifest.json").write_text('{"name": "web app"}')
+    (out / "src" / "main.js").write_text("important")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(_recipe())
+    proc = precast("build", recipe, "--out", out, env={"PRECAST_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 2 and "is not a precast bundle" in proc.stderr, proc.stderr
+    assert (out / "src" / "main.js").read_text() == "important"
+    assert not (tmp_path / "cache").exists()    # refused before any work

@@ -117,3 +117,20 @@ def test_sizes_the_unet_graph_will_serve_are_not_refused(bundle):
     assert parse_size("8192x64", m) == (8192, 64)
     with pytest.raises(UserError, match="8 to 8192 px"):
         parse_size("8200x64", m)
+
+
+def test_out_that_is_a_device_or_pipe_is_not_replaced(bundle, tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    for out in (fifo, tmp_path / "dangling"):
+        proc = precast("generate", bundle, "--prompt", "x", "--steps", "1", "--size", "64x64", "--out", out)
+        _one_error_line(proc, f"--out {out}", "not a regular file")
+    assert fifo.is_fifo() and (tmp_path / "dangling").is_symlink()
+
+
+@pytest.mark.parametrize("steps", ["0", "1001", "100000000000000000000"])
+def test_steps_out_of_range_are_refused_before_loading(bundle, tmp_path, steps):
+    proc = precast("generate", bundle, "--prompt", "x", "--steps", steps, "--size", "64x64", "--out", tmp_path / "x.png")
+    _one_error_line(proc, f"--steps {steps}", "1 to 1000")
+    assert os.listdir(tmp_path) == []

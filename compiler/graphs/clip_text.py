@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..errors import BadInput
+from ..sources.config_fields import field
 from .onnx_graph import INT32, Graph
 
 # Parameter names per layout: (token table, position table, final norm, layer prefix format).
@@ -68,7 +69,8 @@ def clip_text_config(g: Graph, config_json: dict, overrides: dict, role: str = "
         layers += 1
     if layers == 0:
         raise BadInput(f"{g.ckpt.path}: text encoder under {g.prefix} has no layers")
-    heads = overrides.get("num_heads") or config_json.get("num_attention_heads") or max(1, hidden // 64)
+    where = f"{g.ckpt.path} {g.name}/config.json"
+    heads = overrides.get("num_heads") or field(config_json, "num_attention_heads", "count", max(1, hidden // 64), where)
     if hidden % int(heads):
         raise BadInput(f"text_encoder.num_heads={heads} does not divide the hidden size {hidden}")
     default_act = "quick_gelu" if layout == "hf" and role in ("sd1", "sdxl-l") else "gelu"
@@ -91,8 +93,8 @@ def clip_text_config(g: Graph, config_json: dict, overrides: dict, role: str = "
         layout=layout, vocab=vocab, hidden=hidden, layers=layers, heads=int(heads),
         intermediate=g.shape(f"{L['layer'].format(0)}.{L['fc1']}.weight")[0], max_positions=g.shape(L["pos"])[0],
         activation=overrides.get("activation") or config_json.get("hidden_act") or default_act,
-        eps=float(config_json.get("layer_norm_eps") or 1e-5),
-        eos_token_id=int(overrides.get("eos_token_id", config_json.get("eos_token_id") or 49407)),
+        eps=float(field(config_json, "layer_norm_eps", "positive", 1e-5, where)),
+        eos_token_id=int(overrides.get("eos_token_id", field(config_json, "eos_token_id", "index", None, where) or 49407)),
         hidden_layer=hidden_layer, hidden_norm=norm, hidden_name=name, pooled=pooled)
 
 

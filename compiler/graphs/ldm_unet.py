@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..errors import BadInput
+from ..sources.config_fields import field
 from .onnx_graph import FLOAT, Graph
 
 RES_EPS, ATTN_GN_EPS, LN_EPS = 1e-5, 1e-6, 1e-5
@@ -61,16 +62,16 @@ BLOCK_TYPES = {"down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D"),
 
 def check_diffusers_config(config_json: dict, where: str) -> None:
     """Refuse a UNet config.json that asks for a computation this builder does not write."""
-    for field, allowed in FIXED_FIELDS.items():
-        value = config_json.get(field, allowed[0])
-        values = value if isinstance(value, list) and field == "only_cross_attention" else [value]
+    for name, allowed in FIXED_FIELDS.items():
+        value = config_json.get(name, allowed[0])
+        values = value if isinstance(value, list) and name == "only_cross_attention" else [value]
         if any(v not in allowed for v in values):
-            raise BadInput(f"{where}: {field} = {value!r} is not supported yet (precast builds "
+            raise BadInput(f"{where}: {name} = {value!r} is not supported yet (precast builds "
                            f"{' / '.join(repr(a) for a in allowed)}); convert the model or leave the field out")
-    for field, allowed in BLOCK_TYPES.items():
-        odd = [b for b in config_json.get(field) or () if b not in allowed]
+    for name, allowed in BLOCK_TYPES.items():
+        odd = [b for b in config_json.get(name) or () if b not in allowed]
         if odd:
-            raise BadInput(f"{where}: {field} has {odd[0]!r}, not supported yet (supported: {', '.join(allowed)})")
+            raise BadInput(f"{where}: {name} has {odd[0]!r}, not supported yet (supported: {', '.join(allowed)})")
 
 
 def unet_config(g: Graph, config_json: dict, overrides: dict) -> UNetConfig:
@@ -92,16 +93,18 @@ def unet_config(g: Graph, config_json: dict, overrides: dict) -> UNetConfig:
            if k.startswith(g.prefix) and k.endswith("attn2.to_k.weight")]
     proj = [g.shape(k[len(g.prefix):]) for k in g.ckpt.refs if k.startswith(g.prefix) and k.endswith("proj_in.weight")]
     n_levels = level + 1
+    where = f"{g.ckpt.path} unet/config.json"
     if not ctx:
         raise BadInput(f"{g.ckpt.path}: the UNet has no cross-attention (no attn2.to_k weights), so it takes no "
                        "text conditioning; unconditional UNets are not supported")
     if config_json:
-        check_diffusers_config(config_json, f"{g.ckpt.path} unet/config.json")
+        check_diffusers_config(config_json, where)
     # heads: --set num_heads, else --set head_dim, else the folder's config (diffusers'
     # attention_head_dim holds the number of heads), else the family's convention
     heads, head_dim = overrides.get("num_heads"), overrides.get("head_dim")
     if heads is None and head_dim is None and config_json:
-        heads = config_json.get("num_attention_heads") or config_json.get("attention_head_dim")
+        heads = field(config_json, "num_attention_heads", "counts", None, where) or \
+            field(config_json, "attention_head_dim", "counts", None, where)
     if heads is None and head_dim is None:
         head_dim = overrides.get("head_dim_default")
     if heads is None and head_dim:
@@ -113,20 +116,20 @@ def unet_config(g: Graph, config_json: dict, overrides: dict) -> UNetConfig:
         raise BadInput(f"unet.num_heads lists {len(heads)} values but the UNet has {n_levels} levels")
     adm = g.shape("label_emb.0.0.weight")[1] if g.has("label_emb.0.0.weight") else 0
     n_ids = int(overrides.get("time_ids", 6 if adm else 0))
-    id_dim = int(overrides.get("addition_time_embed_dim") or config_json.get("addition_time_embed_dim") or 256)
+    id_dim = int(overrides.get("addition_time_embed_dim") or field(config_json, "addition_time_embed_dim", "count", 256, where))
     if adm and adm <= n_ids * id_dim:
         raise BadInput(f"{g.ckpt.path}: label_emb takes {adm} inputs, not more than {n_ids} time ids x {id_dim}; "
                        "set unet.time_ids / unet.addition_time_embed_dim")
     return UNetConfig(in_channels=in_ch, out_channels=g.shape("out.2.weight")[0], model_channels=mc,
                       context_dim=ctx[0] if ctx else 0, channels=channels, levels=levels, num_heads=heads,
-                      groups=int(overrides.get("groups") or config_json.get("norm_num_groups") or 32),
+                      groups=int(overrides.get("groups") or field(config_json, "norm_num_groups", "count", 32, where)),
                       use_linear_projection=bool(proj) and len(proj[0]) == 2,
                       n_output_blocks=g.count("output_blocks.{}"), adm_in_channels=adm, time_ids=n_ids,
-                      time_id_dim=id_dim, flip_sin_to_cos=bool(config_json.get("flip_sin_to_cos", True)),
-                      freq_shift=float(config_json.get("freq_shift", 0)),
-                      norm_eps=float(config_json.get("norm_eps", RES_EPS)),
-                      downsample_padding=int(config_json.get("downsample_padding", 1)),
-                      center_input_sample=bool(config_json.get("center_input_sample", False)))
+                      time_id_dim=id_dim, flip_sin_to_cos=field(config_json, "flip_sin_to_cos", "bool", True, where),
+                      freq_shift=float(field(config_json, "freq_shift", "finite", 0, where)),
+                      norm_eps=float(field(config_json, "norm_eps", "positive", RES_EPS, where)),
+                      downsample_padding=int(field(config_json, "downsample_padding", "index", 1, where, (0, 1))),
+                      center_input_sample=field(config_json, "center_input_sample", "bool", False, where))
 
 
 def timestep_embedding(g: Graph, t: str, dim: int, cos_first: bool = True, shift: float = 0.0) -> str:

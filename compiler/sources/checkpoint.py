@@ -88,6 +88,8 @@ class Checkpoint:
 
 
 def _looks_like_pickle(path: Path) -> bool:
+    if not path.is_file():      # a pipe or device: opening it could block or read forever
+        return False
     try:
         with open(path, "rb") as f:
             head = f.read(4)

@@ -161,7 +161,7 @@ class SafetensorsFile:
         self.path = str(path)
         self._fd = -1
         try:
-            self._fd = os.open(self.path, os.O_RDONLY)
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)   # a FIFO must not block the open
         except OSError as e:
             raise BadInput(f"{self.path}: cannot open ({e.strerror})") from None
         st = os.fstat(self._fd)
