@@ -69,8 +69,12 @@ def plan_graphs(ckpt: Checkpoint, names: list[str], dtype: str, overrides: dict,
             raise BadInput(f"{ckpt.path}: has no {name} weights (no tensors under {' or '.join(comp.prefixes)}); "
                            f"export the components it has with --component")
         g = Graph(name, ckpt, prefix, component_dtype(family, name, dtype, vae_dtype))
-        cfg = comp.make_config(g, ckpt.configs.get(comp.config_name, {}), overrides_for(family.name, comp, overrides))
-        comp.build(g, cfg)
+        try:
+            cfg = comp.make_config(g, ckpt.configs.get(comp.config_name, {}), overrides_for(family.name, comp, overrides))
+            comp.build(g, cfg)
+        except (ValueError, IndexError, TypeError, ZeroDivisionError, OverflowError) as e:
+            raise BadInput(f"{ckpt.path}: the {name} tensors' shapes do not fit a {family.name} {name} ({e}); "
+                           "the checkpoint may be damaged or of another architecture") from None
         g.check_coverage(list(comp.scopes or (prefix,)), ignore=lambda k: k.endswith(IGNORED_SUFFIXES))
         planned.append((comp, g, cfg.describe()))
     return planned

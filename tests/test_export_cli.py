@@ -294,3 +294,24 @@ def test_a_pipe_as_checkpoint_does_not_block(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "precast.runtime.cli", "export", str(fifo), "--out",
                            str(tmp_path / "o")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "not a file" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_damaged_weights_are_named_not_exported(demo_ckpt, tmp_path):
+    """NaN/inf weights, weights past fp16's range in an fp16 export, integer weights: before, exit 0."""
+    key = "model.diffusion_model.input_blocks.1.0.in_layers.2.weight"
+    arr = SafetensorsFile(demo_ckpt).read(key).astype(np.float32)
+    nan, big = arr.copy(), arr.copy()
+    nan.flat[7] = np.nan
+    big.flat[3] = 1e6
+    cases = {"nan": (("F32", arr.shape, nan), [], "holds NaN or infinite values"),
+             "big": (("F32", arr.shape, big), ["--dtype", "fp16"], "beyond the range of float16; export with --dtype fp32"),
+             "int": (("I16", arr.shape, arr.astype(np.int16)), [], "is stored as I16"),
+             "flat": (("F32", (arr.size,), arr.ravel()), [], "shapes do not fit a sd1 unet")}
+    for name, (tensor, args, words) in cases.items():
+        path = _retyped(demo_ckpt, tmp_path, f"{name}.safetensors", drop=[key], add={key: tensor})
+        proc = precast("export", path, "--out", tmp_path / name, "--component", "unet", *args)
+        assert proc.returncode == 2 and words in proc.stderr, (name, proc.stderr)
+        assert key in proc.stderr or name == "flat", (name, proc.stderr)
+        assert "Traceback" not in proc.stderr and not (tmp_path / name).exists(), name
+    path = _retyped(demo_ckpt, tmp_path, "big-fp32.safetensors", drop=[key], add={key: cases["big"][0]})
+    precast("export", path, "--out", tmp_path / "fp32", "--component", "unet", check=True)   # fp32 holds 1e6
