@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..runtime.manifest import MAX_PROFILE_SIDE
 from .errors import BadInput
 
 Range = tuple[int, int, int]  # min, opt, max
 # Rows of the text encoder's `token_embeddings_extra` input: textual-inversion vectors plus the
 # one zero row the runtime always appends (so the minimum is 1, never an empty tensor).
 EXTRA_TOKENS: Range = (1, 1, 256)
+MAX_SIDE = MAX_PROFILE_SIDE   # px per side; the runtime's manifest check refuses larger profiles too
+MAX_BATCH = 64
 
 
 def parse_range(text: str | int, what: str) -> Range:
@@ -47,6 +50,10 @@ class ShapeProfile:
         return asdict(self)
 
     def check(self) -> None:
+        for name, r, limit in (("batch", self.batch, MAX_BATCH), ("height", self.height, MAX_SIDE),
+                               ("width", self.width, MAX_SIDE)):
+            if r[2] > limit:
+                raise BadInput(f"profile {name} {r}: at most {limit}")
         for name, r in (("height", self.height), ("width", self.width)):
             if any(v % self.latent_factor for v in r):
                 raise BadInput(f"profile {name} {r}: must be multiples of {self.latent_factor}")

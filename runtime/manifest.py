@@ -10,8 +10,9 @@ Standard library only: the runtime is thin.
 from __future__ import annotations
 
 import hashlib
-import mmap
 import json
+import math
+import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from .errors import UserError
 from .fingerprint import Fingerprint
 
 SCHEMA = 1
+PREDICTIONS = ("epsilon", "v_prediction")
+MAX_PROFILE_SIDE = 16384      # px: a profile past this is a damaged manifest, not a model
 MANIFEST = "manifest.json"
 _HEX = frozenset("0123456789abcdef")
 
@@ -143,7 +146,7 @@ def read_manifest(bundle: str | Path) -> Manifest:
 
 def check_manifest(data, where: str) -> dict:
     """`data` when it has the structure the runtime reads; else ManifestError naming the field."""
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+    if not isinstance(data, dict) or type(data.get("schema")) is not int or data.get("schema") != SCHEMA:
         raise ManifestError(f"{where}: schema {data.get('schema') if isinstance(data, dict) else '?'} "
                             f"is not {SCHEMA}; this precast reads schema {SCHEMA}")
     for key in ("model", "components", "artifacts", "files"):
@@ -157,11 +160,18 @@ def check_manifest(data, where: str) -> dict:
     model = check.of(data, "model", dict)
     for key in ("family", "variant", "source", "source_sha256"):
         check.of(model, key, str, "model")
-    check.of(model, "prediction", (str, type(None)), "model", optional=True)
-    check.of(model, "latent_scale", (int, float, type(None)), "model", optional=True)
+    if check.of(model, "prediction", (str, type(None)), "model", optional=True) not in (None, *PREDICTIONS):
+        check.fail("model.prediction", f"is {_shown(model['prediction'])}, expected one of {', '.join(PREDICTIONS)}")
+    scale = check.of(model, "latent_scale", (int, float, type(None)), "model", optional=True)
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        check.fail("model.latent_scale", f"is {_shown(scale)}, expected a finite number above 0")
+    names = set()
     for i, emb in enumerate(check.of(model, "embeddings", (list, type(None)), "model", optional=True) or []):
         field = f"model.embeddings[{i}]"
-        check.of(emb, "name", str, field)
+        name = check.of(emb, "name", str, field)
+        if not name or any(c.isspace() for c in name) or name in names:
+            check.fail(f"{field}.name", f"is {_shown(name)}: a trigger word must be one word, used once")
+        names.add(name)
         check.listed(check.of(emb, "file", str, field), files, f"{field}.file")
     components = check.of(data, "components", dict)
     if not components:
@@ -217,7 +227,9 @@ def _check_component(check: "_Checker", comp, field: str, files: dict) -> None:
             check.of(item, "shape", list, f"{field}.{io}[{i}]", optional=True)
     config = check.of(comp, "config", dict, field, optional=True) or {}
     for key in ("vocab", "hidden", "decoder_levels"):
-        check.of(config, key, int, f"{field}.config", optional=True)
+        value = check.of(config, key, int, f"{field}.config", optional=True)
+        if value is not None and value < 1 and key != "decoder_levels":     # decoder_levels: 1 to 8, below
+            check.fail(f"{field}.config.{key}", f"is {value}, expected 1 or more")
     levels = config.get("decoder_levels")
     if levels is not None and not 1 <= levels <= 8:      # the latent factor is 2 ** (levels - 1)
         check.fail(f"{field}.config.decoder_levels", f"is {levels}, expected 1 to 8")
@@ -226,7 +238,8 @@ def _check_component(check: "_Checker", comp, field: str, files: dict) -> None:
         check.fail(f"{field}.profiles", "is empty")
     for i, prof in enumerate(profiles):
         for dim in ("width", "height"):
-            check.triple(check.of(prof, dim, list, f"{field}.profiles[{i}]"), f"{field}.profiles[{i}].{dim}", int)
+            check.triple(check.of(prof, dim, list, f"{field}.profiles[{i}]"), f"{field}.profiles[{i}].{dim}", int,
+                         MAX_PROFILE_SIDE)
 
 
 def _check_artifact(check: "_Checker", art, field: str, files: dict) -> None:
@@ -283,10 +296,12 @@ class _Checker:
                       f"is {_shown(value)}, expected {names}")
         return value
 
-    def triple(self, value, field: str, kind) -> None:
+    def triple(self, value, field: str, kind, limit: int | None = None) -> None:
         if not isinstance(value, list) or len(value) != 3 or not all(
                 isinstance(v, kind) and not isinstance(v, bool) for v in value):
             self.fail(field, f"is {_shown(value)}, expected [min, opt, max]")
+        if limit is not None and not 1 <= value[0] <= value[1] <= value[2] <= limit:
+            self.fail(field, f"is {_shown(value)}, expected 1 <= min <= opt <= max <= {limit}")
 
     def path(self, rel, field: str) -> None:
         why = path_problem(rel)

@@ -121,3 +121,12 @@ def test_build_keeps_a_folder_that_is_not_a_bundle(tmp_path):
     assert proc.returncode == 2 and "is not a precast bundle" in proc.stderr, proc.stderr
     assert (out / "src" / "main.js").read_text() == "important"
     assert not (tmp_path / "cache").exists()    # refused before any work
+
+
+@pytest.mark.parametrize("profiles, words", [("{height: 8000000, width: 64}", "at most 16384"),
+                                             ("{batch: 1000000000, height: 64, width: 64}", "at most 64")])
+def test_profiles_past_the_limits_are_refused(tmp_path, profiles, words):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(HEAD + f"profiles: {profiles}\ntargets:\n  - onnxruntime\n")
+    proc = precast("plan", recipe)
+    assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
