@@ -23,8 +23,8 @@ BUILD_COMMANDS = ("bundle", "build", "cache", "compile", "demo-model", "export",
 
 
 def run_cli(fn):
-    """Run a command body: user mistakes -> one line + exit 2; bugs -> trace + exit 1; a closed
-    stdout -> exit 141, silently."""
+    """Run a command body: user mistakes and paths the OS refuses -> one line + exit 2; bugs ->
+    trace + exit 1; a closed stdout -> exit 141, silently."""
     try:
         return fn()
     except UserError as e:
@@ -36,6 +36,10 @@ def run_cli(fn):
     except BrokenPipeError:  # the reader went away (`precast cache ls | head -1`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         sys.exit(141)  # 128 + SIGPIPE, as other tools in a pipe report it
+    except OSError as e:     # the file system refused a path the user chose (permissions, space, name, /proc)
+        where = f"{e.filename}: " if e.filename else ""
+        click.echo(f"error: {where}{e.strerror or e}; check the path, its permissions and the free space", err=True)
+        sys.exit(2)
     except Exception:
         traceback.print_exc()
         click.echo("error: internal failure (a bug in precast); please report it with the trace above", err=True)

@@ -315,3 +315,10 @@ def test_damaged_weights_are_named_not_exported(demo_ckpt, tmp_path):
         assert "Traceback" not in proc.stderr and not (tmp_path / name).exists(), name
     path = _retyped(demo_ckpt, tmp_path, "big-fp32.safetensors", drop=[key], add={key: cases["big"][0]})
     precast("export", path, "--out", tmp_path / "fp32", "--component", "unet", check=True)   # fp32 holds 1e6
+
+
+def test_an_out_path_the_os_refuses_is_one_line(demo_ckpt, tmp_path):
+    for out in (tmp_path / ("a" * 300), "/proc/precast-out"):
+        proc = precast("export", demo_ckpt, "--out", out, "--component", "unet")
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+        assert "check the path" in proc.stderr
