@@ -23,6 +23,7 @@ LoRAs apply in the order given; each DoRA step sees the weight as the earlier Lo
 """
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Callable
@@ -31,7 +32,7 @@ import numpy as np
 
 from .errors import BadInput
 from .sources.checkpoint import UNET, VAE
-from .sources.lora import LoraFile, LoraModule, NameTable, Target, build_name_table, flat, read_lora
+from .sources.lora import FLOAT32_MAX, LoraFile, LoraModule, NameTable, Target, build_name_table, flat, read_lora
 
 MAX_LISTED = 20
 
@@ -47,6 +48,10 @@ class LoraSpec:
             if value is not None and not np.isfinite(value):
                 flag = "--lora-te-strength" if what == "te_strength" else f"--lora {self.path}"
                 raise BadInput(f"{flag}: {what} {value} is not a finite number; give one such as 0.8")
+            if value is not None and abs(value) > FLOAT32_MAX:
+                flag = "--lora-te-strength" if what == "te_strength" else f"--lora {self.path}"
+                raise BadInput(f"{flag}: {what} {value} is beyond float32's range (|x| <= 3.4e38) and would "
+                               "overflow every merged weight; give one such as 0.8")
 
     @property
     def text_strength(self) -> float:
@@ -66,7 +71,7 @@ def is_text_weight(key: str) -> bool:
 
 
 def _numel(shape) -> int:
-    return int(np.prod(shape, dtype=np.int64))
+    return math.prod(shape)  # Python ints: a header may claim [10**30, 0]
 
 
 def delta_shape(lf: LoraFile, m: LoraModule) -> tuple[int, ...]:
@@ -208,19 +213,36 @@ class MergePlan:
             strength = self.strength(p)
             if strength == 0.0:
                 continue
-            lf = self.loras[p.lora][1]
-            if p.bias:
-                out += np.float32(strength) * lf.read(p.module, "diff_b").reshape(out.shape)
-                continue
-            view = out[p.target.rows[0]:p.target.rows[1]] if p.target.rows else out
-            delta, scale = module_delta(lf, p.module)
-            delta = (delta * np.float32(scale)).reshape(view.shape)
-            mag_role = next((r for r in ("dora_scale", "magnitude") if r in p.module.tensors), None)
-            if mag_role is not None:
-                view[...] = dora(view, delta, lf.read(p.module, mag_role), strength)
-            else:
-                view += np.float32(strength) * delta
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # checked just below
+                self._apply_one(p, out, strength)
+            self._check_finite(p, key, out, arr)
         return out
+
+    def _apply_one(self, p: Patch, out: np.ndarray, strength: float) -> None:
+        lf = self.loras[p.lora][1]
+        if p.bias:
+            out += np.float32(strength) * lf.read(p.module, "diff_b").reshape(out.shape)
+            return
+        view = out[p.target.rows[0]:p.target.rows[1]] if p.target.rows else out
+        delta, scale = module_delta(lf, p.module)
+        delta = (delta * np.float32(scale)).reshape(view.shape)
+        mag_role = next((r for r in ("dora_scale", "magnitude") if r in p.module.tensors), None)
+        if mag_role is not None:
+            view[...] = dora(view, delta, lf.read(p.module, mag_role), strength)
+        else:
+            view += np.float32(strength) * delta
+
+    def _check_finite(self, p: Patch, key: str, out: np.ndarray, base: np.ndarray) -> None:
+        """After one patch: a value that is NaN or infinite where the base weight was finite came
+        from this LoRA (values too large for float32) -- an error naming the file and the weight."""
+        if np.isfinite(out).all():
+            return
+        if not (~np.isfinite(out) & np.isfinite(np.asarray(base, dtype=np.float32))).any():
+            return  # the base weight itself holds them; the writer reports the checkpoint
+        spec, lf = self.loras[p.lora]
+        raise BadInput(f"--lora {lf.path}: merging {p.module.name} into {key} (strength {self.strength(p)}) "
+                       "gives values beyond float32's range (infinity or NaN); the LoRA's tensors or alpha are "
+                       "far too large -- lower the strength or re-save the LoRA")
 
     def transform(self, weight, arr: np.ndarray) -> np.ndarray:
         """`save_model`'s transform hook (weight.key is the canonical key)."""

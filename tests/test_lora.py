@@ -452,6 +452,18 @@ BAD_LORAS = {
     "peft_pattern_badre": (*_peft({"alpha_pattern": {"(": 3}}), "alpha_pattern"),
     "peft_pattern_list": (*_peft({"alpha_pattern": [1, 2]}), "alpha_pattern"),
     "peft_pattern_value": (*_peft({"alpha_pattern": {"to_q": "x"}}), "alpha_pattern"),
+    "peft_pattern_regex": (*_peft({"alpha_pattern": {"to_q+": 3}}), "alpha_pattern"),
+    "peft_alpha_huge": (*_peft({"lora_alpha": 1e308}), "lora_alpha"),
+    "peft_alpha_bigint": (*_peft({"lora_alpha": 10 ** 400}), "lora_alpha"),
+    "peft_meta_deep": (_peft({})[0], {"lora_adapter_metadata": "[" * 100000 + "]" * 100000}, "lora_adapter_metadata"),
+    "int_factors": ({Q + ".lora_down.weight": np.ones((4, 32), np.int32),
+                     Q + ".lora_up.weight": np.ones((32, 4), np.int32)}, None, Q + ".lora_down.weight"),
+    "alpha_bool": (_kohya(**{Q + ".alpha": np.array(True)}), None, Q + ".alpha"),
+    "alpha_overflow": (_kohya(**{Q + ".alpha": np.array(3e38, np.float32)}), None,
+                       UNET + "input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight"),
+    "factors_overflow": (_kohya(**{Q + ".lora_down.weight": np.full((4, 32), 1e30, np.float32),
+                                   Q + ".lora_up.weight": np.full((32, 4), 1e30, np.float32)}), None,
+                         UNET + "input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight"),
 }
 
 
@@ -481,3 +493,77 @@ def test_non_finite_strength_is_refused(demo_ckpt, tmp_path, args):
     flag = "--lora-te-strength" if "--lora-te-strength" in args else f"--lora {good}"
     assert len(lines) == 1 and flag in lines[0] and "finite" in lines[0], proc.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("args", [("{lora}:1e39",), ("{lora}:-1e39",), ("{lora}", "--lora-te-strength", "1e39")])
+def test_strength_beyond_float32_is_refused(demo_ckpt, tmp_path, args):
+    """1e39 is a finite Python float but infinity in float32: refused up front, by flag."""
+    good = tmp_path / "good.safetensors"
+    save_file(_kohya(), str(good))
+    out = tmp_path / "out"
+    proc = precast("export", demo_ckpt, "--out", out, "--component", "unet",
+                   "--lora", *(a.format(lora=good) for a in args))
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    flag = "--lora-te-strength" if "--lora-te-strength" in args else f"--lora {good}"
+    assert len(lines) == 1 and flag in lines[0] and "float32" in lines[0], proc.stderr
+    assert not out.exists()
+
+
+def test_alpha_with_a_huge_empty_shape_is_one_error_line(demo_ckpt, tmp_path):
+    """A header may claim shape [10**30, 0] (zero bytes, so it parses): counted in Python ints."""
+    import struct
+    down, up = _kohya()[Q + ".lora_down.weight"], _kohya()[Q + ".lora_up.weight"]
+    header = {Q + ".lora_down.weight": {"dtype": "F32", "shape": [4, 32], "data_offsets": [0, 512]},
+              Q + ".lora_up.weight": {"dtype": "F32", "shape": [32, 4], "data_offsets": [512, 1024]},
+              Q + ".alpha": {"dtype": "F32", "shape": [10 ** 30, 0], "data_offsets": [1024, 1024]}}
+    blob = json.dumps(header).encode()
+    bad = tmp_path / "alpha_huge_shape.safetensors"
+    bad.write_bytes(struct.pack("<Q", len(blob)) + blob + down.tobytes() + up.tobytes())
+    out = tmp_path / "out"
+    proc = precast("export", demo_ckpt, "--out", out, "--component", "unet", "--lora", bad)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(bad) in lines[0] and Q + ".alpha" in lines[0], proc.stderr
+    assert not out.exists()
+
+
+def test_alpha_pattern_cannot_hang_the_export(demo_ckpt, tmp_path):
+    """A catastrophic-backtracking regex as an alpha_pattern key is refused by name, at once."""
+    import subprocess
+    import sys
+    bad = tmp_path / "redos.safetensors"
+    tensors, meta = _peft({"alpha_pattern": {"(.*.*)*Z": 3}})
+    save_file(tensors, str(bad), metadata=meta)
+    out = tmp_path / "out"
+    try:
+        proc = subprocess.run([sys.executable, "-m", "precast.runtime.cli", "export", str(demo_ckpt), "--out",
+                               str(out), "--component", "unet", "--lora", str(bad)],
+                              capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("an alpha_pattern regex hung the export")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(bad) in lines[0] and "(.*.*)*Z" in lines[0], proc.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("meta, scale", [
+    ({"lora_alpha": 4}, 1.0),
+    ({"lora_alpha": 4, "alpha_pattern": {"attn1.to_q": 8}}, 2.0),                       # dotted suffix
+    ({"lora_alpha": 4, "alpha_pattern": {"to_q": 8, "attn1.to_q": 12}}, 2.0),           # first match wins
+    ({"lora_alpha": 4, "alpha_pattern": {"o_q": 8}}, 1.0),                              # suffixes start at a dot
+    ({"lora_alpha": 4, "alpha_pattern": {"^down_blocks.0.*.to_q$": 12}}, 3.0),          # anchored, wildcard
+    ({"lora_alpha": 4, "alpha_pattern": {"^attn1.to_q": 12}}, 1.0),                     # anchored: whole path
+    ({"unet.lora_alpha": 4, "unet.alpha_pattern": {"transformer_blocks.0.attn1.to_q": 2}}, 0.5),
+])
+def test_alpha_pattern_follows_peft_module_matching(tmp_path, meta, scale):
+    """PEFT's rule (re.match(rf"(.*\\.)?({key})$", module), first key wins) without a regex."""
+    from precast.compiler.lora_merge import LoraSpec, plan_merge
+    key = UNET + "input_blocks.1.1.transformer_blocks.0.attn1.to_q.weight"
+    tensors, md = _peft(meta)
+    save_file(tensors, str(tmp_path / "l.safetensors"), metadata=md)
+    plan = plan_merge({key: (32, 32)}, [LoraSpec(str(tmp_path / "l.safetensors"))])
+    base = np.zeros((32, 32), np.float32)
+    want = scale * tensors[P + ".lora_B.weight"] @ tensors[P + ".lora_A.weight"]
+    np.testing.assert_allclose(plan.apply(key, base), want, rtol=1e-5, atol=1e-5)

@@ -13,8 +13,11 @@ Reads headers only; tensor bytes are read by the merge (compiler/lora_merge.py).
 """
 from __future__ import annotations
 
+import functools
 import json
+import math
 import re
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +47,9 @@ SUFFIXES = {
 }
 _SUFFIX_ORDER = sorted(SUFFIXES, key=len, reverse=True)
 IGNORED_KEYS = ("text_encoder.text_model.embeddings.position_ids",)
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+ALPHA_DTYPES = FLOAT_DTYPES + ("I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8")  # an integer alpha is exact
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 # Text encoders: canonical prefix -> (layout, kohya prefixes, diffusers/PEFT prefixes).
 TEXT_ENCODERS = {
@@ -279,7 +285,7 @@ class LoraFile:
     def alpha(self, module: LoraModule, rank: int) -> float | None:
         """alpha from the `.alpha` tensor, else diffusers' metadata (lora_alpha / alpha_pattern), else None."""
         if "alpha" in module.tensors:
-            n = int(np.prod(self.shape(module, "alpha"), dtype=np.int64))
+            n = math.prod(self.shape(module, "alpha"))
             if n != 1:
                 raise BadInput(f"--lora {self.path}: tensor {module.tensors['alpha']} holds {n} values "
                                f"(shape {list(self.shape(module, 'alpha'))}); alpha is one number")
@@ -291,10 +297,8 @@ class LoraFile:
             if component else {}
         cfg = cfg or self.peft_config
         inner = module.name[len(component) + 1:] if component else module.name
-        alpha = None
-        for pattern, value in (cfg.get("alpha_pattern") or {}).items():
-            if re.fullmatch(rf"(.*\.)?{pattern}", inner):
-                alpha = value
+        patterns = cfg.get("alpha_pattern") or {}
+        alpha = next((v for pat, v in patterns.items() if pattern_matches(pat, inner)), None)  # PEFT: first match
         if alpha is None:
             alpha = cfg.get("lora_alpha")
         if alpha is None:
@@ -304,31 +308,93 @@ class LoraFile:
         return float(alpha)
 
 
+# ---- alpha_pattern keys: module-name paths, matched without a backtracking regex ------------------
+
+def parse_pattern(pattern: str) -> tuple[bool, tuple[str, ...]] | None:
+    """An alpha_pattern key as PEFT writes them -- a module path or its dotted suffix
+    (`to_q`, `down_blocks.0.attentions.0.proj_in`), optionally `^`-anchored, `$`-ended, with `.*`
+    wildcards -- as (anchored, literal pieces between wildcards); None for anything else (other
+    regex syntax). PEFT matches re.match(rf"(.*\\.)?({key})$", module); see pattern_matches."""
+    anchored = pattern.startswith("^")
+    body = pattern[anchored:]
+    body = body[:-1] if body.endswith("$") else body
+    if body.count("*") != body.count(".*"):            # a bare `*` repeats one character: regex, not a path
+        return None
+    body = body.replace(".*", "*")
+    if not body or not all(c.isascii() and (c.isalnum() or c in "_.*") for c in body):
+        return None
+    return anchored, tuple(body.split("*"))
+
+
+def _glob_full(pieces: tuple[str, ...], text: str) -> bool:
+    """text == pieces[0] + ANY + pieces[1] + ... + ANY + pieces[-1]; leftmost search, no backtracking."""
+    if len(pieces) == 1:
+        return text == pieces[0]
+    first, last = pieces[0], pieces[-1]
+    if len(text) < len(first) + len(last) or not text.startswith(first) or not text.endswith(last):
+        return False
+    pos, end = len(first), len(text) - len(last)
+    for piece in pieces[1:-1]:
+        i = text.find(piece, pos, end)
+        if i < 0:
+            return False
+        pos = i + len(piece)
+    return True
+
+
+@functools.lru_cache(maxsize=65536)
+def pattern_matches(pattern: str, module: str) -> bool:
+    """PEFT's rule: the pattern matches the whole module path or a suffix that starts after a `.`
+    (only the whole path when `^`-anchored). `.` is taken literally (module names have no other)."""
+    parsed = parse_pattern(pattern)
+    if parsed is None:
+        return False
+    anchored, pieces = parsed
+    starts = [0] if anchored else [0] + [i + 1 for i, c in enumerate(module) if c == "."]
+    return any(_glob_full(pieces, module[i:]) for i in starts)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 80
+
+
+def _short(value) -> str:
+    """repr of a metadata value, cut short (long strings, deep nesting)."""
+    return _REPR.repr(value)
+
+
 def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and bool(np.isfinite(v))
+    """A JSON number that fits float32 (|v| <= 3.4e38; NaN, infinity, bool, 1e400 refused)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return abs(float(v)) <= FLOAT32_MAX
+    except OverflowError:
+        return False
 
 
 def _check_peft_config(p: Path, cfg: dict) -> None:
     """The fields of diffusers' lora_adapter_metadata that alpha() reads: lora_alpha (a finite
-    number), alpha_pattern ({regex: finite number}), use_rslora (true/false); each may be
-    prefixed by its component (`unet.lora_alpha`)."""
+    number), alpha_pattern ({module path: finite number}, see parse_pattern), use_rslora
+    (true/false); each may be prefixed by its component (`unet.lora_alpha`)."""
     where = f"--lora {p}: metadata lora_adapter_metadata"
     for key, value in cfg.items():
         name = str(key).rsplit(".", 1)[-1]
         if name == "lora_alpha" and value is not None and not _is_number(value):
-            raise BadInput(f"{where}: {key} = {value!r}; expected a finite number")
+            raise BadInput(f"{where}: {key} = {_short(value)}; expected a finite number (|x| <= 3.4e38)")
         if name == "use_rslora" and not isinstance(value, bool):
-            raise BadInput(f"{where}: {key} = {value!r}; expected true or false")
+            raise BadInput(f"{where}: {key} = {_short(value)}; expected true or false")
         if name == "alpha_pattern" and value is not None:
             if not isinstance(value, dict):
-                raise BadInput(f"{where}: {key} = {value!r}; expected {{module regex: alpha}}")
+                raise BadInput(f"{where}: {key} = {_short(value)}; expected {{module path: alpha}}")
             for pattern, alpha in value.items():
-                try:
-                    re.compile(pattern)
-                except re.error as e:
-                    raise BadInput(f"{where}: {key} pattern {pattern!r} is not a valid regex ({e})") from None
+                if parse_pattern(pattern) is None:
+                    raise BadInput(f"{where}: {key} pattern {_short(pattern)} is not a module path; use the "
+                                   "module's dotted name or suffix (letters, digits, _ and ., `.*` as a "
+                                   "wildcard, optional leading ^), such as down_blocks.0.attentions.0.proj_in")
                 if not _is_number(alpha):
-                    raise BadInput(f"{where}: {key}[{pattern!r}] = {alpha!r}; expected a finite number")
+                    raise BadInput(f"{where}: {key}[{_short(pattern)}] = {_short(alpha)}; "
+                                   "expected a finite number (|x| <= 3.4e38)")
 
 
 def split_key(key: str) -> tuple[str, str] | None:
@@ -336,6 +402,33 @@ def split_key(key: str) -> tuple[str, str] | None:
         if key.endswith(suffix):
             return key[:-len(suffix)], SUFFIXES[suffix]
     return None
+
+
+def _check_dtype(p: Path, f: SafetensorsFile, key: str, role: str) -> None:
+    """LoRA factors are floats (an integer alpha is exact and allowed); BOOL or integer factors mean
+    a damaged or mislabelled file."""
+    dtype = f.tensors[key].dtype
+    if dtype not in (ALPHA_DTYPES if role == "alpha" else FLOAT_DTYPES):
+        want = "a float or an integer" if role == "alpha" else f"a float ({', '.join(FLOAT_DTYPES)})"
+        raise BadInput(f"--lora {p}: tensor {key} has dtype {dtype}; a LoRA's {role} tensor must be {want}; "
+                       "the LoRA file is damaged (re-download or re-save it)")
+
+
+def _peft_config(p: Path, raw: str | None) -> dict:
+    """diffusers' lora_adapter_metadata JSON, checked (BadInput when not a JSON object of known fields)."""
+    if not raw:
+        return {}
+    try:
+        cfg = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise BadInput(f"--lora {p}: metadata lora_adapter_metadata is not JSON ({e})") from None
+    except RecursionError:
+        raise BadInput(f"--lora {p}: metadata lora_adapter_metadata is nested too deeply to be a LoRA config; "
+                       "the LoRA file is damaged (re-save it)") from None
+    if not isinstance(cfg, dict):
+        raise BadInput(f"--lora {p}: metadata lora_adapter_metadata is not a JSON object")
+    _check_peft_config(p, cfg)
+    return cfg
 
 
 def read_lora(path: str | Path, sha256: str | None = None) -> LoraFile:
@@ -358,17 +451,9 @@ def read_lora(path: str | Path, sha256: str | None = None) -> LoraFile:
         if role in m.tensors:
             raise BadInput(f"--lora {p}: module {module} has two {role} tensors "
                            f"({m.tensors[role]}, {key}); the file mixes two formats")
+        _check_dtype(p, f, key, role)
         m.tensors[role] = key
-    peft_config = {}
-    raw = f.metadata.get("lora_adapter_metadata")
-    if raw:
-        try:
-            peft_config = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise BadInput(f"--lora {p}: metadata lora_adapter_metadata is not JSON ({e})") from None
-        if not isinstance(peft_config, dict):
-            raise BadInput(f"--lora {p}: metadata lora_adapter_metadata is not a JSON object")
-        _check_peft_config(p, peft_config)
+    peft_config = _peft_config(p, f.metadata.get("lora_adapter_metadata"))
     if not modules and not stray:
         raise BadInput(f"--lora {p}: holds no tensors")
     if sha256 is None:
