@@ -1,29 +1,33 @@
 """Packing a bundle into one file and unpacking it safely.
 
 Owns: deterministic tar archives (sorted names, zero mtimes and owners; gzip, or zstd when the
-`zstandard` package is installed) and unpacking that checks every member before writing anything:
-a first pass reads the headers and the manifest (absolute paths, `..`, links, devices, duplicates,
-members the manifest does not list or lists with another size are refused); the second pass
-writes each file, never more bytes than its record says, checking its sha256 as it goes, into a
-staging folder renamed into place at the end. Also `check_out`, the --out checks the bundle
-commands share.
+`zstandard` package is installed; --out must end in one of SUFFIXES and lie outside the bundle) and
+unpacking that checks every member before writing anything: a first pass reads the headers and the
+manifest (absolute paths, `..`, links, devices, sparse files, duplicates, members the manifest does
+not list or lists with another size are refused, each as soon as both its header and the manifest
+have been read, before its data is); the second pass writes each file, never more bytes than its
+record says, checking its sha256 as it goes, into a staging folder renamed into place at the end.
+Archives are read through tar_reader.py (bounded headers, member types). Also `check_out`, the
+--out checks the bundle commands share.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
 import shutil
 import tarfile
-import zlib
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
-from ..runtime.manifest import MANIFEST, PIECE, check_manifest, path_problem, read_manifest, verify_bundle
+from ..runtime.manifest import MANIFEST, PIECE, check_manifest, read_manifest, verify_bundle
 from .errors import BadInput
+from .tar_reader import Refused, archive_errors, check_member, open_archive, zstd_module
 
-ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 MANIFEST_LIMIT = 64 << 20      # a manifest member larger than this is not read into memory
+SUFFIXES = {".tar": "", ".tar.gz": "gz", ".tgz": "gz", ".tar.zst": "zst", ".tzst": "zst"}
+MEMBERS_BEFORE_MANIFEST = 10_000   # `bundle pack` puts only folders before the manifest
 
 
 def check_out(out: Path, kind: str = "folder") -> None:
@@ -40,25 +44,36 @@ def check_out(out: Path, kind: str = "folder") -> None:
         raise BadInput(f"--out {out}: is a folder; name the archive file, e.g. {out / 'bundle.tar.gz'}")
 
 
-def _zstd():
-    try:
-        import zstandard
-    except ImportError:
-        raise BadInput("zstd archives need the zstandard package (pip install zstandard); "
-                       "or use a .tar / .tar.gz name") from None
-    return zstandard
+def _compression(out: Path) -> str:
+    """'' (a plain tar), 'gz' or 'zst', as the archive's name says; one line for any other name."""
+    for suffix, kind in SUFFIXES.items():
+        if out.name.lower().endswith(suffix):
+            return kind
+    raise BadInput(f"--out {out}: not a name precast writes archives under; end it in {', '.join(SUFFIXES)}")
+
+
+def _check_pack_out(bundle: Path, out: Path) -> str:
+    """The compression out's name asks for, after refusing an out inside the bundle (the archive
+    would overwrite a bundle file, or be written into the folder being packed) and other names."""
+    home, target = Path(os.path.realpath(bundle)), Path(os.path.realpath(out))
+    if target == home or home in target.parents:
+        where = "is the bundle being packed" if target == home else f"is inside the bundle {bundle} being packed"
+        raise BadInput(f"--out {out}: {where}; write the archive outside it, "
+                       f"e.g. {home.parent / (home.name + '.tar.gz')}")
+    check_out(out, "file")
+    return _compression(out)
 
 
 def pack_bundle(bundle: str | Path, out: str | Path) -> dict:
     bundle, out = Path(bundle), Path(out)
-    check_out(out, "file")
+    kind = _check_pack_out(bundle, out)
     problems = verify_bundle(bundle)
     if problems:
         raise BadInput(f"{bundle}: does not verify, not packing it: {problems[0]}")
     names = [MANIFEST] + sorted(read_manifest(bundle).files)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
-        _write_archive(bundle, names, out, tmp)
+        _write_archive(bundle, names, kind, tmp)
         os.replace(tmp, out)
     except OSError as e:
         raise BadInput(f"--out {out}: cannot write it ({e.strerror or e})") from None
@@ -68,13 +83,13 @@ def pack_bundle(bundle: str | Path, out: str | Path) -> dict:
     return {"archive": str(out), "files": len(names), "size": out.stat().st_size}
 
 
-def _write_archive(bundle: Path, names: list[str], out: Path, tmp: Path) -> None:
-    """The tar (compressed as out's name says) of these bundle files, written to tmp."""
+def _write_archive(bundle: Path, names: list[str], kind: str, tmp: Path) -> None:
+    """The tar (compressed as kind says: '', 'gz' or 'zst') of these bundle files, written to tmp."""
     with open(tmp, "wb") as raw:
-        if out.name.endswith((".zst", ".tzst")):
-            stream = _zstd().ZstdCompressor(level=3).stream_writer(raw, closefd=False)
+        if kind == "zst":
+            stream = zstd_module().ZstdCompressor(level=3).stream_writer(raw, closefd=False)
             mode = "w|"
-        elif out.name.endswith((".gz", ".tgz")):
+        elif kind == "gz":
             import gzip
             stream = gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0, compresslevel=1)
             mode = "w|"
@@ -96,82 +111,76 @@ def _write_archive(bundle: Path, names: list[str], out: Path, tmp: Path) -> None
             stream.close()
 
 
-def _archive_errors() -> tuple:
-    """What reading a damaged or foreign archive raises (zstandard's own error when installed)."""
-    errors = (tarfile.TarError, OSError, EOFError, ValueError, zlib.error)
+def _scan(archive: Path) -> tuple[bytes, dict, dict[str, tarfile.TarInfo]]:
+    """First pass, writing nothing: every header checked, and against the manifest as soon as both
+    have been read, before tarfile reads on; (manifest bytes, its files, name -> header)."""
+    members, raw, listing = {}, None, None
     try:
-        import zstandard
-        return errors + (zstandard.ZstdError,)
-    except ImportError:
-        return errors
-
-
-def _open_archive(path: Path) -> tarfile.TarFile:
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head == ZSTD_MAGIC:
-        data = _zstd().ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
-        return tarfile.open(fileobj=data, mode="r|")
-    try:
-        return tarfile.open(path, mode="r:*")
-    except tarfile.ReadError:
-        raise BadInput(f"{path}: not a tar, tar.gz or tar.zst archive; nothing was written") from None
-
-
-def check_member(m: tarfile.TarInfo) -> str | None:
-    """Why this member may not be unpacked, or None."""
-    name = m.name
-    if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
-        return "an absolute path"
-    if ".." in PurePosixPath(name).parts or ".." in name.replace("\\", "/").split("/"):
-        return "a path with '..'"
-    if m.issym() or m.islnk():
-        return "a link"
-    if m.isdev() or m.isfifo() or m.ischr() or m.isblk():
-        return "a device or pipe"
-    if not (m.isfile() or m.isdir()):
-        return "not a regular file or folder"
-    if path_problem(name):
-        return f"a path a bundle cannot hold ({path_problem(name)})"
-    return None
-
-
-def _scan(archive: Path) -> tuple[bytes, dict[str, tarfile.TarInfo]]:
-    """First pass, writing nothing: every member's header checked; (manifest bytes, name -> header)."""
-    members, manifest = {}, None
-    with _open_archive(archive) as tar:
-        for m in tar:
-            why = check_member(m)
-            if why is None and m.name in members:
-                why = "a name that appears twice"
-            if why is None and m.name == MANIFEST and not (m.isfile() and m.size <= MANIFEST_LIMIT):
-                why = "a manifest that is not a regular file of at most 64 MiB"
-            if why:
-                raise BadInput(f"{archive}: refused, member {m.name!r} is {why}; nothing was written")
-            members[m.name] = m
-            if m.name == MANIFEST:
-                manifest = tar.extractfile(m).read()
-    if manifest is None:
+        with open_archive(archive) as tar:
+            for m in tar:
+                _check_header(archive, m, members, listing)
+                members[m.name] = m
+                if m.name == MANIFEST:
+                    raw = tar.extractfile(m).read()
+                    listing = _listing(archive, raw)
+                    for seen in members.values():
+                        _check_listed(archive, seen, listing)
+    except Refused as e:
+        raise BadInput(f"{archive}: refused, {e}; nothing was written") from None
+    if raw is None:
         raise BadInput(f"{archive}: no {MANIFEST} in the archive, so not a precast bundle; nothing was written")
-    return manifest, members
-
-
-def _check_against(archive: Path, files: dict, members: dict[str, tarfile.TarInfo]) -> None:
-    """Every member is a listed file of its recorded size, or a folder holding one; none is missing."""
-    folders = {"/".join(rel.split("/")[:i]) for rel in files for i in range(1, rel.count("/") + 1)}
-    for name, m in members.items():
-        rec = files.get(name)
-        if name == MANIFEST or (m.isdir() and name in folders):
-            continue
-        if m.isdir() or rec is None:
-            raise BadInput(f"{archive}: refused, member {name!r} is not listed in the manifest; nothing was written")
-        if m.size != rec["size"]:
-            raise BadInput(f"{archive}: refused, member {name!r} holds {m.size} bytes, the manifest says "
-                           f"{rec['size']}; nothing was written")
-    missing = sorted(set(files) - set(members))
+    if isinstance(listing, BadInput):
+        raise listing
+    missing = sorted(set(listing[0]) - set(members))
     if missing:
         raise BadInput(f"{archive}: {missing[0]} is listed in the manifest but not in the archive "
                        f"({len(missing)} missing); nothing was written")
+    return raw, listing[0], members
+
+
+def _check_header(archive: Path, m: tarfile.TarInfo, members: dict, listing) -> None:
+    """One line for a member that may not be unpacked or (once the manifest is read) is not what it lists."""
+    why = check_member(m)
+    if why is None and m.name in members:
+        why = "a name that appears twice"
+    if why is None and m.name == MANIFEST and not (m.isfile() and m.size <= MANIFEST_LIMIT):
+        why = "a manifest that is not a regular file of at most 64 MiB"
+    if why is None and listing is None and len(members) >= MEMBERS_BEFORE_MANIFEST:
+        why = f"more than {MEMBERS_BEFORE_MANIFEST} members before {MANIFEST} (`precast bundle pack` puts it first)"
+    if why:
+        raise BadInput(f"{archive}: refused, member {m.name!r} is {why}; nothing was written")
+    if listing is not None:
+        _check_listed(archive, m, listing)
+
+
+def _listing(archive: Path, raw: bytes) -> tuple[dict, list[str]] | BadInput:
+    """The manifest's files and their sorted names (for _check_listed), or the one line saying why it
+    is unreadable, raised at the next member that passes its own header checks (or at the end)."""
+    try:
+        files = check_manifest(json.loads(raw), f"{archive}: {MANIFEST}")["files"]
+    except RecursionError:
+        return BadInput(f"{archive}: {MANIFEST} is unreadable (nested too deeply); nothing was written")
+    except ValueError as e:
+        return BadInput(f"{archive}: {MANIFEST} is unreadable ({_one_line(e)}); nothing was written")
+    return files, sorted(files)
+
+
+def _check_listed(archive: Path, m: tarfile.TarInfo, listing: tuple[dict, list[str]] | BadInput) -> None:
+    """A member is the manifest, a listed file of its recorded size, or a folder holding one."""
+    if m.name == MANIFEST:
+        return
+    if isinstance(listing, BadInput):
+        raise listing
+    files, names = listing
+    inside = bisect.bisect_left(names, m.name + "/")
+    if m.isdir() and inside < len(names) and names[inside].startswith(m.name + "/"):
+        return
+    rec = files.get(m.name)
+    if m.isdir() or rec is None:
+        raise BadInput(f"{archive}: refused, member {m.name!r} is not listed in the manifest; nothing was written")
+    if m.size != rec["size"]:
+        raise BadInput(f"{archive}: refused, member {m.name!r} holds {m.size} bytes, the manifest says "
+                       f"{rec['size']}; nothing was written")
 
 
 class _WriteFailed(Exception):
@@ -222,20 +231,13 @@ def unpack_bundle(archive: str | Path, out: str | Path) -> dict:
     if os.path.lexists(out):
         raise BadInput(f"--out {out}: already exists; unpack into a new folder")
     check_out(out)
-    errors = _archive_errors()
+    errors = archive_errors()
     try:
-        raw, members = _scan(archive)
+        raw, files, members = _scan(archive)
     except BadInput:
         raise
     except errors as e:
         raise BadInput(f"{archive}: not a readable bundle archive ({_one_line(e)}); nothing was written") from None
-    try:
-        files = check_manifest(json.loads(raw), f"{archive}: {MANIFEST}")["files"]
-    except RecursionError:
-        raise BadInput(f"{archive}: {MANIFEST} is unreadable (nested too deeply); nothing was written") from None
-    except ValueError as e:
-        raise BadInput(f"{archive}: {MANIFEST} is unreadable ({_one_line(e)}); nothing was written") from None
-    _check_against(archive, files, members)
     need = sum(r["size"] for r in files.values()) + len(raw)
     free = shutil.disk_usage(next(p for p in out.parents if p.is_dir())).free
     if need > free:
@@ -247,26 +249,10 @@ def unpack_bundle(archive: str | Path, out: str | Path) -> dict:
         staging.mkdir(parents=True)
     except OSError as e:
         raise BadInput(f"--out {out}: cannot create it ({e.strerror or e})") from None
-    changed = f"{archive}: changed while it was unpacked; nothing was kept"
     try:
         with _writing():
             (staging / MANIFEST).write_bytes(raw)
-        seen = set()
-        with _open_archive(archive) as tar:            # second pass: the checked members, nothing else
-            for m in tar:
-                if (m.name in seen or members.get(m.name) is None or members[m.name].size != m.size
-                        or m.type != members[m.name].type):
-                    raise BadInput(changed)
-                seen.add(m.name)
-                if m.isdir():
-                    with _writing():
-                        (staging / m.name).mkdir(parents=True, exist_ok=True)
-                elif m.name != MANIFEST:
-                    with _writing():
-                        (staging / m.name).parent.mkdir(parents=True, exist_ok=True)
-                    _copy_checked(tar.extractfile(m), staging / m.name, m.name, files[m.name])
-        if seen != set(members):                       # shortened or replaced since the first pass
-            raise BadInput(changed)
+        _write_members(archive, staging, files, members)
         with _writing():
             os.rename(staging, out)
     except BadInput:
@@ -278,6 +264,27 @@ def unpack_bundle(archive: str | Path, out: str | Path) -> dict:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return {"bundle": str(out), "files": len(members)}
+
+
+def _write_members(archive: Path, staging: Path, files: dict, members: dict[str, tarfile.TarInfo]) -> None:
+    """Second pass: the first pass's members, each as checked then, into staging; nothing else."""
+    changed = f"{archive}: changed while it was unpacked; nothing was kept"
+    seen = set()
+    with open_archive(archive) as tar:
+        for m in tar:
+            if (m.name in seen or members.get(m.name) is None or members[m.name].size != m.size
+                    or m.type != members[m.name].type):
+                raise BadInput(changed)
+            seen.add(m.name)
+            if m.isdir():
+                with _writing():
+                    (staging / m.name).mkdir(parents=True, exist_ok=True)
+            elif m.name != MANIFEST:
+                with _writing():
+                    (staging / m.name).parent.mkdir(parents=True, exist_ok=True)
+                _copy_checked(tar.extractfile(m), staging / m.name, m.name, files[m.name])
+    if seen != set(members):                       # shortened or replaced since the first pass
+        raise BadInput(changed)
 
 
 def _one_line(e: BaseException) -> str:

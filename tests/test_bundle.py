@@ -231,6 +231,13 @@ _DEL = object()
      "field components.vae_decoder.config.decoder_levels is 1000000000000000000000000000000, expected 1 to 8"),
     (_set(["model"], "x"), "field model is 'x'"),
     (_set(["model", "latent_scale"], "x"), "field model.latent_scale is 'x'"),
+    (_set(["model", "latent_scale"], -1), "field model.latent_scale is -1, expected a finite number above 0"),
+    (_set(["model", "latent_scale"], float("inf")), "field model.latent_scale is inf"),
+    (_set(["model", "prediction"], "sample"), "field model.prediction is 'sample', expected one of epsilon"),
+    (_set(["model", "embeddings"], [{"name": "a b", "file": "x"}]), "model.embeddings[0].name is 'a b'"),
+    (_set(["components", "text_encoder", "config", "hidden"], -5), "components.text_encoder.config.hidden is -5"),
+    (_set(["components", "unet", "profiles", 0, "width"], [64, 64, 10 ** 6]), "expected 1 <= min <= opt <= max"),
+    (_set(["schema"], True), "schema True is not 1"),
     (_set(["model", "embeddings"], [{"name": "a", "file": "embeddings/a.safetensors"}]),
      "model.embeddings[0].file names 'embeddings/a.safetensors', which the manifest's files do not list"),
 ])
@@ -481,3 +488,183 @@ def test_a_failed_write_is_named_as_a_write_failure(packed, tmp_path):
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert f"--out {work / 'u'}: cannot write (" in lines[0] and "nothing was kept" in lines[0], lines[0]
     assert list(work.iterdir()) == []
+
+
+# ---- tar headers tarfile would read whole or parse slowly; members checked on their header ------------
+
+def _header(name, kind=tarfile.REGTYPE, size=0):
+    """One raw 512-byte tar header: a name, a type and a size, whatever data follows (or does not)."""
+    info = tarfile.TarInfo(name)
+    info.type, info.size = kind, size
+    return info.tobuf(format=tarfile.GNU_FORMAT)
+
+
+def _padded(data):
+    return data + bytes(-len(data) % 512)
+
+
+def _manifest_member(packed):
+    data = next(d for i, d in packed[1] if i.name == "manifest.json")
+    return _header("manifest.json", size=len(data)) + _padded(data)
+
+
+def _pax(records, kind=tarfile.XHDTYPE):
+    return _header("././@PaxHeader", kind, len(records)) + _padded(records)
+
+
+_HEADERS = {   # name: (the archive's bytes from the manifest member, gzip it?, words of the refusal)
+    "pax-quadratic": (lambda man: _header("x", tarfile.XHDTYPE, 64 << 10) + b"1" * (64 << 10) + man, False,
+                      "member header 'x' is a pax header of 65536 bytes, over the limit of 4096"),
+    "pax-huge": (lambda man: _header("x", tarfile.XHDTYPE, 3 << 30), True, "is a pax header of 3221225472 bytes"),
+    "global-pax-huge": (lambda man: _header("g", tarfile.XGLTYPE, 3 << 30), True, "is a pax header of 3221225472"),
+    "longname-huge": (lambda man: _header("././@LongLink", tarfile.GNUTYPE_LONGNAME, 3 << 30), True,
+                      "is a GNU long-name header of 3221225472 bytes"),
+    "longlink-huge": (lambda man: man + _header("././@LongLink", tarfile.GNUTYPE_LONGLINK, 3 << 30), False,
+                      "is a GNU long-name header of 3221225472 bytes"),
+    "pax-chain": (lambda man: _pax(b"10 a=bcde\n") * 400 + man, False,
+                  "one pax header too many (more than 8 in a row)"),
+    "global-pax-add-up": (lambda man: _pax(b"3000 comment=" + b"x" * 2986 + b"\n", tarfile.XGLTYPE) * 2 + man, False,
+                          "one pax header too many (global pax headers over 4096 bytes in all)"),
+    "gnu-sparse": (lambda man: _header("onnx", tarfile.GNUTYPE_SPARSE) + man, False, "member 'onnx' is a sparse file"),
+    "pax-sparse": (lambda man: _pax(b"22 GNU.sparse.major=1\n22 GNU.sparse.minor=0\n") + _header("onnx", size=512)
+                   + b"99999999" * 64 + man, False, "member 'onnx' is a sparse file"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_HEADERS))
+def test_tar_headers_tarfile_would_read_whole_or_parse_slowly_are_refused_first(packed, tmp_path, case):
+    """tarfile reads a pax or GNU long-name header whole into memory (a 3 GiB one from a 3 MB .tar.gz
+    took 3 GB), and Python 3.11.7 parses pax headers in quadratic time (CVE-2024-6232: 64 KiB of '1'
+    took 7 s, 200 KB a minute); chains of them recursed, global ones accumulated, sparse maps were
+    read block after block. Each is now refused on its header, before tarfile reads it."""
+    import gzip
+    import time
+    from precast.compiler.bundle_archive import unpack_bundle
+    from precast.compiler.errors import BadInput
+    make, compress, words = _HEADERS[case]
+    data = make(_manifest_member(packed))
+    archive = tmp_path / ("a.tar.gz" if compress else "a.tar")
+    archive.write_bytes(gzip.compress(data, 1) if compress else data)
+    work = tmp_path / "work"
+    work.mkdir()
+    start = time.perf_counter()
+    with pytest.raises(BadInput) as e:
+        unpack_bundle(archive, work / "u")
+    assert time.perf_counter() - start < 0.5
+    line = str(e.value)
+    assert line.startswith(f"{archive}: refused, ") and words in line and line.endswith("; nothing was written"), line
+    assert "\n" not in line and list(work.iterdir()) == []
+
+
+def test_a_refused_tar_header_is_one_line_from_the_cli(packed, tmp_path):
+    import gzip
+    archive = tmp_path / "a.tar.gz"
+    archive.write_bytes(gzip.compress(_header("x", tarfile.XHDTYPE, 3 << 30) + bytes(1 << 20)))
+    proc = precast("bundle", "unpack", archive, "--out", tmp_path / "u")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith(f"error: {archive}: refused, member header 'x' is a pax header of 3221225472 bytes")
+    assert not (tmp_path / "u").exists()
+
+
+def test_pax_parsing_work_is_bounded_per_archive(packed, tmp_path, monkeypatch):
+    """Each pax header under the limit still costs time quadratic in its size on Python 3.11.7: an
+    archive of many is refused once their squared sizes pass PAX_WORK (here lowered to three)."""
+    import time
+    from precast.compiler import bundle_archive, tar_reader
+    from precast.compiler.errors import BadInput
+    monkeypatch.setattr(tar_reader, "PAX_WORK", 3 * tar_reader.HEADER_LIMIT ** 2)
+    junk = b"1" * tar_reader.HEADER_LIMIT
+    archive = tmp_path / "a.tar"
+    archive.write_bytes(b"".join(_pax(junk) + _header(f"d{i}", tarfile.DIRTYPE) for i in range(6))
+                        + _manifest_member(packed))
+    start = time.perf_counter()
+    with pytest.raises(BadInput, match=r"'\./\./@PaxHeader' is one pax header too many \(pax headers over"):
+        bundle_archive.unpack_bundle(archive, tmp_path / "u")
+    assert time.perf_counter() - start < 0.5 and not (tmp_path / "u").exists()
+
+
+@pytest.mark.parametrize("name", ["zzz.bin", "tokenizer/vocab.json"])
+def test_members_are_refused_on_their_header_once_the_manifest_is_read(packed, tmp_path, name):
+    """A tiny .tar.zst holding a huge member the manifest does not list (or lists with another size)
+    was decompressed end to end before it was refused. Now the header is enough: this archive ends
+    right after it, so reading any of its 64 GiB would fail otherwise."""
+    zstandard = pytest.importorskip("zstandard")
+    huge = 64 << 30
+    archive = tmp_path / "a.tar.zst"
+    archive.write_bytes(zstandard.ZstdCompressor().compress(_manifest_member(packed) + _header(name, size=huge)))
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = precast("bundle", "unpack", archive, "--out", work / "u")
+    lines = proc.stderr.strip().splitlines()
+    words = (f"member {name!r} is not listed in the manifest" if name == "zzz.bin" else
+             f"member {name!r} holds {huge} bytes, the manifest says")
+    assert proc.returncode == 2 and len(lines) == 1 and words in lines[0], proc.stderr
+    assert "nothing was written" in lines[0] and list(work.iterdir()) == []
+
+
+def test_members_before_the_manifest_are_checked_once_it_is_read(packed, tmp_path):
+    archive = tmp_path / "a.tar"
+    with tarfile.open(archive, "w") as tar:
+        for info, data in [_member("zzz.bin"), *packed[1]]:
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    proc = precast("bundle", "unpack", archive, "--out", tmp_path / "u")
+    assert proc.returncode == 2 and "member 'zzz.bin' is not listed in the manifest" in proc.stderr, proc.stderr
+    assert not (tmp_path / "u").exists()
+
+
+def test_members_before_the_manifest_are_limited(packed, tmp_path, monkeypatch):
+    """Headers before the manifest cannot be checked against it, and tarfile keeps every one: their
+    number is bounded (`bundle pack` puts only folders first). Here the limit is lowered to three."""
+    from precast.compiler import bundle_archive
+    from precast.compiler.errors import BadInput
+    monkeypatch.setattr(bundle_archive, "MEMBERS_BEFORE_MANIFEST", 3)
+    archive = tmp_path / "a.tar"
+    archive.write_bytes(b"".join(_header(f"d{i}", tarfile.DIRTYPE) for i in range(5)) + _manifest_member(packed))
+    with pytest.raises(BadInput, match="member 'd3' is more than 3 members before manifest.json"):
+        bundle_archive.unpack_bundle(archive, tmp_path / "u")
+
+
+def test_a_manifest_path_with_many_folders_is_checked_quickly(packed, tmp_path):
+    """Which folders the manifest's files lie in was worked out prefix by prefix: quadratic in a
+    path's depth (20000 folders deep took 5 s, 200000 would take hours and tens of GB)."""
+    import time
+    from precast.compiler.bundle_archive import unpack_bundle
+    from precast.compiler.errors import BadInput
+    manifest = json.loads(next(d for i, d in packed[1] if i.name == "manifest.json"))
+    manifest["files"]["a/" * 20000 + "f"] = {"size": 1, "sha256": "0" * 64}
+    archive = _rewrite(packed, tmp_path / "a.tar", replace={"manifest.json": json.dumps(manifest).encode()})
+    start = time.perf_counter()
+    with pytest.raises(BadInput, match="a/a/a/.* is listed in the manifest but not in the archive"):
+        unpack_bundle(archive, tmp_path / "u")
+    assert time.perf_counter() - start < 1
+
+
+# ---- pack's --out -------------------------------------------------------------------------------------
+
+def test_pack_refuses_an_out_inside_the_bundle(bundle, tmp_path):
+    """`bundle pack B --out B/manifest.json` exited 0 having replaced the manifest with the archive.
+    Any --out inside the bundle (resolved: through links too) or the bundle itself is now refused."""
+    copy = tmp_path / "copy"
+    shutil.copytree(bundle[0], copy)
+    (tmp_path / "link").symlink_to(copy)
+    names = sorted(p.relative_to(copy) for p in copy.rglob("*"))
+    for out in (copy / "manifest.json", copy / "onnx/b.tar.gz", copy / "new/b.tar", copy, tmp_path / "link/b.tar"):
+        proc = precast("bundle", "pack", copy, "--out", out)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, (out, proc.stderr)
+        where = "is the bundle being packed" if out == copy else f"is inside the bundle {copy} being packed"
+        assert f"--out {out}: {where}; write the archive outside it, e.g. {tmp_path / 'copy.tar.gz'}" in lines[0]
+    assert sorted(p.relative_to(copy) for p in copy.rglob("*")) == names
+    assert precast("bundle", "verify", copy).returncode == 0
+
+
+@pytest.mark.parametrize("name", ["b.tar.bz2", "b.tar.xz", "b.zip", "b"])
+def test_pack_refuses_archive_names_it_would_not_honour(bundle, tmp_path, name):
+    """`--out x.tar.bz2` wrote a plain tar under that name; other suffixes are now refused."""
+    proc = precast("bundle", "pack", bundle[0], "--out", tmp_path / name)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert f"{tmp_path / name}: not a name precast writes archives under; end it in .tar, .tar.gz, .tgz, " \
+           ".tar.zst, .tzst" in lines[0], lines[0]
+    assert list(tmp_path.iterdir()) == []

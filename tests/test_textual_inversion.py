@@ -2,9 +2,11 @@
 loader, which refuses a malicious pickle before it runs), and the text encoder's output with an
 embedding equal to diffusers' load_textual_inversion -- through the exported ONNX and through an
 engine built before the embedding existed (no rebuild)."""
+import bz2
 import os
 import pickle
 import zipfile
+import zlib
 
 import numpy as np
 import onnxruntime as ort
@@ -279,3 +281,103 @@ def test_embeddings_outside_the_runtime_row_limit_are_refused_at_build(demo_ckpt
     entries, _ = write_bundle_embeddings([tmp_path / "big.safetensors", tmp_path / "fits.safetensors"],
                                          {"text_encoder": TINY.context_dim}, tmp_path / "root")
     assert [e["vectors"] for e in entries] == [200, 55]    # 255 in all: the most the runtime takes
+
+
+# ---- sizes are checked before anything is inflated ------------------------------------------------------
+
+def _zip(path, members):
+    """A zip written by hand, each member's stored bytes, zip method, CRC and stated size as given:
+    members = [(name, stored bytes, method, crc, size)]."""
+    import struct
+    body, central = bytearray(), bytearray()
+    for name, data, method, crc, size in members:
+        n = name.encode()
+        central += struct.pack("<4s6H3L5H2L", b"PK\1\2", 20, 20, 0, method, 0, 0x21, crc, len(data), size,
+                               len(n), 0, 0, 0, 0, 0, len(body)) + n
+        body += struct.pack("<4s5H3L2H", b"PK\3\4", 20, 0, method, 0, 0x21, crc, len(data), size, len(n), 0) + n + data
+    end = struct.pack("<4s4H2LH", b"PK\5\6", 0, 0, len(members), len(members), len(central), len(body), 0)
+    path.write_bytes(bytes(body + central + end))
+    return path
+
+
+def _stored(name, data):
+    return name, data, zipfile.ZIP_STORED, zlib.crc32(data), len(data)
+
+
+def _zeros_deflated(mib):
+    """Raw deflate data that inflates to `mib` MiB of zeros, made without deflating them all (a
+    full flush resets the compressor, so each MiB deflates to the same bytes)."""
+    c = zlib.compressobj(9, zlib.DEFLATED, -15)
+    one = c.compress(bytes(1 << 20)) + c.flush(zlib.Z_FULL_FLUSH)
+    return one * mib + c.flush()
+
+
+def _storage_pickle(records, numel=8):
+    """data.pkl of {"string_to_param": {"*": first tensor}, "more": [the others]}, all on storage 0."""
+    import io
+    storage = _Storage()
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj):
+            return ("storage", torch.FloatStorage, "0", "cpu", numel) if obj is storage else None
+    tensors = [_TensorRecord(storage, *r) for r in records]
+    buf = io.BytesIO()
+    Pickler(buf, protocol=2).dump({"string_to_param": {"*": tensors[0]}, "more": tensors[1:]})
+    return buf.getvalue()
+
+
+_FLOATS = np.arange(8, dtype="<f4").tobytes()
+_ONE = [(0, (2, 4), (4, 1))]
+_HOSTILE_PT = {   # name: (members, words)
+    "storage-bomb": ([_stored("a/data.pkl", _storage_pickle(_ONE)),
+                      ("a/data/0", _zeros_deflated(300), zipfile.ZIP_DEFLATED, 0, 300 << 20)],
+                     f"a/data/0 inflates to {300 << 20} bytes, over the limit of {256 << 20}"),
+    "declared-count": ([_stored("a/data.pkl", _storage_pickle(_ONE, numel=10 ** 12)), _stored("a/data/0", _FLOATS)],
+                       "storage 0 declares 1000000000000 elements, more than the limit"),
+    "pickle-bomb": ([("a/data.pkl", _zeros_deflated(32), zipfile.ZIP_DEFLATED, 0, 32 << 20)],
+                    f"a/data.pkl inflates to {32 << 20} bytes, over the limit of {16 << 20}"),
+    "bzip2": ([_stored("a/data.pkl", _storage_pickle(_ONE)),
+               ("a/data/0", bz2.compress(_FLOATS), zipfile.ZIP_BZIP2, zlib.crc32(_FLOATS), 32)],
+              "a/data/0 is compressed with zip method 12"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_HOSTILE_PT))
+def test_torch_zip_members_are_size_checked_before_they_are_inflated(tmp_path, case):
+    """A 300 KB .pt whose storage inflates to 300 MiB (2 GiB took 4.2 GB) was read whole before the
+    element limit applied; a storage's declared element count was not looked at; bzip2 members
+    inflate without a bound. Each is now refused from the zip's directory and the pickle's record."""
+    members, words = _HOSTILE_PT[case]
+    path = _zip(tmp_path / "bomb.pt", members)
+    with pytest.raises(BadInput) as e:
+        read_embedding(path)
+    assert str(e.value).startswith(f"{path}: refused: ") and words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_member_is_never_inflated_past_the_size_the_zip_states(tmp_path):
+    """A zip directory saying 32 bytes over a deflate stream of 300 MiB: zipfile's read() inflated
+    it all before cutting it to 32. Now at most the stated size is inflated."""
+    import tracemalloc
+    path = _zip(tmp_path / "lying.pt", [_stored("a/data.pkl", _storage_pickle(_ONE)),
+                                        ("a/data/0", _zeros_deflated(300), zipfile.ZIP_DEFLATED,
+                                         zlib.crc32(bytes(32)), 32)])
+    tracemalloc.start()
+    try:
+        got = read_embedding(path)["any"]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    np.testing.assert_array_equal(got, np.zeros((2, 4), np.float32))
+    assert peak < 16 << 20, peak
+
+
+def test_tensors_sharing_a_storage_count_together_against_the_limit(tmp_path, monkeypatch):
+    """Many tensor records on one small storage each made a copy within the per-tensor limit: memory
+    without bound. The element limit (here lowered to 100) is now for all of a file's tensors."""
+    from precast.compiler.sources import embeddings
+    monkeypatch.setattr(embeddings, "MAX_TENSOR_ELEMENTS", 100)
+    path = _zip(tmp_path / "many.pt", [_stored("a/data.pkl", _storage_pickle(_ONE * 20)), _stored("a/data/0", _FLOATS)])
+    with pytest.raises(BadInput, match="brings the file's tensors over the limit of 100"):
+        read_embedding(path)
+    few = _zip(tmp_path / "few.pt", [_stored("a/data.pkl", _storage_pickle(_ONE * 12)), _stored("a/data/0", _FLOATS)])
+    assert read_embedding(few)["any"].shape == (2, 4)

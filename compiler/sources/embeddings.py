@@ -7,7 +7,10 @@ encoder each set of vectors belongs to (by name for SDXL, else by width). Torch 
 by `load_torch_restricted`: the zip container is opened by hand and its pickle is run through an
 Unpickler whose find_class admits only torch's tensor-rebuild functions, its storage types and
 OrderedDict; anything else (a function to call, an object to build) is refused with a hint,
-before it runs. Legacy (non-zip) torch files are refused.
+before it runs. Sizes are checked before anything is inflated: each zip member's (from the zip's
+directory; stored or deflated only, and never inflated past that size), each storage's declared
+element count, and all storages' bytes and all tensors' elements together. Legacy (non-zip) torch
+files are refused.
 """
 from __future__ import annotations
 
@@ -42,6 +45,8 @@ class _Malformed(Exception):
 
 
 MAX_TENSOR_ELEMENTS = 1 << 26    # 64 Mi elements: far above any embedding, far below a memory blow-up
+MAX_STORAGE_BYTES = 256 << 20    # a file's storages together (64 Mi float32 values)
+MAX_PICKLE_BYTES = 16 << 20      # data.pkl: an embedding's is a few hundred bytes
 
 
 def _ints(value, what: str) -> tuple[int, ...]:
@@ -52,10 +57,11 @@ def _ints(value, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _rebuild_tensor(storage, offset, size, stride, *_rest):
+def _rebuild_tensor(storage, offset, size, stride, *_rest, room=MAX_TENSOR_ELEMENTS):
     """A tensor as a numpy copy of its storage's elements, after checking that every element the
-    (offset, size, stride) record addresses lies inside the storage: a pickle's numbers are data,
-    and numpy's as_strided would read whatever memory they point at."""
+    (offset, size, stride) record addresses lies inside the storage (a pickle's numbers are data,
+    and numpy's as_strided would read whatever memory they point at) and that it has at most
+    `room` elements (what the file's earlier tensors left of MAX_TENSOR_ELEMENTS)."""
     if not isinstance(storage, np.ndarray) or storage.ndim != 1:
         raise _Malformed(f"tensor storage is a {type(storage).__name__}, not a torch storage")
     if type(offset) is not int or offset < 0:
@@ -64,8 +70,9 @@ def _rebuild_tensor(storage, offset, size, stride, *_rest):
     if len(size) != len(stride):
         raise _Malformed(f"tensor size {list(size)} and stride {list(stride)} differ in length")
     count = int(np.prod(size, dtype=object))
-    if count > MAX_TENSOR_ELEMENTS:
-        raise _Malformed(f"tensor size {list(size)} has {count} elements, over the limit of {MAX_TENSOR_ELEMENTS}")
+    if count > room:
+        raise _Malformed(f"tensor size {list(size)} has {count} elements, which brings the file's tensors over "
+                         f"the limit of {MAX_TENSOR_ELEMENTS}")
     last = offset + sum((n - 1) * s for n, s in zip(size, stride)) if count else offset - 1
     if last >= storage.size:
         raise _Malformed(f"storage too small for size/stride: size {list(size)}, stride {list(stride)} and "
@@ -82,18 +89,38 @@ def _rebuild_parameter(data, *_rest):
     return data
 
 
+def _read_member(archive: zipfile.ZipFile, name: str, limit: int, path: str) -> bytes | None:
+    """A zip member's bytes (None when absent), refused before anything is inflated when the zip's
+    directory says it is bigger than limit or compressed otherwise than stored or deflated (torch
+    stores; bzip2 and lzma inflate without a bound); never inflated past the size it says."""
+    try:
+        info = archive.getinfo(name)
+    except KeyError:
+        return None
+    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+        raise BadInput(f"{path}: refused: {name} is compressed with zip method {info.compress_type}; torch files "
+                       "store their members (or deflate them)")
+    if info.file_size > limit:
+        raise BadInput(f"{path}: refused: {name} inflates to {info.file_size} bytes, over the limit of {limit} "
+                       "for an embedding file; the file is damaged or crafted")
+    with archive.open(info) as f:
+        return f.read(info.file_size)
+
+
 class _Restricted(pickle.Unpickler):
     """Admits tensors and plain containers only; everything else raises before it is called."""
-    ALLOWED = {("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
-               ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
-               ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ALLOWED = {("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
                ("collections", "OrderedDict"): dict}
+    REBUILDS = {("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor")}
 
     def __init__(self, data: bytes, archive: zipfile.ZipFile, root: str, path: str):
         super().__init__(io.BytesIO(data))
         self.archive, self.root, self.path = archive, root, path
+        self.storages, self.bytes_left, self.elements_left = {}, MAX_STORAGE_BYTES, MAX_TENSOR_ELEMENTS
 
     def find_class(self, module, name):
+        if (module, name) in self.REBUILDS:
+            return self._rebuild
         if (module, name) in self.ALLOWED:
             return self.ALLOWED[(module, name)]
         if module == "torch" and name in _STORAGE_DTYPES:
@@ -102,16 +129,32 @@ class _Restricted(pickle.Unpickler):
                        f"plain container (a pickle can run code; precast loads only tensors). If you trust the "
                        f"file, {PT_HINT}")
 
+    def _rebuild(self, storage, offset, size, stride, *_rest):
+        tensor = _rebuild_tensor(storage, offset, size, stride, room=self.elements_left)
+        self.elements_left -= tensor.size
+        return tensor
+
     def persistent_load(self, pid):
         if not (isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage"
                 and isinstance(pid[1], _StorageType)):
             raise BadInput(f"{self.path}: refused: unexpected persistent id {pid!r:.80}")
+        key = (pid[1].name, str(pid[2]))
+        if key not in self.storages:              # each storage read once, however many tensors use it
+            self.storages[key] = self._load_storage(pid)
+        return self.storages[key]
+
+    def _load_storage(self, pid):
         dtype = _STORAGE_DTYPES[pid[1].name]
-        try:
-            raw = self.archive.read(f"{self.root}/data/{pid[2]}")
-        except KeyError:
-            raise BadInput(f"{self.path}: damaged: storage {pid[2]} is missing from the archive") from None
         itemsize = 2 if dtype == "bf16" else np.dtype(dtype).itemsize
+        numel = pid[4] if len(pid) > 4 else 0
+        if type(numel) is not int or not 0 <= numel * itemsize <= self.bytes_left:
+            raise BadInput(f"{self.path}: refused: storage {pid[2]} declares {numel!r:.40} elements, more than the "
+                           f"limit of {MAX_STORAGE_BYTES} bytes for an embedding file's storages leaves; "
+                           "the file is damaged or crafted")
+        raw = _read_member(self.archive, f"{self.root}/data/{pid[2]}", self.bytes_left, self.path)
+        if raw is None:
+            raise BadInput(f"{self.path}: damaged: storage {pid[2]} is missing from the archive")
+        self.bytes_left -= len(raw)
         if len(raw) % itemsize:
             raise BadInput(f"{self.path}: damaged: storage {pid[2]} holds {len(raw)} bytes, "
                            f"not a whole number of {itemsize}-byte elements")
@@ -134,7 +177,7 @@ def load_torch_restricted(path: str | Path):
             raise BadInput(f"{path}: not a torch.save archive (no single */data.pkl)")
         root = pkl[0].split("/")[0]
         try:
-            return _Restricted(archive.read(pkl[0]), archive, root, path).load()
+            return _Restricted(_read_member(archive, pkl[0], MAX_PICKLE_BYTES, path), archive, root, path).load()
         except BadInput:
             raise
         except _Malformed as e:
@@ -156,7 +199,8 @@ def read_embedding(path: str | Path) -> dict[str, np.ndarray]:
     p = Path(path)
     if not p.is_file():
         raise BadInput(f"embedding {p}: no such file")
-    head = p.read_bytes()[:4]
+    with open(p, "rb") as f:
+        head = f.read(4)
     if p.suffix.lower() in (".pt", ".bin", ".ckpt", ".pth") or head[:2] == b"PK" or head[:1] == b"\x80":
         obj = load_torch_restricted(p)
         if not isinstance(obj, dict):
