@@ -61,6 +61,11 @@ def test_formats(tmp_path):
     np.testing.assert_array_equal(load_torch_restricted(tmp_path / "t.pt")["emb_params"], _vectors(4, 6).T)
     with pytest.raises(BadInput, match="another model family"):
         assign_encoders("a", {"any": _vectors(1, 1024)}, {"text_encoder": 768})
+    bad = v.copy()
+    bad[1, 5] = np.nan
+    save_file({"emb_params": bad}, str(tmp_path / "nan.safetensors"))
+    with pytest.raises(BadInput, match="emb_params holds NaN or infinite values"):
+        read_embedding(tmp_path / "nan.safetensors")
 
 
 class _Evil:

@@ -191,7 +191,11 @@ def _as_matrix(path: str, key: str, arr) -> np.ndarray:
         raise BadInput(f"{path}: {key} is not a float vector or [n, dim] matrix")
     if arr.size == 0:
         raise BadInput(f"{path}: {key} has shape {list(arr.shape)}, no vectors; an embedding needs at least one")
-    return np.asarray(arr, np.float32).reshape(-1, arr.shape[-1])
+    out = np.asarray(arr, np.float32).reshape(-1, arr.shape[-1])
+    if not np.isfinite(out).all():
+        raise BadInput(f"{path}: {key} holds NaN or infinite values (or values past float32's range); "
+                       "the embedding is damaged: re-train or re-download it")
+    return out
 
 
 def read_embedding(path: str | Path) -> dict[str, np.ndarray]:
