@@ -101,6 +101,9 @@ class _Doc:
         if isinstance(node, yaml.MappingNode):
             out = {}
             for k, v in node.value:
+                if not isinstance(k, yaml.ScalarNode):
+                    self.lines[where] = k.start_mark.line + 1
+                    raise self.error(where, "has a key that is a list or a map; keys are plain words")
                 key = str(k.value)
                 sub = f"{where}.{key}" if where else key
                 if key in out:

@@ -19,6 +19,7 @@ def _recipe(model="", top="", targets=None):
 
 
 CASES = {  # name: (recipe text, line, words the error must hold)
+    "key_is_a_list": (_recipe(targets="{[a]: {}}"), 5, "targets[0]: has a key that is a list or a map"),
     "family_list": (_recipe("  family: [sd1]\n"), 4, "model.family"),
     "set_list": (_recipe("  set: [1, 2]\n"), 4, "model.set: expected {component: {field: value}}"),
     "set_str": (_recipe("  set: abc\n"), 4, "model.set: expected"),
