@@ -293,7 +293,8 @@ def _write_weights(graph: Graph, fd: int, placed: list[tuple[Weight, int, int]],
         if transform is not None:
             arr = transform(w, arr)
         cast = _cast_weight(arr, w.elem_type)
-        if _has_non_finite(cast):
+        # the narrower of the two is checked: a widening cast (fp16 -> fp32) cannot make inf
+        if _has_non_finite(cast if cast.itemsize <= arr.itemsize else arr):
             _refuse_non_finite(graph, w, arr, cast)
         arr = cast
         if arr.nbytes != size:
@@ -332,7 +333,9 @@ def _has_non_finite(arr: np.ndarray) -> bool:
         return False
     if arr.dtype in _EXPONENT:
         view, mask = _EXPONENT[arr.dtype]
-        return int(np.bitwise_and(np.ascontiguousarray(arr).view(view), mask).max()) == mask
+        bits = np.ascontiguousarray(arr).reshape(-1).view(view)
+        step = 1 << 20                      # chunks stay in cache; no tensor-sized temporary
+        return any(int(np.bitwise_and(bits[i:i + step], mask).max()) == mask for i in range(0, bits.size, step))
     return not bool(np.isfinite(arr).all())
 
 
