@@ -306,7 +306,9 @@ def test_damaged_weights_are_named_not_exported(demo_ckpt, tmp_path):
     cases = {"nan": (("F32", arr.shape, nan), [], "holds NaN or infinite values"),
              "big": (("F32", arr.shape, big), ["--dtype", "fp16"], "beyond the range of float16; export with --dtype fp32"),
              "int": (("I16", arr.shape, arr.astype(np.int16)), [], "is stored as I16"),
-             "flat": (("F32", (arr.size,), arr.ravel()), [], "shapes do not fit a sd1 unet")}
+             "flat": (("F32", (arr.size,), arr.ravel()), [], "shapes do not fit a sd1 unet"),
+             "reshaped": (("F32", (arr.shape[0], arr.shape[1] * 9, 1, 1), arr), [],   # same bytes, other shape
+                          f"takes {arr.shape[1] * 9} channels where the graph has {arr.shape[1]}")}
     for name, (tensor, args, words) in cases.items():
         path = _retyped(demo_ckpt, tmp_path, f"{name}.safetensors", drop=[key], add={key: tensor})
         proc = precast("export", path, "--out", tmp_path / name, "--component", "unet", *args)

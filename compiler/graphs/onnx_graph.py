@@ -31,6 +31,7 @@ ALIGN_SMALL, ALIGN_LARGE, LARGE = 64, 4096, 1 << 20
 # unused checkpoint tensors that mean a known layout this builder does not write: (pattern, why)
 UNBUILT = [(r"(^|\.)(encoder\.down|decoder\.up)\.\d+\.attn\.", "Attention inside the VAE's down/up blocks "
             "(attn_resolutions; diffusers AttnDownEncoderBlock2D / AttnUpDecoderBlock2D) is not supported yet")]
+CHANNELS_KEPT = {"Add", "Sub", "Mul", "Div", "Sigmoid", "Cast", "Pad", "Resize", "GroupNormalization", "Identity"}
 WRITERS = 2          # weight-writer threads: two keep this machine's 2 cores busy (measured in benchmarks/export_unet.py)
 
 
@@ -58,6 +59,7 @@ class Graph:
         self.missing: list[str] = []
         self.renames: dict[str, str] = {}
         self.skipped: set[str] = set()   # checkpoint keys known to be unused by this graph
+        self.channels: dict[str, int] = {}   # NCHW tensor -> its channel count, where known (checks conv weights)
         self._n = 0
 
     # ---- names, weights, constants -------------------------------------------------
@@ -117,11 +119,26 @@ class Graph:
     def op(self, op_type: str, *inputs: str, outputs: int = 1, **attrs):
         outs = [self._fresh(op_type.lower()) for _ in range(outputs)]
         self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=outs[0], **attrs))
+        known = [self.channels[i] for i in inputs if i in self.channels]
+        if op_type in CHANNELS_KEPT and known:
+            self.channels[outs[0]] = known[0]
+        elif op_type == "Concat" and attrs.get("axis") == 1 and inputs and len(known) == len(inputs):
+            self.channels[outs[0]] = sum(known)
         return outs[0] if outputs == 1 else outs
 
     def input(self, name: str, elem_type: int, shape: list) -> str:
         self.inputs.append(helper.make_tensor_value_info(name, elem_type, shape))
+        if len(shape) == 4 and isinstance(shape[1], int):
+            self.channels[name] = shape[1]
         return name
+
+    def _check_channels(self, x: str, module: str, want: int, what: str) -> None:
+        """A weight whose size fits its bytes but not the tensor it meets (a damaged header)."""
+        have = self.channels.get(x)
+        if have is not None and have != want:
+            raise BadInput(f"{self.ckpt.path}: {self.prefix}{module}.weight has shape "
+                           f"{list(self.shape(module + '.weight'))}: it {what} {want} channels where the graph has "
+                           f"{have}; the checkpoint is damaged or of another architecture")
 
     def output(self, value: str, name: str, elem_type: int, shape: list) -> None:
         """Declare a graph output: the producing tensor is renamed to `name` (no Identity node,
@@ -169,14 +186,18 @@ class Graph:
 
     def conv2d(self, x: str, module: str, stride: int = 1, pad: int | tuple[int, ...] | None = None) -> str:
         """`pad`: one size for every side, or ONNX's (top, left, bottom, right); default kernel // 2."""
-        kh, kw = self.shape(f"{module}.weight")[2:]
+        out_ch, in_ch, kh, kw = self.shape(f"{module}.weight")
+        self._check_channels(x, module, in_ch, "takes")
         pads = list(pad) if isinstance(pad, tuple) else [kh // 2 if pad is None else pad] * 4
         ins = [x, self.param(f"{module}.weight"), self.param(f"{module}.bias")]
-        return self.op("Conv", *ins, strides=[stride, stride], pads=pads, kernel_shape=[kh, kw])
+        y = self.op("Conv", *ins, strides=[stride, stride], pads=pads, kernel_shape=[kh, kw])
+        self.channels[y] = out_ch
+        return y
 
     def group_norm(self, x: str, module: str, groups: int, eps: float) -> str:
         if self.has(f"{module}.weight"):
             channels = self.shape(f"{module}.weight")[0]
+            self._check_channels(x, module, channels, "normalizes")
             if groups < 1 or channels % groups:
                 section = "vae" if self.name.startswith("vae") else self.name
                 raise BadInput(f"{self.ckpt.path}: {self.prefix}{module} normalizes {channels} channels, which do not "
