@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from ..runtime.manifest import MANIFEST, SCHEMA, file_record, read_manifest, sha256_file, verify_bundle
-from .bundle_archive import check_out
+from .bundle_archive import MANIFEST_LIMIT, check_out
 from .cache import Cache, Entry, cache_key
 from .engines import PRECAST_VERSION, ExportedComponent, compile_component
 from .errors import BadInput
@@ -131,7 +131,8 @@ def write_manifest(root: Path, manifest: dict) -> None:
 def _is_bundle(folder: Path) -> bool:
     """A precast bundle's manifest is there (JSON, schema 1, a file table): replacing it is allowed."""
     try:
-        data = json.loads((folder / MANIFEST).read_bytes()) if (folder / MANIFEST).stat().st_size < 64 << 20 else None
+        path = folder / MANIFEST
+        data = json.loads(path.read_bytes()) if path.stat().st_size <= MANIFEST_LIMIT else None
     except (OSError, ValueError, RecursionError):
         return False
     return isinstance(data, dict) and data.get("schema") == SCHEMA and isinstance(data.get("files"), dict)

@@ -17,7 +17,8 @@ import onnx
 
 from .errors import BadInput
 from .families import FAMILIES, FP32_VAE_FAMILIES, LATENT_SCALE, Component, overrides_for
-from .graphs.onnx_graph import Graph, save_model
+from .graphs.onnx_graph import Graph
+from .graphs.onnx_writer import save_model
 from .sources.checkpoint import Checkpoint, open_checkpoint
 from .sources.config_fields import field
 from .sources.detect import Family, detect_family, require_supported

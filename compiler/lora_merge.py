@@ -32,7 +32,8 @@ import numpy as np
 
 from .errors import BadInput
 from .sources.checkpoint import UNET, VAE
-from .sources.lora import FLOAT32_MAX, LoraFile, LoraModule, NameTable, Target, build_name_table, flat, read_lora
+from .sources.lora import LoraFile, LoraModule, NameTable, Target, build_name_table, flat, read_lora
+from .sources.peft_metadata import FLOAT32_MAX
 
 MAX_LISTED = 20
 
@@ -45,11 +46,12 @@ class LoraSpec:
 
     def __post_init__(self):
         for what, value in (("strength", self.strength), ("te_strength", self.te_strength)):
-            if value is not None and not np.isfinite(value):
-                flag = "--lora-te-strength" if what == "te_strength" else f"--lora {self.path}"
+            if value is None:
+                continue
+            flag = "--lora-te-strength" if what == "te_strength" else f"--lora {self.path}"
+            if not np.isfinite(value):
                 raise BadInput(f"{flag}: {what} {value} is not a finite number; give one such as 0.8")
-            if value is not None and abs(value) > FLOAT32_MAX:
-                flag = "--lora-te-strength" if what == "te_strength" else f"--lora {self.path}"
+            if abs(value) > FLOAT32_MAX:
                 raise BadInput(f"{flag}: {what} {value} is beyond float32's range (|x| <= 3.4e38) and would "
                                "overflow every merged weight; give one such as 0.8")
 

@@ -226,11 +226,11 @@ def _check_component(check: "_Checker", comp, field: str, files: dict) -> None:
             check.of(item, "name", str, f"{field}.{io}[{i}]")
             check.of(item, "shape", list, f"{field}.{io}[{i}]", optional=True)
     config = check.of(comp, "config", dict, field, optional=True) or {}
-    for key in ("vocab", "hidden", "decoder_levels"):
+    for key in ("vocab", "hidden"):
         value = check.of(config, key, int, f"{field}.config", optional=True)
-        if value is not None and value < 1 and key != "decoder_levels":     # decoder_levels: 1 to 8, below
+        if value is not None and value < 1:
             check.fail(f"{field}.config.{key}", f"is {value}, expected 1 or more")
-    levels = config.get("decoder_levels")
+    levels = check.of(config, "decoder_levels", int, f"{field}.config", optional=True)
     if levels is not None and not 1 <= levels <= 8:      # the latent factor is 2 ** (levels - 1)
         check.fail(f"{field}.config.decoder_levels", f"is {levels}, expected 1 to 8")
     profiles = check.of(comp, "profiles", list, field)

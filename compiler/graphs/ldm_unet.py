@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..errors import BadInput
-from ..sources.config_fields import field
+from ..sources.config_fields import field, refuse_unbuilt
 from .onnx_graph import FLOAT, Graph
 
 RES_EPS, ATTN_GN_EPS, LN_EPS = 1e-5, 1e-6, 1e-5
@@ -60,20 +60,6 @@ BLOCK_TYPES = {"down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D"),
                "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D")}
 
 
-def check_diffusers_config(config_json: dict, where: str) -> None:
-    """Refuse a UNet config.json that asks for a computation this builder does not write."""
-    for name, allowed in FIXED_FIELDS.items():
-        value = config_json.get(name, allowed[0])
-        values = value if isinstance(value, list) and name == "only_cross_attention" else [value]
-        if any(v not in allowed for v in values):
-            raise BadInput(f"{where}: {name} = {value!r} is not supported yet (precast builds "
-                           f"{' / '.join(repr(a) for a in allowed)}); convert the model or leave the field out")
-    for name, allowed in BLOCK_TYPES.items():
-        odd = [b for b in config_json.get(name) or () if b not in allowed]
-        if odd:
-            raise BadInput(f"{where}: {name} has {odd[0]!r}, not supported yet (supported: {', '.join(allowed)})")
-
-
 def unet_config(g: Graph, config_json: dict, overrides: dict) -> UNetConfig:
     if not g.has("input_blocks.0.0.weight"):
         raise BadInput(f"{g.ckpt.path}: no {g.prefix}input_blocks.0.0.weight")
@@ -98,7 +84,7 @@ def unet_config(g: Graph, config_json: dict, overrides: dict) -> UNetConfig:
         raise BadInput(f"{g.ckpt.path}: the UNet has no cross-attention (no attn2.to_k weights), so it takes no "
                        "text conditioning; unconditional UNets are not supported")
     if config_json:
-        check_diffusers_config(config_json, where)
+        refuse_unbuilt(config_json, where, FIXED_FIELDS, BLOCK_TYPES, ("only_cross_attention",))
     # heads: --set num_heads, else --set head_dim, else the folder's config (diffusers'
     # attention_head_dim holds the number of heads), else the family's convention
     heads, head_dim = overrides.get("num_heads"), overrides.get("head_dim")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..errors import BadInput
-from ..sources.config_fields import field
+from ..sources.config_fields import field, refuse_unbuilt
 from .onnx_graph import Graph
 
 EPS = 1e-6
@@ -33,25 +33,12 @@ FIXED_FIELDS = {"act_fn": ("silu", "swish")}
 BLOCK_TYPES = {"down_block_types": ("DownEncoderBlock2D",), "up_block_types": ("UpDecoderBlock2D",)}
 
 
-def check_diffusers_config(config_json: dict, where: str) -> None:
-    """Refuse a VAE config.json that asks for a computation this builder does not write."""
-    for name, allowed in FIXED_FIELDS.items():
-        if config_json.get(name, allowed[0]) not in allowed:
-            raise BadInput(f"{where}: {name} = {config_json[name]!r} is not supported yet (precast builds "
-                           f"{' / '.join(repr(a) for a in allowed)}); convert the model or leave the field out")
-    for name, allowed in BLOCK_TYPES.items():
-        blocks = config_json.get(name) or ()
-        odd = [b for b in (blocks if isinstance(blocks, list) else [blocks]) if b not in allowed]
-        if odd:
-            raise BadInput(f"{where}: {name} has {odd[0]!r}, not supported yet (supported: {', '.join(allowed)})")
-
-
 def vae_config(g: Graph, config_json: dict, overrides: dict) -> VaeConfig:
     if not g.has("decoder.conv_in.weight") and not g.has("encoder.conv_in.weight"):
         raise BadInput(f"{g.ckpt.path}: no VAE tensors under {g.prefix} (looked for decoder.conv_in.weight)")
     where = f"{g.ckpt.path} vae/config.json"
     if config_json:
-        check_diffusers_config(config_json, where)
+        refuse_unbuilt(config_json, where, FIXED_FIELDS, BLOCK_TYPES)
     img = g.shape("decoder.conv_out.weight")[0] if g.has("decoder.conv_out.weight") else \
         g.shape("encoder.conv_in.weight")[1]
     z = g.shape("decoder.conv_in.weight")[1] if g.has("decoder.conv_in.weight") else \

@@ -1,19 +1,17 @@
-"""The ONNX graph under construction, its primitives, and streaming its weights to disk.
+"""The ONNX graph under construction and its primitives.
 
 Owns: turning builder calls (`g.conv2d(x, "input_blocks.0.0")`) into ONNX nodes; binding
 weights by their checkpoint name (the initializer keeps that name and shape, so a refit or a
-LoRA patch can find it); the fp16 policy (normalisations and softmax compute in fp32); and
-writing the model with weights streamed one tensor at a time into external data.
+LoRA patch can find it); the fp16 policy (normalisations and softmax compute in fp32); the
+checks a header allows (weight dtypes, channel counts, coverage of the checkpoint's tensors).
 
-Building a graph reads only the checkpoint header; tensor bytes are read in `save_model`.
+Building a graph reads only the checkpoint header; tensor bytes are read when the model is
+written (onnx_writer.py).
 """
 from __future__ import annotations
 
-import os
 import re
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,18 +19,17 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import BadInput
+from ..sources.safetensors_file import FLOAT_DTYPES
 
 OPSET = 21
 IR_VERSION = 10
 FLOAT, FLOAT16, INT64, INT32 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT64, TensorProto.INT32
 NP_OF = {FLOAT: np.float32, FLOAT16: np.float16}
-FLOAT_DTYPES = ("F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2")   # safetensors dtypes a weight may be stored in
 ALIGN_SMALL, ALIGN_LARGE, LARGE = 64, 4096, 1 << 20
 # unused checkpoint tensors that mean a known layout this builder does not write: (pattern, why)
 UNBUILT = [(r"(^|\.)(encoder\.down|decoder\.up)\.\d+\.attn\.", "Attention inside the VAE's down/up blocks "
             "(attn_resolutions; diffusers AttnDownEncoderBlock2D / AttnUpDecoderBlock2D) is not supported yet")]
 CHANNELS_KEPT = {"Add", "Sub", "Mul", "Div", "Sigmoid", "Cast", "Pad", "Resize", "GroupNormalization", "Identity"}
-WRITERS = 2          # weight-writer threads: two keep this machine's 2 cores busy (measured in benchmarks/export_unet.py)
 
 
 @dataclass(frozen=True)
@@ -282,133 +279,3 @@ class Graph:
             n2.output[:] = [r.get(o, o) for o in n.output]
             nodes.append(n2)
         return helper.make_graph(nodes, self.name, self.inputs, self.outputs, initializer=list(self.consts))
-
-
-def _cast_weight(arr: np.ndarray, elem_type: int) -> np.ndarray:
-    target = NP_OF[elem_type]
-    if arr.dtype != target:
-        arr = arr.astype(target)
-    return np.ascontiguousarray(arr)
-
-
-def _layout(graph: Graph) -> tuple[list[tuple[Weight, int, int]], int]:
-    """(weight, offset, size) of each weight in the data file, and the file's size: large tensors
-    aligned to 4 KiB, small ones to 64 bytes. Fixed before anything is written, so tensors can be
-    written in any order and the file is the same bytes."""
-    placed, offset = [], 0
-    for w in graph.weights.values():
-        size = int(np.prod(w.shape, dtype=np.int64)) * np.dtype(NP_OF[w.elem_type]).itemsize
-        offset += (-offset) % (ALIGN_LARGE if size >= LARGE else ALIGN_SMALL)
-        placed.append((w, offset, size))
-        offset += size
-    return placed, offset
-
-
-def _write_weights(graph: Graph, fd: int, placed: list[tuple[Weight, int, int]], transform,
-                   on_weight: Callable[[int], None] | None) -> None:
-    """Read, transform, cast and pwrite each weight at its offset, on WRITERS threads (numpy casts
-    and the kernel's page-cache copies release the GIL, so the threads share the cores); at most
-    two tensors per thread are in flight, so memory stays near a handful of tensors."""
-    def write_one(w: Weight, offset: int, size: int) -> int:
-        arr = graph.ckpt.read(w.key)
-        if transform is not None:
-            arr = transform(w, arr)
-        cast = _cast_weight(arr, w.elem_type)
-        # the narrower of the two is checked: a widening cast (fp16 -> fp32) cannot make inf
-        if _has_non_finite(cast if cast.itemsize <= arr.itemsize else arr):
-            _refuse_non_finite(graph, w, arr, cast)
-        arr = cast
-        if arr.nbytes != size:
-            raise RuntimeError(f"{w.key}: {arr.nbytes} bytes, expected {size}")
-        view, done = memoryview(arr).cast("B"), 0
-        while done < size:
-            done += os.pwrite(fd, view[done:], offset + done)
-        return size
-
-    def finish(future) -> None:
-        size = future.result()
-        if on_weight is not None:
-            on_weight(size)
-
-    with ThreadPoolExecutor(max_workers=WRITERS) as pool:
-        pending: deque = deque()
-        try:
-            for item in placed:
-                pending.append(pool.submit(write_one, *item))
-                while len(pending) > 2 * WRITERS:
-                    finish(pending.popleft())
-            while pending:
-                finish(pending.popleft())
-        except BaseException:
-            for f in pending:
-                f.cancel()
-            raise
-
-
-_EXPONENT = {np.dtype(np.float16): (np.uint16, 0x7C00), np.dtype(np.float32): (np.uint32, 0x7F800000)}
-
-
-def _has_non_finite(arr: np.ndarray) -> bool:
-    """NaN or inf anywhere: all exponent bits set (an integer view: ~4x faster than np.isfinite on fp16)."""
-    if arr.size == 0:
-        return False
-    if arr.dtype in _EXPONENT:
-        view, mask = _EXPONENT[arr.dtype]
-        bits = np.ascontiguousarray(arr).reshape(-1).view(view)
-        step = 1 << 20                      # chunks stay in cache; no tensor-sized temporary
-        return any(int(np.bitwise_and(bits[i:i + step], mask).max()) == mask for i in range(0, bits.size, step))
-    return not bool(np.isfinite(arr).all())
-
-
-def _refuse_non_finite(graph: Graph, w: Weight, source: np.ndarray, cast: np.ndarray) -> None:
-    if _has_non_finite(np.asarray(source, dtype=np.float32)):
-        raise BadInput(f"{graph.ckpt.path}: {w.key} holds NaN or infinite values; the checkpoint (or a LoRA merged "
-                       "into it) is damaged")
-    peak = float(np.abs(np.asarray(source, dtype=np.float32)).max())
-    raise BadInput(f"{graph.ckpt.path}: {w.key} has values up to {peak:.4g}, beyond the range of "
-                   f"{np.dtype(cast.dtype).name}; export with --dtype fp32")
-
-
-def _allocate(fd: int, size: int) -> None:
-    """Size the data file up front, its blocks reserved where the OS can (ext4 here writes into a
-    reserved file 1.3-1.6x faster than into a sparse one); the alignment gaps read as zeros."""
-    os.ftruncate(fd, size)
-    if hasattr(os, "posix_fallocate") and size:
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError:    # a filesystem that cannot reserve: the sparse file is still right
-            pass
-
-
-def save_model(graph: Graph, folder: str, on_weight: Callable[[int], None] | None = None,
-               metadata: dict[str, str] | None = None,
-               transform: Callable[[Weight, np.ndarray], np.ndarray] | None = None) -> tuple[str, str]:
-    """Write `folder/model.onnx` and `folder/model.onnx_data`, weights streamed tensor by tensor.
-
-    `transform` may change a weight's values (for example a LoRA merge) before the cast.
-    Returns the two paths."""
-    os.makedirs(folder, exist_ok=True)
-    model_path = os.path.join(folder, "model.onnx")
-    data_name = "model.onnx_data"
-    placed, total = _layout(graph)
-    with open(os.path.join(folder, data_name), "wb") as data:
-        _allocate(data.fileno(), total)
-        _write_weights(graph, data.fileno(), placed, transform, on_weight)
-        if os.fstat(data.fileno()).st_size != total:
-            raise RuntimeError(f"weights file is {os.fstat(data.fileno()).st_size} bytes, expected {total}")
-    initializers = []
-    for w, offset, size in placed:
-        t = TensorProto(name=w.name, data_type=w.elem_type, dims=list(w.shape), data_location=TensorProto.EXTERNAL)
-        for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(size))):
-            entry = t.external_data.add()
-            entry.key, entry.value = k, v
-        initializers.append(t)
-    proto = graph.to_proto()
-    proto.initializer.extend(initializers)
-    model = helper.make_model(proto, opset_imports=[helper.make_opsetid("", OPSET)],
-                              producer_name="precast", producer_version="0.1.0", ir_version=IR_VERSION)
-    for k, v in sorted((metadata or {}).items()):
-        model.metadata_props.add(key=k, value=v)
-    with open(model_path, "wb") as f:
-        f.write(model.SerializeToString(deterministic=True))
-    return model_path, os.path.join(folder, data_name)

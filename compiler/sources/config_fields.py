@@ -1,8 +1,8 @@
 """Typed fields of diffusers config.json files (unet/, vae/, text_encoder/, scheduler/).
 
 Owns: reading one field with its expected kind, so a wrong type or value is one error naming
-the file and the field (never a traceback, never a NaN model). Absent or null fields give the
-default.
+the file and the field (never a traceback, never a NaN model; absent or null fields give the
+default), and refusing the fields whose other values ask for a computation a builder does not write.
 """
 from __future__ import annotations
 
@@ -46,3 +46,19 @@ def field(config: dict, name: str, kind: str, default, where: str, choices: tupl
 def _shown(value) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def refuse_unbuilt(config: dict, where: str, fixed: dict, blocks: dict, listed: tuple = ()) -> None:
+    """`fixed`: field -> the values the builder writes (absent = the first); `blocks`: a block-type
+    list field -> the types it writes; `listed`: fixed fields that may also be given per block."""
+    for name, allowed in fixed.items():
+        value = config.get(name, allowed[0])
+        values = value if isinstance(value, list) and name in listed else [value]
+        if any(v not in allowed for v in values):
+            raise BadInput(f"{where}: {name} = {value!r} is not supported yet (precast builds "
+                           f"{' / '.join(repr(a) for a in allowed)}); convert the model or leave the field out")
+    for name, allowed in blocks.items():
+        given = config.get(name) or ()
+        odd = [b for b in (given if isinstance(given, list) else [given]) if b not in allowed]
+        if odd:
+            raise BadInput(f"{where}: {name} has {odd[0]!r}, not supported yet (supported: {', '.join(allowed)})")

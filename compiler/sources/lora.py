@@ -13,11 +13,8 @@ Reads headers only; tensor bytes are read by the merge (compiler/lora_merge.py).
 """
 from __future__ import annotations
 
-import functools
-import json
 import math
 import re
-import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +23,8 @@ import numpy as np
 from ..errors import BadInput
 from .checkpoint import CONVERT_HINT, UNET, open_weights_file
 from .diffusers_names import RES_NAMES, UNET_TOP
-from .safetensors_file import SafetensorsFile
+from .peft_metadata import pattern_matches, peft_config
+from .safetensors_file import FLOAT_DTYPES, SafetensorsFile
 
 # Tensor-name endings -> role, longest first so `.lora_A.default.weight` wins over `.weight`.
 SUFFIXES = {
@@ -47,9 +45,7 @@ SUFFIXES = {
 }
 _SUFFIX_ORDER = sorted(SUFFIXES, key=len, reverse=True)
 IGNORED_KEYS = ("text_encoder.text_model.embeddings.position_ids",)
-FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 ALPHA_DTYPES = FLOAT_DTYPES + ("I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8")  # an integer alpha is exact
-FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 # Text encoders: canonical prefix -> (layout, kohya prefixes, diffusers/PEFT prefixes).
 TEXT_ENCODERS = {
@@ -308,95 +304,6 @@ class LoraFile:
         return float(alpha)
 
 
-# ---- alpha_pattern keys: module-name paths, matched without a backtracking regex ------------------
-
-def parse_pattern(pattern: str) -> tuple[bool, tuple[str, ...]] | None:
-    """An alpha_pattern key as PEFT writes them -- a module path or its dotted suffix
-    (`to_q`, `down_blocks.0.attentions.0.proj_in`), optionally `^`-anchored, `$`-ended, with `.*`
-    wildcards -- as (anchored, literal pieces between wildcards); None for anything else (other
-    regex syntax). PEFT matches re.match(rf"(.*\\.)?({key})$", module); see pattern_matches."""
-    anchored = pattern.startswith("^")
-    body = pattern[anchored:]
-    body = body[:-1] if body.endswith("$") else body
-    if body.count("*") != body.count(".*"):            # a bare `*` repeats one character: regex, not a path
-        return None
-    body = body.replace(".*", "*")
-    if not body or not all(c.isascii() and (c.isalnum() or c in "_.*") for c in body):
-        return None
-    return anchored, tuple(body.split("*"))
-
-
-def _glob_full(pieces: tuple[str, ...], text: str) -> bool:
-    """text == pieces[0] + ANY + pieces[1] + ... + ANY + pieces[-1]; leftmost search, no backtracking."""
-    if len(pieces) == 1:
-        return text == pieces[0]
-    first, last = pieces[0], pieces[-1]
-    if len(text) < len(first) + len(last) or not text.startswith(first) or not text.endswith(last):
-        return False
-    pos, end = len(first), len(text) - len(last)
-    for piece in pieces[1:-1]:
-        i = text.find(piece, pos, end)
-        if i < 0:
-            return False
-        pos = i + len(piece)
-    return True
-
-
-@functools.lru_cache(maxsize=65536)
-def pattern_matches(pattern: str, module: str) -> bool:
-    """PEFT's rule: the pattern matches the whole module path or a suffix that starts after a `.`
-    (only the whole path when `^`-anchored). `.` is taken literally (module names have no other)."""
-    parsed = parse_pattern(pattern)
-    if parsed is None:
-        return False
-    anchored, pieces = parsed
-    starts = [0] if anchored else [0] + [i + 1 for i, c in enumerate(module) if c == "."]
-    return any(_glob_full(pieces, module[i:]) for i in starts)
-
-
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = 80
-
-
-def _short(value) -> str:
-    """repr of a metadata value, cut short (long strings, deep nesting)."""
-    return _REPR.repr(value)
-
-
-def _is_number(v) -> bool:
-    """A JSON number that fits float32 (|v| <= 3.4e38; NaN, infinity, bool, 1e400 refused)."""
-    if not isinstance(v, (int, float)) or isinstance(v, bool):
-        return False
-    try:
-        return abs(float(v)) <= FLOAT32_MAX
-    except OverflowError:
-        return False
-
-
-def _check_peft_config(p: Path, cfg: dict) -> None:
-    """The fields of diffusers' lora_adapter_metadata that alpha() reads: lora_alpha (a finite
-    number), alpha_pattern ({module path: finite number}, see parse_pattern), use_rslora
-    (true/false); each may be prefixed by its component (`unet.lora_alpha`)."""
-    where = f"--lora {p}: metadata lora_adapter_metadata"
-    for key, value in cfg.items():
-        name = str(key).rsplit(".", 1)[-1]
-        if name == "lora_alpha" and value is not None and not _is_number(value):
-            raise BadInput(f"{where}: {key} = {_short(value)}; expected a finite number (|x| <= 3.4e38)")
-        if name == "use_rslora" and not isinstance(value, bool):
-            raise BadInput(f"{where}: {key} = {_short(value)}; expected true or false")
-        if name == "alpha_pattern" and value is not None:
-            if not isinstance(value, dict):
-                raise BadInput(f"{where}: {key} = {_short(value)}; expected {{module path: alpha}}")
-            for pattern, alpha in value.items():
-                if parse_pattern(pattern) is None:
-                    raise BadInput(f"{where}: {key} pattern {_short(pattern)} is not a module path; use the "
-                                   "module's dotted name or suffix (letters, digits, _ and ., `.*` as a "
-                                   "wildcard, optional leading ^), such as down_blocks.0.attentions.0.proj_in")
-                if not _is_number(alpha):
-                    raise BadInput(f"{where}: {key}[{_short(pattern)}] = {_short(alpha)}; "
-                                   "expected a finite number (|x| <= 3.4e38)")
-
-
 def split_key(key: str) -> tuple[str, str] | None:
     for suffix in _SUFFIX_ORDER:
         if key.endswith(suffix):
@@ -412,23 +319,6 @@ def _check_dtype(p: Path, f: SafetensorsFile, key: str, role: str) -> None:
         want = "a float or an integer" if role == "alpha" else f"a float ({', '.join(FLOAT_DTYPES)})"
         raise BadInput(f"--lora {p}: tensor {key} has dtype {dtype}; a LoRA's {role} tensor must be {want}; "
                        "the LoRA file is damaged (re-download or re-save it)")
-
-
-def _peft_config(p: Path, raw: str | None) -> dict:
-    """diffusers' lora_adapter_metadata JSON, checked (BadInput when not a JSON object of known fields)."""
-    if not raw:
-        return {}
-    try:
-        cfg = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise BadInput(f"--lora {p}: metadata lora_adapter_metadata is not JSON ({e})") from None
-    except RecursionError:
-        raise BadInput(f"--lora {p}: metadata lora_adapter_metadata is nested too deeply to be a LoRA config; "
-                       "the LoRA file is damaged (re-save it)") from None
-    if not isinstance(cfg, dict):
-        raise BadInput(f"--lora {p}: metadata lora_adapter_metadata is not a JSON object")
-    _check_peft_config(p, cfg)
-    return cfg
 
 
 def read_lora(path: str | Path, sha256: str | None = None) -> LoraFile:
@@ -453,10 +343,10 @@ def read_lora(path: str | Path, sha256: str | None = None) -> LoraFile:
                            f"({m.tensors[role]}, {key}); the file mixes two formats")
         _check_dtype(p, f, key, role)
         m.tensors[role] = key
-    peft_config = _peft_config(p, f.metadata.get("lora_adapter_metadata"))
+    peft_cfg = peft_config(p, f.metadata.get("lora_adapter_metadata"))
     if not modules and not stray:
         raise BadInput(f"--lora {p}: holds no tensors")
     if sha256 is None:
         from ...runtime.manifest import sha256_file
         sha256 = sha256_file(p)
-    return LoraFile(str(p), sha256, f, modules, dict(f.metadata), peft_config, stray)
+    return LoraFile(str(p), sha256, f, modules, dict(f.metadata), peft_cfg, stray)

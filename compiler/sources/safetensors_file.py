@@ -27,6 +27,7 @@ DTYPES: dict[str, tuple[int, str]] = {
     "U64": (8, "<u8"), "U32": (4, "<u4"), "U16": (2, "<u2"), "U8": (1, "u1"),
     "BOOL": (1, "?"), "F8_E4M3": (1, "u1"), "F8_E5M2": (1, "u1"),
 }
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")   # the ones a weight may be stored in
 
 
 @dataclass(frozen=True)
