@@ -60,13 +60,17 @@ def main() -> None:
 @click.option("--out", "out", required=True, type=click.Path(), help="Output folder (optimum-onnx layout).")
 @click.option("--component", "components", multiple=True,
               help="Component to export (repeatable): text_encoder, unet, vae_encoder, vae_decoder. Default: all present.")
-@click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True)
+@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True,
+              help="Weights and activations; norms, softmax and RoPE stay fp32 inside the graph.")
 @click.option("--set", "sets", multiple=True, metavar="COMPONENT.FIELD=VALUE",
               help="Override what the weights cannot say, e.g. unet.num_heads=8, text_encoder.num_heads=12.")
-@click.option("--vae-dtype", type=click.Choice(["auto", "fp32", "fp16"]), default="auto", show_default=True,
-              help="VAE precision; auto = --dtype, except fp32 for SDXL (its VAE overflows in fp16).")
+@click.option("--vae-dtype", type=click.Choice(["auto", "fp32", "fp16", "bf16"]), default="auto", show_default=True,
+              help="VAE precision; auto = --dtype, except fp32 for SDXL and Flux/Chroma (their VAEs overflow in fp16).")
 @click.option("--vae", type=click.Path(), default=None,
               help="A separate VAE replacing the checkpoint's: .safetensors (LDM or diffusers names) or a vae/ folder.")
+@click.option("--text-encoder", "--text-encoder-2", "text_encoders", multiple=True, type=click.Path(),
+              help="A separate text encoder (T5-XXL or CLIP-L .safetensors, recognised by its tensors; repeatable), "
+                   "e.g. Flux's t5xxl_fp16.safetensors.")
 @click.option("--lora", "loras", multiple=True, metavar="PATH[:STRENGTH]",
               help="Merge a LoRA / LyCORIS file into the weights (repeatable; strength default 1.0).")
 @click.option("--lora-te-strength", type=float, default=None,
@@ -74,15 +78,16 @@ def main() -> None:
 @click.option("--allow-unmatched", is_flag=True,
               help="Merge a LoRA even when some of its tensors name no weight of the model (they are listed).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout.")
-def export_cmd(checkpoint, out, components, dtype, sets, vae_dtype, vae, loras, lora_te_strength, allow_unmatched,
-               as_json):
+def export_cmd(checkpoint, out, components, dtype, sets, vae_dtype, vae, text_encoders, loras, lora_te_strength,
+               allow_unmatched, as_json):
     """Export CHECKPOINT (.safetensors file or diffusers folder) to ONNX, without torch."""
     def go():
         from .export import export
         specs = [(*_parse_lora(item), lora_te_strength) for item in loras]
         report = export(checkpoint, out, list(components) or None, dtype, _parse_sets(sets), progress=not as_json,
                         vae_dtype=vae_dtype, loras=specs, allow_unmatched=allow_unmatched,
-                        warn=lambda msg: click.echo(f"warning: {msg}", err=True), vae=vae)
+                        warn=lambda msg: click.echo(f"warning: {msg}", err=True), vae=vae,
+                        text_encoders=text_encoders)
         if as_json:
             click.echo(json.dumps(report, indent=2))
         else:

@@ -13,11 +13,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import onnx
 
 from .errors import BadInput
-from .families import FAMILIES, FP32_VAE_FAMILIES, LATENT_SCALE, Component, overrides_for
-from .graphs.onnx_graph import Graph
+from .families import (FAMILIES, FP32_VAE_FAMILIES, LATENT_SCALE, LATENT_SHIFT, T5_TOKENS, Component,
+                       check_parts, overrides_for)
+from .graphs.onnx_graph import DTYPE_NAMES, NP_OF, Graph
 from .graphs.onnx_writer import save_model
 from .sources.checkpoint import Checkpoint, open_checkpoint
 from .sources.config_fields import field
@@ -68,16 +70,17 @@ def plan_graphs(ckpt: Checkpoint, names: list[str], dtype: str, overrides: dict,
         prefix = comp.prefix_in(ckpt.refs)
         if prefix is None:
             raise BadInput(f"{ckpt.path}: has no {name} weights (no tensors under {' or '.join(comp.prefixes)}); "
-                           f"export the components it has with --component")
+                           + (comp.missing_hint or "export the components it has with --component"))
         g = Graph(name, ckpt, prefix, component_dtype(family, name, dtype, vae_dtype))
         try:
-            cfg = comp.make_config(g, ckpt.configs.get(comp.config_name, {}), overrides_for(family.name, comp, overrides))
+            cfg = comp.make_config(g, ckpt.configs.get(comp.config_key, {}), overrides_for(family.name, comp, overrides))
             comp.build(g, cfg)
         except (ValueError, IndexError, TypeError, ZeroDivisionError, OverflowError) as e:
             raise BadInput(f"{ckpt.path}: the {name} tensors' shapes do not fit a {family.name} {name} ({e}); "
                            "the checkpoint may be damaged or of another architecture") from None
         g.check_coverage(list(comp.scopes or (prefix,)), ignore=lambda k: k.endswith(IGNORED_SUFFIXES))
         planned.append((comp, g, cfg.describe()))
+    check_parts(family.name, {c.name: cfg for c, _, cfg in planned}, ckpt.path)
     return planned
 
 
@@ -90,7 +93,8 @@ def _progress(total: int, enabled: bool):
 def export(source: str | os.PathLike, out: str | os.PathLike, components: list[str] | None = None,
            dtype: str = "fp32", overrides: dict | None = None, progress: bool = True,
            vae_dtype: str = "auto", loras: list | None = None, allow_unmatched: bool = False,
-           warn: Callable[[str], None] | None = None, vae: str | os.PathLike | None = None) -> dict:
+           warn: Callable[[str], None] | None = None, vae: str | os.PathLike | None = None,
+           text_encoders: tuple | list = ()) -> dict:
     """`loras`: (path, strength[, te_strength]) tuples or objects with those fields, merged into
     the weights while they stream (compiler/lora_merge.py); checked before anything is written."""
     t0 = time.perf_counter()
@@ -100,14 +104,14 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
     if out.is_dir() and any(out.iterdir()) and not (out / "precast_export.json").is_file():
         raise BadInput(f"--out {out}: exists, is not empty and is not a precast export (no precast_export.json); "
                        "its folders would be replaced: choose a new or empty folder")
-    ckpt = open_checkpoint(source, vae=vae)
+    ckpt = open_checkpoint(source, vae=vae, text_encoders=text_encoders)
     family = detect_family(ckpt)
     require_supported(ckpt, family)
     names = list(components) if components else present_components(ckpt, family)
     planned = plan_graphs(ckpt, names, dtype, overrides or {}, vae_dtype)
     merge = _lora_plan(ckpt, loras, allow_unmatched, warn) if loras else None
-    total = sum(ckpt.refs[w.key].file.tensors[ckpt.refs[w.key].key].end - ckpt.refs[w.key].file.tensors[
-        ckpt.refs[w.key].key].start for _, g, _ in planned for w in g.weights.values())
+    total = sum(int(np.prod(w.shape, dtype=np.int64)) * np.dtype(NP_OF[w.elem_type]).itemsize
+                for _, g, _ in planned for w in g.weights.values())
     staging = out.parent / f".{out.name}.precast-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     report = {"source": str(source), "layout": ckpt.layout, "family": family.name, "variant": family.variant,
@@ -115,8 +119,15 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
               "latent_scale": float(field(ckpt.configs.get("vae", {}), "scaling_factor", "positive",
                                           LATENT_SCALE[family.name], f"{ckpt.path} vae/config.json")),
               "prediction": prediction_type(ckpt, family, overrides or {})}
+    if family.name in LATENT_SHIFT:
+        report["latent_shift"] = float(field(ckpt.configs.get("vae", {}), "shift_factor", "finite",
+                                             LATENT_SHIFT[family.name], f"{ckpt.path} vae/config.json"))
+    if family.name in T5_TOKENS:
+        report["t5_tokens"] = T5_TOKENS[family.name].get(family.variant, 512)
     if vae is not None:
         report["vae"] = str(vae)
+    if text_encoders:
+        report["text_encoders"] = [str(t) for t in text_encoders]
     if merge is not None:
         report["loras"] = merge.describe()
     try:
@@ -131,7 +142,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
                 graph = g.to_proto()
                 report["components"].append({
                     "name": comp.name, "path": comp.name + "/model.onnx", "config": cfg,
-                    "dtype": "fp16" if g.dtype == onnx.TensorProto.FLOAT16 else "fp32",
+                    "dtype": DTYPE_NAMES[g.dtype], **({"precision_notes": g.notes} if g.notes else {}),
                     "inputs": _io(graph.input), "outputs": _io(graph.output),
                     "files": {os.path.basename(p): os.path.getsize(p) for p in (model_path, data_path)}})
         (staging / "precast_export.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
@@ -162,6 +173,8 @@ def _lora_identity(described: list[dict]) -> list[dict]:
 def prediction_type(ckpt: Checkpoint, family: Family, overrides: dict) -> str:
     """epsilon or v_prediction: an override, a diffusers scheduler config, a marker key, or (SD 2.x)
     ComfyUI's rule: the last attention block's norm1 bias has std > 0.09 in v-models."""
+    if family.name in ("flux", "chroma"):
+        return "flow"          # rectified flow: the transformer predicts the velocity (noise - data)
     if overrides.get("model", {}).get("prediction"):
         return str(overrides["model"]["prediction"])
     scheduler = field(ckpt.configs.get("scheduler", {}), "prediction_type", "", None,

@@ -1,11 +1,12 @@
 """Model families and their components: which graphs a family exports, where each one's weights
 live in a checkpoint, and the conventions the weights cannot say.
 
-Owns: the component table per family (optimum folder names; key prefixes, first present wins,
-so single files and diffusers folders both bind; the keys each graph must consume), and each
+Owns: the component table per family (diffusers/optimum folder names; key prefixes, first present
+wins, so single files and diffusers folders both bind; the keys each graph must consume), and each
 family's defaults (SD 1.x: 8 heads; SD 2.x / SDXL: 64-wide heads; SDXL: 6 time ids, refiner 5;
-latent scale; which VAE precision is safe); and what `--set C.FIELD=V` / recipe `model.set` may
-override (SET_FIELDS, each field with the values it takes).
+latent scale and shift; which VAE precision is safe; how parts must fit together, e.g. a Flux
+VAE's 16 latent channels); and what `--set C.FIELD=V` / recipe `model.set` may override
+(SET_FIELDS, each field with the values it takes).
 """
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
-from .graphs import clip_text, ldm_unet, ldm_vae
-from .sources.checkpoint import TEXT, UNET, VAE
+from .errors import BadInput
+from .graphs import clip_text, flux, ldm_unet, ldm_vae, t5_encoder
+from .sources.checkpoint import CLIP_L, DIT, T5, TEXT, UNET, VAE
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,12 @@ class Component:
     make_config: Callable
     build: Callable
     scopes: tuple[str, ...] = ()   # keys that must all be consumed (default: the chosen prefix)
+    config_file: str = ""          # key of its diffusers config in Checkpoint.configs (default: config_name)
+    missing_hint: str = ""         # what to do when a checkpoint lacks it
+
+    @property
+    def config_key(self) -> str:
+        return self.config_file or self.config_name
 
     def prefix_in(self, keys) -> str | None:
         for p in self.prefixes:
@@ -43,6 +51,19 @@ VAE_ENC = Component("vae_encoder", (VAE,), "vae", ldm_vae.vae_config, ldm_vae.bu
                     (VAE + "encoder.", VAE + "quant_conv."))
 VAE_DEC = Component("vae_decoder", (VAE,), "vae", ldm_vae.vae_config, ldm_vae.build_vae_decoder,
                     (VAE + "decoder.", VAE + "post_quant_conv."))
+T5_HINT = ("Flux and Chroma single files usually ship without T5-XXL: pass it with --text-encoder "
+           "t5xxl_fp16.safetensors (recipe: model.text_encoders)")
+FLUX_CLIP = Component("text_encoder", (CLIP_L,), "text_encoder", partial(clip_text.clip_text_config, role="sd1"),
+                      clip_text.build_clip_text, config_file="clip_l",
+                      missing_hint="pass CLIP-L with --text-encoder clip_l.safetensors (recipe: model.text_encoders)")
+DIT_C = Component("transformer", (DIT,), "transformer", flux.flux_config, flux.build_flux)
+
+
+def _t5(name: str, mask_input: bool) -> Component:
+    return Component(name, (T5,), name, partial(t5_encoder.t5_config, mask_input=mask_input),
+                     t5_encoder.build_t5_encoder, config_file="t5", missing_hint=T5_HINT)
+
+
 SDXL_TE1 = "conditioner.embedders.0.transformer.text_model."
 SDXL_TE2 = ("conditioner.embedders.1.model.", "conditioner.embedders.1.transformer.text_model.")
 REFINER_TE = ("conditioner.embedders.0.model.", "conditioner.embedders.0.transformer.text_model.")
@@ -57,7 +78,14 @@ FAMILIES: dict[str, dict[str, Component]] = {
              "unet": UNET_C, "vae_encoder": VAE_ENC, "vae_decoder": VAE_DEC},
     "sdxl-refiner": {"text_encoder_2": _text("text_encoder_2", REFINER_TE, "text_encoder_2", "sdxl-g"),
                      "unet": UNET_C, "vae_encoder": VAE_ENC, "vae_decoder": VAE_DEC},
+    # DiT families: diffusers' pipeline component names (FluxPipeline: CLIP-L + T5; ChromaPipeline: T5 only)
+    "flux": {"text_encoder": FLUX_CLIP, "text_encoder_2": _t5("text_encoder_2", False), "transformer": DIT_C,
+             "vae_encoder": VAE_ENC, "vae_decoder": VAE_DEC},
+    "chroma": {"text_encoder": _t5("text_encoder", True), "transformer": DIT_C,
+               "vae_encoder": VAE_ENC, "vae_decoder": VAE_DEC},
 }
+DENOISER = {"sd1": "unet", "sd2": "unet", "sdxl": "unet", "sdxl-refiner": "unet", "flux": "transformer",
+            "chroma": "transformer"}
 
 # What the weights cannot say, per family (a diffusers config.json or --set wins).
 DEFAULTS: dict[str, dict[str, dict]] = {
@@ -66,11 +94,36 @@ DEFAULTS: dict[str, dict[str, dict]] = {
     "sdxl": {"unet": {"head_dim_default": 64, "time_ids": 6}},
     "sdxl-refiner": {"unet": {"head_dim_default": 64, "time_ids": 5}},
 }
-TEXT_POSITIONS = 77  # every supported text encoder (CLIP-L, OpenCLIP-H, bigG) has 77 positions
-LATENT_SCALE = {"sd1": 0.18215, "sd2": 0.18215, "sdxl": 0.13025, "sdxl-refiner": 0.13025}
-# The SDXL VAE overflows in fp16 (activations past 65504): exported in fp32 unless the user
-# brings the fp16-fix VAE or asks for fp16 knowingly.
-FP32_VAE_FAMILIES = {"sdxl", "sdxl-refiner"}
+TEXT_POSITIONS = 77  # every supported CLIP text encoder (CLIP-L, OpenCLIP-H, bigG) has 77 positions
+LATENT_SCALE = {"sd1": 0.18215, "sd2": 0.18215, "sdxl": 0.13025, "sdxl-refiner": 0.13025, "flux": 0.3611,
+                "chroma": 0.3611}
+LATENT_SHIFT = {"flux": 0.1159, "chroma": 0.1159}   # latent = scale * (z - shift) (BFL AutoEncoderParams)
+# T5 text length the transformer is built and run for (diffusers' max_sequence_length defaults)
+T5_TOKENS = {"flux": {"dev": 512, "schnell": 256}, "chroma": {"": 512}}
+# The SDXL and Flux VAEs overflow in fp16 (activations past 65504; TensorRT's demo forces the Flux
+# VAE out of fp16): exported in fp32 unless the user brings an fp16-safe VAE or asks knowingly.
+FP32_VAE_FAMILIES = {"sdxl", "sdxl-refiner", "flux", "chroma"}
+
+
+def check_parts(family: str, configs: dict[str, dict], path: str) -> None:
+    """Components of one model must fit each other: a Flux/Chroma transformer packs 2x2 patches of
+    the VAE's latent channels (64 = 4 x 16), and reads T5's width."""
+    if family not in ("flux", "chroma") or "transformer" not in configs:
+        return
+    dit = configs["transformer"]
+    vae = configs.get("vae_decoder") or configs.get("vae_encoder")
+    if vae and dit["out_channels"] != 4 * vae["latent_channels"]:
+        raise BadInput(f"{path}: the VAE has {vae['latent_channels']} latent channels; the {family} transformer "
+                       f"predicts {dit['out_channels']} = 4 x {dit['out_channels'] // 4}: give the model's own VAE "
+                       "(Flux's ae.safetensors, 16 channels) with --vae")
+    t5 = configs.get("text_encoder_2" if family == "flux" else "text_encoder")
+    if t5 and t5.get("d_model") and t5["d_model"] != dit["context_dim"]:
+        raise BadInput(f"{path}: the T5 encoder is {t5['d_model']} wide; the transformer reads {dit['context_dim']} "
+                       "(T5-XXL: 4096): give the T5 the model was trained with")
+    clip = configs.get("text_encoder") if family == "flux" else None
+    if clip and dit["vec_dim"] and clip.get("hidden") != dit["vec_dim"]:
+        raise BadInput(f"{path}: the CLIP text encoder is {clip.get('hidden')} wide; the transformer's vector_in "
+                       f"reads {dit['vec_dim']} (CLIP-L: 768)")
 
 
 def overrides_for(family: str, component: Component, user: dict) -> dict:
@@ -98,6 +151,11 @@ SET_FIELDS: dict[str, dict[str, tuple[str, Callable]]] = {
                            lambda v: _is_int(v, 1) or (isinstance(v, list) and bool(v) and all(_is_int(h, 1) for h in v))),
              "head_dim": POSITIVE, "time_ids": NON_NEGATIVE, "addition_time_embed_dim": POSITIVE, "groups": POSITIVE},
     "vae": {"groups": POSITIVE},
+    "transformer": {"axes_dims_rope": ("a list of even integers summing to the head width, e.g. [16, 56, 56]",
+                                       lambda v: isinstance(v, list) and bool(v) and all(_is_int(a, 2) and a % 2 == 0
+                                                                                        for a in v)),
+                    "theta": ("a number above 0", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+                              and 0 < v < float("inf"))},
 }
 
 

@@ -22,7 +22,7 @@ from .errors import UserError
 from .fingerprint import Fingerprint
 
 SCHEMA = 1
-PREDICTIONS = ("epsilon", "v_prediction")
+PREDICTIONS = ("epsilon", "v_prediction", "flow")
 MAX_PROFILE_SIDE = 16384      # px: a profile past this is a damaged manifest, not a model
 MANIFEST = "manifest.json"
 _HEX = frozenset("0123456789abcdef")

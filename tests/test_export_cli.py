@@ -204,9 +204,6 @@ def test_missing_and_unexpected_tensors_are_listed(demo_ckpt, tmp_path):
 
 
 @pytest.mark.parametrize("keys, family", [
-    ({"double_blocks.0.img_attn.norm.key_norm.scale": [128], "img_in.weight": [3072, 64]}, "flux"),
-    ({"double_blocks.0.img_attn.norm.key_norm.scale": [128], "distilled_guidance_layer.in_proj.weight": [4, 4]},
-     "chroma"),
     ({"joint_blocks.0.context_block.attn.qkv.weight": [4, 4]}, "sd3"),
     ({"control_model.zero_convs.0.0.weight": [320, 320, 1, 1], "control_model.input_hint_block.0.weight": [16, 3, 3, 3]},
      "controlnet"),

@@ -122,7 +122,8 @@ def timestep_embedding(g: Graph, t: str, dim: int, cos_first: bool = True, shift
     """Sinusoidal embedding of a 1-D tensor, computed in fp32: f_i = exp(-ln(10000) i / (half - shift)),
     [cos, sin] (LDM; diffusers' flip_sin_to_cos) or [sin, cos]; an odd `dim` ends with a zero column."""
     half = dim // 2
-    freqs = np.exp(-math.log(10000.0) * np.arange(half, dtype=np.float32) / np.float32(half - shift)).astype(np.float32)
+    exponent = -math.log(10000.0) * np.arange(half, dtype=np.float32) / np.float32(half - shift)   # fp32, as torch
+    freqs = np.exp(exponent.astype(np.float64)).astype(np.float32)      # correctly rounded (numpy's fp32 exp is not)
     args = g.op("Mul", g.op("Unsqueeze", t, g.ints(1)), g.const(freqs[None, :], hint="freqs"))
     parts = (g.op("Cos", args), g.op("Sin", args))
     emb = g.op("Concat", *(parts if cos_first else parts[::-1]), axis=-1)

@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -23,13 +24,19 @@ from ..sources.safetensors_file import FLOAT_DTYPES
 
 OPSET = 21
 IR_VERSION = 10
-FLOAT, FLOAT16, INT64, INT32 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT64, TensorProto.INT32
-NP_OF = {FLOAT: np.float32, FLOAT16: np.float16}
+FLOAT, FLOAT16, BFLOAT16 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16
+INT64, INT32 = TensorProto.INT64, TensorProto.INT32
+NP_OF = {FLOAT: np.float32, FLOAT16: np.float16, BFLOAT16: np.dtype(ml_dtypes.bfloat16)}
+DTYPES = {"fp32": FLOAT, "fp16": FLOAT16, "bf16": BFLOAT16}     # --dtype -> ONNX element type
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 ALIGN_SMALL, ALIGN_LARGE, LARGE = 64, 4096, 1 << 20
 # unused checkpoint tensors that mean a known layout this builder does not write: (pattern, why)
 UNBUILT = [(r"(^|\.)(encoder\.down|decoder\.up)\.\d+\.attn\.", "Attention inside the VAE's down/up blocks "
             "(attn_resolutions; diffusers AttnDownEncoderBlock2D / AttnUpDecoderBlock2D) is not supported yet")]
 CHANNELS_KEPT = {"Add", "Sub", "Mul", "Div", "Sigmoid", "Cast", "Pad", "Resize", "GroupNormalization", "Identity"}
+# ops whose output has the last-axis width of their first input of known width (Linear input checks)
+WIDTH_KEPT = {"Add", "Sub", "Mul", "Div", "Sigmoid", "Cast", "Gelu", "Tanh", "LayerNormalization", "Identity", "Clip",
+              "Where"}
 
 
 @dataclass(frozen=True)
@@ -44,10 +51,10 @@ class Graph:
     """Nodes, inputs, outputs and weight requests of one component graph."""
 
     def __init__(self, name: str, ckpt, prefix: str, dtype: str):
-        if dtype not in ("fp32", "fp16"):
-            raise BadInput(f"--dtype {dtype!r}: choose fp32 or fp16")
+        if dtype not in DTYPES:
+            raise BadInput(f"--dtype {dtype!r}: choose {', '.join(DTYPES)}")
         self.name, self.ckpt, self.prefix = name, ckpt, prefix
-        self.dtype = FLOAT16 if dtype == "fp16" else FLOAT
+        self.dtype = DTYPES[dtype]
         self.nodes: list[onnx.NodeProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
@@ -57,6 +64,8 @@ class Graph:
         self.renames: dict[str, str] = {}
         self.skipped: set[str] = set()   # checkpoint keys known to be unused by this graph
         self.channels: dict[str, int] = {}   # NCHW tensor -> its channel count, where known (checks conv weights)
+        self.widths: dict[str, int] = {}     # tensor -> its last axis, where known (checks Linear weights)
+        self.notes: list[str] = []           # precision choices made while building, for the manifest
         self._n = 0
 
     # ---- names, weights, constants -------------------------------------------------
@@ -88,10 +97,14 @@ class Graph:
             return key
         if key not in self.weights:
             ref = self.ckpt.refs[full]
-            stored = ref.file.tensors[ref.key].dtype
-            if stored not in FLOAT_DTYPES:
-                raise BadInput(f"{ref.file.path}: {ref.key} is stored as {stored}; a weight must be a float tensor "
-                               f"({', '.join(FLOAT_DTYPES)}): the file is damaged or not a model checkpoint")
+            for f, k in ref.stored:
+                stored = f.tensors[k].dtype
+                if stored not in FLOAT_DTYPES:
+                    raise BadInput(f"{f.path}: {k} is stored as {stored}; a weight must be a float tensor "
+                                   f"({', '.join(FLOAT_DTYPES)}): the file is damaged or not a model checkpoint")
+            if ref.scale is not None and ref.file.tensors[ref.scale].shape not in ((), (1,)):
+                raise BadInput(f"{ref.file.path}: {ref.scale} has shape {list(ref.file.tensors[ref.scale].shape)}; a "
+                               "scaled-fp8 weight scale is one number: the file is damaged")
             elem = FLOAT if fp32 else self.dtype
             self.weights[key] = Weight(key, full, tuple(self.ckpt.shape(full)), elem)
         return key
@@ -105,6 +118,9 @@ class Graph:
         arr = np.asarray(value)
         if elem_type is not None:
             arr = arr.astype(NP_OF.get(elem_type, {INT64: np.int64, INT32: np.int32}.get(elem_type)))
+        return self._add_const(arr, hint)
+
+    def _add_const(self, arr: np.ndarray, hint: str) -> str:
         name = self._fresh(hint)
         self.consts.append(numpy_helper.from_array(arr, name))
         return name
@@ -121,13 +137,27 @@ class Graph:
             self.channels[outs[0]] = known[0]
         elif op_type == "Concat" and attrs.get("axis") == 1 and inputs and len(known) == len(inputs):
             self.channels[outs[0]] = sum(known)
+        widths = [self.widths[i] for i in inputs if i in self.widths]
+        if op_type in WIDTH_KEPT and widths:
+            self.widths[outs[0]] = widths[0]
         return outs[0] if outputs == 1 else outs
 
     def input(self, name: str, elem_type: int, shape: list) -> str:
         self.inputs.append(helper.make_tensor_value_info(name, elem_type, shape))
         if len(shape) == 4 and isinstance(shape[1], int):
             self.channels[name] = shape[1]
+        if len(shape) in (2, 3) and isinstance(shape[-1], int):
+            self.widths[name] = shape[-1]
         return name
+
+    def expect(self, key: str, shape: tuple[int, ...], why: str = "") -> None:
+        """The tensor `key` must have exactly `shape` (a damaged or transposed weight is caught here
+        by name, not as a failure inside a backend)."""
+        have = tuple(self.shape(key))
+        if have != tuple(shape):
+            raise BadInput(f"{self.ckpt.path}: {self.prefix}{key} has shape {list(have)}, the {self.name} needs "
+                           f"{list(shape)}{' (' + why + ')' if why else ''}; the checkpoint is damaged or of "
+                           "another architecture")
 
     def _check_channels(self, x: str, module: str, want: int, what: str) -> None:
         """A weight whose size fits its bytes but not the tensor it meets (a damaged header)."""
@@ -155,15 +185,36 @@ class Graph:
     def from_fp32(self, x: str) -> str:
         return x if self.dtype == FLOAT else self.cast(x, self.dtype)
 
+    def scalar(self, value: float, elem_type: int | None = None) -> str:
+        """A 0-d constant in the graph's dtype (or `elem_type`)."""
+        return self.const(np.array(value, np.float32), self.dtype if elem_type is None else elem_type, hint="scalar")
+
     # ---- primitives ----------------------------------------------------------------
+    def _check_width(self, x: str, module: str, shape: tuple[int, ...]) -> None:
+        """A Linear weight [out, in] must take the width of the tensor it meets; a weight stored
+        transposed (or of another model) with the right byte count is named here."""
+        have = self.widths.get(x)
+        if len(shape) != 2 or (have is not None and have != shape[1]):
+            raise BadInput(f"{self.ckpt.path}: {self.prefix}{module}.weight has shape {list(shape)}: a Linear weight "
+                           f"[out, in] taking {have if have is not None else 'a'}-wide inputs here; the checkpoint "
+                           "is damaged, transposed or of another architecture")
+
     def linear(self, x: str, module: str, bias: bool | None = True) -> str:
         """torch Linear: y = x @ W^T + b, W kept in checkpoint layout [out, in].
         bias: True = required (a missing one is reported), False = none, None = if present."""
+        if self.has(f"{module}.weight"):
+            shape = tuple(self.shape(f"{module}.weight"))
+            self._check_width(x, module, shape)
+            if bias is not False and self.has(f"{module}.bias"):
+                self.expect(f"{module}.bias", (shape[0],), "one bias per output row")
         w = self.op("Transpose", self.param(f"{module}.weight"), perm=[1, 0])
         y = self.op("MatMul", x, w)
         if bias is None:
             bias = self.has(f"{module}.bias")
-        return self.op("Add", y, self.param(f"{module}.bias")) if bias else y
+        y = self.op("Add", y, self.param(f"{module}.bias")) if bias else y
+        if self.has(f"{module}.weight"):
+            self.widths[y] = self.shape(f"{module}.weight")[0]
+        return y
 
     def linear_chunks(self, x: str, module: str, chunks: int) -> list[str]:
         """torch Linear followed by chunk(chunks, dim=-1), written as one linear per chunk over
@@ -172,14 +223,39 @@ class Graph:
         out = self.shape(f"{module}.weight")[0]
         if out % chunks:
             raise BadInput(f"{self.ckpt.path}: {self.prefix}{module}.weight has {out} rows, not divisible into {chunks}")
-        n = out // chunks
-        w, b = self.param(f"{module}.weight"), self.param(f"{module}.bias")
-        ys = []
-        for i in range(chunks):
-            start, end, axis = self.ints(i * n), self.ints((i + 1) * n), self.ints(0)
-            wi = self.op("Transpose", self.op("Slice", w, start, end, axis), perm=[1, 0])
-            ys.append(self.op("Add", self.op("MatMul", x, wi), self.op("Slice", b, start, end, axis)))
+        return self.linear_rows(x, module, [out // chunks] * chunks)
+
+    def linear_rows(self, x: str, module: str, rows: list[int], bias: bool = True) -> list[str]:
+        """torch Linear followed by a split of its output into blocks of `rows` (summing to the
+        weight's rows): one GEMM per block over a slice of the weight (and bias)."""
+        shape = tuple(self.shape(f"{module}.weight"))
+        self._check_width(x, module, shape)
+        if sum(rows) != shape[0]:
+            raise BadInput(f"{self.ckpt.path}: {self.prefix}{module}.weight has {shape[0]} rows; the {self.name} "
+                           f"splits it into {' + '.join(map(str, rows))}; the checkpoint is damaged or of another "
+                           "architecture")
+        if bias:
+            self.expect(f"{module}.bias", (shape[0],), "one bias per output row")
+        w = self.param(f"{module}.weight")
+        b = self.param(f"{module}.bias") if bias else None
+        ys, start = [], 0
+        for n in rows:
+            s, e, axis = self.ints(start), self.ints(start + n), self.ints(0)
+            wi = self.op("Transpose", self.op("Slice", w, s, e, axis), perm=[1, 0])
+            y = self.op("MatMul", x, wi)
+            y = self.op("Add", y, self.op("Slice", b, s, e, axis)) if bias else y
+            self.widths[y] = n
+            ys.append(y)
+            start += n
         return ys
+
+    def matmul_cols(self, x: str, module: str, start: int, end: int) -> str:
+        """x @ W[:, start:end]^T: the part of a Linear that reads input columns start..end (a
+        Linear over a concatenation, computed without concatenating the activations)."""
+        w = self.op("Slice", self.param(f"{module}.weight"), self.ints(start), self.ints(end), self.ints(1))
+        y = self.op("MatMul", x, self.op("Transpose", w, perm=[1, 0]))
+        self.widths[y] = self.shape(f"{module}.weight")[0]
+        return y
 
     def conv2d(self, x: str, module: str, stride: int = 1, pad: int | tuple[int, ...] | None = None) -> str:
         """`pad`: one size for every side, or ONNX's (top, left, bottom, right); default kernel // 2."""
@@ -209,11 +285,33 @@ class Graph:
                     self.param(f"{module}.bias", fp32=True), axis=-1, epsilon=eps)
         return self.from_fp32(y)
 
+    def rms_norm(self, x: str, module: str | None, eps: float, weight: str = "weight", fp32_out: bool = False) -> str:
+        """x / sqrt(mean(x^2) + eps) [* scale], over the last axis, computed in fp32 (T5, QK norms,
+        Chroma's approximator). `module` None: no learned scale; `fp32_out`: leave the result in fp32."""
+        x32 = self.to_fp32(x)
+        ms = self.op("ReduceMean", self.op("Pow", x32, self.const(np.array(2.0, np.float32))), self.ints(-1),
+                     keepdims=1)
+        y = self.op("Div", x32, self.op("Sqrt", self.op("Add", ms, self.const(np.array(eps, np.float32)))))
+        if module is not None:
+            y = self.op("Mul", y, self.param(f"{module}.{weight}", fp32=True))
+        return y if fp32_out else self.from_fp32(y)
+
+    def plain_layer_norm(self, x: str, width: int, eps: float) -> str:
+        """LayerNorm without learned scale or bias (elementwise_affine=False), in fp32."""
+        ones = self.const(np.ones(width, np.float32), hint="ones")
+        y = self.op("LayerNormalization", self.to_fp32(x), ones, axis=-1, epsilon=eps)
+        self.widths[y] = width
+        return self.from_fp32(y)
+
     def silu(self, x: str) -> str:
         return self.op("Mul", x, self.op("Sigmoid", x))
 
     def gelu(self, x: str) -> str:
         return self.op("Gelu", x)
+
+    def gelu_tanh(self, x: str) -> str:
+        """GELU with the tanh approximation (torch's approximate="tanh", T5's gelu_new)."""
+        return self.op("Gelu", x, approximate="tanh")
 
     def quick_gelu(self, x: str) -> str:
         return self.op("Mul", x, self.op("Sigmoid", self.op("Mul", x, self.const(np.array(1.702), self.dtype))))
@@ -239,16 +337,29 @@ class Graph:
             raise BadInput(f"{self.name}: {heads} attention heads do not divide the width {dim}; "
                            f"pass a divisor with --set {self.name}.num_heads=N")
         d = dim // heads
-        qh = self.op("Transpose", self.op("Reshape", q, self.ints(0, 0, heads, d)), perm=[0, 2, 1, 3])
-        kh = self.op("Transpose", self.op("Reshape", k, self.ints(0, 0, heads, d)), perm=[0, 2, 3, 1])
-        vh = self.op("Transpose", self.op("Reshape", v, self.ints(0, 0, heads, d)), perm=[0, 2, 1, 3])
-        scores = self.op("MatMul", qh, kh)
-        scores = self.op("Mul", self.to_fp32(scores), self.const(np.array(d ** -0.5, np.float32)))
+        qh, kh, vh = (self.split_heads(t, heads, d) for t in (q, k, v))
+        return self.merge_heads(self.sdpa(qh, kh, vh, d ** -0.5, mask), dim)
+
+    def split_heads(self, x: str, heads: int, d: int) -> str:
+        """[B, N, heads * d] -> [B, heads, N, d]."""
+        return self.op("Transpose", self.op("Reshape", x, self.ints(0, 0, heads, d)), perm=[0, 2, 1, 3])
+
+    def merge_heads(self, x: str, dim: int) -> str:
+        """[B, heads, N, d] -> [B, N, heads * d]."""
+        y = self.op("Reshape", self.op("Transpose", x, perm=[0, 2, 1, 3]), self.ints(0, 0, dim))
+        self.widths[y] = dim
+        return y
+
+    def sdpa(self, q: str, k: str, v: str, scale: float | None, mask: str | None = None) -> str:
+        """softmax(q k^T * scale + mask) v on [B, heads, N, d] tensors; scores and softmax in fp32.
+        `scale` None: no scaling (T5)."""
+        scores = self.to_fp32(self.op("MatMul", q, self.op("Transpose", k, perm=[0, 1, 3, 2])))
+        if scale is not None:
+            scores = self.op("Mul", scores, self.const(np.array(scale, np.float32)))
         if mask is not None:
             scores = self.op("Add", scores, mask)
         probs = self.from_fp32(self.op("Softmax", scores, axis=-1))
-        out = self.op("Transpose", self.op("MatMul", probs, vh), perm=[0, 2, 1, 3])
-        return self.op("Reshape", out, self.ints(0, 0, dim))
+        return self.op("MatMul", probs, v)
 
     # ---- checks and output ---------------------------------------------------------
     def check_coverage(self, scopes: list[str], ignore: Callable[[str], bool] = lambda k: False) -> None:

@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import ml_dtypes
 import numpy as np
 from onnx import TensorProto, helper
 
@@ -46,7 +47,7 @@ def _write_weights(graph: Graph, fd: int, placed: list[tuple[Weight, int, int]],
     and the kernel's page-cache copies release the GIL, so the threads share the cores); at most
     two tensors per thread are in flight, so memory stays near a handful of tensors."""
     def write_one(w: Weight, offset: int, size: int) -> int:
-        arr = graph.ckpt.read(w.key)
+        arr = graph.ckpt.read(w.key, raw=True)     # BF16 -> bf16 (and F16 -> fp16) exports copy the bytes as they are
         if transform is not None:
             arr = transform(w, arr)
         cast = _cast_weight(arr, w.elem_type)
@@ -56,7 +57,7 @@ def _write_weights(graph: Graph, fd: int, placed: list[tuple[Weight, int, int]],
         arr = cast
         if arr.nbytes != size:
             raise RuntimeError(f"{w.key}: {arr.nbytes} bytes, expected {size}")
-        view, done = memoryview(arr).cast("B"), 0
+        view, done = memoryview(arr.reshape(-1).view(np.uint8)), 0   # ml_dtypes arrays have no buffer format
         while done < size:
             done += os.pwrite(fd, view[done:], offset + done)
         return size
@@ -81,7 +82,8 @@ def _write_weights(graph: Graph, fd: int, placed: list[tuple[Weight, int, int]],
             raise
 
 
-_EXPONENT = {np.dtype(np.float16): (np.uint16, 0x7C00), np.dtype(np.float32): (np.uint32, 0x7F800000)}
+_EXPONENT = {np.dtype(np.float16): (np.uint16, 0x7C00), np.dtype(np.float32): (np.uint32, 0x7F800000),
+             np.dtype(ml_dtypes.bfloat16): (np.uint16, 0x7F80)}
 
 
 def _has_non_finite(arr: np.ndarray) -> bool:

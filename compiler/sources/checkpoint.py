@@ -1,10 +1,15 @@
 """Opens what a user points precast at and presents it as one set of canonical tensor names.
 
 Owns: recognising the input (single-file .safetensors, diffusers folder, pickled checkpoint),
-refusing pickles without ever unpickling them, and mapping every layout to the LDM
-single-file names (`model.diffusion_model.*`, `first_stage_model.*`,
-`cond_stage_model.transformer.text_model.*`) so that detection and graph builders see one
-layout. Tensors are read one at a time, on demand.
+refusing pickles without ever unpickling them, and mapping every layout to one canonical
+layout per architecture: the LDM single-file names (`model.diffusion_model.*`,
+`first_stage_model.*`, `cond_stage_model.transformer.text_model.*`) for SD models, Black Forest
+Labs' names under `model.diffusion_model.` for Flux / Chroma with ComfyUI's
+`text_encoders.clip_l.transformer.text_model.*` / `text_encoders.t5xxl.transformer.*` for their
+text encoders. A canonical tensor may be made of stored ones (`TensorRef.parts`: a fused q|k|v
+from diffusers' separate to_q, to_k, to_v) or carry a dequantization scale (ComfyUI's scaled
+fp8). Separate text-encoder and VAE files are added by content. Tensors are read one at a
+time, on demand.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BadInput
-from . import diffusers_names
+from . import diffusers_names, flux_names
 from .safetensors_file import SafetensorsFile
 
 PICKLE_SUFFIXES = {".ckpt", ".pt", ".pth", ".bin", ".pkl"}
@@ -29,24 +34,85 @@ CONVERT_HINT = ("precast never unpickles checkpoints (a pickle can run arbitrary
                 "st.save_file({k: v.contiguous() for k, v in sd.items() if hasattr(v, 'contiguous')}, 'OUT.safetensors')\"")
 
 UNET = "model.diffusion_model."
+DIT = UNET                                   # Flux / Chroma transformer (BFL names)
 VAE = "first_stage_model."
 TEXT = "cond_stage_model.transformer.text_model."
+CLIP_L = "text_encoders.clip_l.transformer.text_model."
+T5 = "text_encoders.t5xxl.transformer."
+# A key only T5 / CLIP text encoders have, in HF names: where a file's encoder starts is the part before it.
+T5_MARKER = "encoder.block.0.layer.0.SelfAttention.q.weight"
+CLIP_MARKER = "encoder.layers.0.self_attn.q_proj.weight"
+SCALE_SUFFIX = ".scale_weight"               # ComfyUI scaled fp8: weight = fp8 * scale_weight
+NOT_WEIGHTS = ("scaled_fp8", ".scale_input")  # ComfyUI scaled-fp8 markers and input scales: not weights
 
 
 @dataclass(frozen=True)
 class TensorRef:
     file: SafetensorsFile
-    key: str                      # the name inside that file
+    key: str                      # the name inside that file (the first part's, for a fused tensor)
     shape: tuple[int, ...]        # the canonical shape (may differ by a reshape, e.g. Linear -> 1x1 conv)
+    parts: tuple["TensorRef", ...] = ()   # a fused tensor: these, concatenated along axis 0
+    rows: tuple[int, int] | None = None   # only rows [a, b) of the stored tensor
+    scale: str | None = None      # key of a scalar this tensor is multiplied by (scaled fp8)
+
+    @property
+    def stored(self) -> tuple[tuple[SafetensorsFile, str], ...]:
+        """Every (file, key) whose bytes make this tensor."""
+        if self.parts:
+            return tuple(x for p in self.parts for x in p.stored)
+        return ((self.file, self.key),) + (((self.file, self.scale),) if self.scale else ())
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        return tuple(f.tensors[k].dtype for f, k in self.stored if k != self.scale)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.tensors[k].end - f.tensors[k].start for f, k in self.stored)
+
+    def read(self, raw: bool = False) -> np.ndarray:
+        """The tensor as float32, or (`raw`) in its stored float type where that is exact (BF16,
+        F16, F32, F8 as ml_dtypes arrays; a fused or scaled tensor is float32 either way)."""
+        if self.parts:
+            arrs = [p.read(raw) for p in self.parts]
+            if len({a.dtype for a in arrs}) > 1:
+                arrs = [a.astype(np.float32) for a in arrs]
+            return np.concatenate(arrs, axis=0).reshape(self.shape)
+        arr = self.file.read(self.key, raw=raw and self.scale is None)
+        if self.scale is not None:
+            arr = arr.astype(np.float32) * self.file.read(self.scale).astype(np.float32).reshape(())
+        if self.rows is not None:
+            arr = arr[self.rows[0]:self.rows[1]]
+        return arr.reshape(self.shape)
 
 
 def tensor_ref(f: SafetensorsFile, key: str, canon: str) -> TensorRef:
     """Where canonical tensor `canon` lies. The VAE's mid attention is a 1x1 conv in LDM names;
-    diffusers files (and some single files) store it as Linear [C, C]: it binds reshaped."""
+    diffusers files (and some single files) store it as Linear [C, C]: it binds reshaped. A
+    ComfyUI scaled-fp8 weight carries its scale."""
     shape = f.tensors[key].shape
     if canon.startswith(VAE) and ".mid.attn_1." in canon and canon.endswith(".weight") and len(shape) == 2:
         shape = shape + (1, 1)
-    return TensorRef(f, key, shape)
+    scale = key[:-len(".weight")] + SCALE_SUFFIX if key.endswith(".weight") else None
+    return TensorRef(f, key, shape, scale=scale if scale in f.tensors else None)
+
+
+def fused_ref(f_of: Callable[[str], SafetensorsFile], parts: list[tuple[str, tuple[int, int] | None]],
+              prefix: str = "") -> TensorRef:
+    """One canonical tensor made of stored ones (rows of them), concatenated along axis 0."""
+    refs = []
+    for key, rows in parts:
+        base = tensor_ref(f_of(prefix + key), prefix + key, prefix + key)
+        if rows is not None:
+            base = TensorRef(base.file, base.key, (rows[1] - rows[0],) + base.shape[1:], rows=rows, scale=base.scale)
+        refs.append(base)
+    if len(refs) == 1:
+        return refs[0]
+    tails = {r.shape[1:] for r in refs}
+    if len(tails) > 1:
+        raise BadInput(f"{refs[0].file.path}: {', '.join(r.key for r in refs)} are fused into one weight but have "
+                       f"shapes {', '.join(str(list(r.shape)) for r in refs)}; the file is damaged")
+    return TensorRef(refs[0].file, refs[0].key, (sum(r.shape[0] for r in refs),) + refs[0].shape[1:], parts=tuple(refs))
 
 
 @dataclass
@@ -57,6 +123,7 @@ class Checkpoint:
     refs: dict[str, TensorRef]
     configs: dict[str, dict] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)   # canonical prefix -> the file it came from, if separate
 
     def keys(self) -> list[str]:
         return list(self.refs)
@@ -65,12 +132,10 @@ class Checkpoint:
         return self.refs[key].shape
 
     def dtype(self, key: str) -> str:
-        ref = self.refs[key]
-        return ref.file.tensors[ref.key].dtype
+        return self.refs[key].dtypes[0]
 
-    def read(self, key: str) -> np.ndarray:
-        ref = self.refs[key]
-        return ref.file.read(ref.key).reshape(ref.shape)
+    def read(self, key: str, raw: bool = False) -> np.ndarray:
+        return self.refs[key].read(raw)
 
     def with_prefix(self, prefix: str) -> list[str]:
         return [k for k in self.refs if k.startswith(prefix)]
@@ -82,8 +147,8 @@ class Checkpoint:
         h = hashlib.sha256()
         for key in sorted(self.refs):
             ref = self.refs[key]
-            info = ref.file.tensors[ref.key]
-            h.update(f"{key}|{info.dtype}|{ref.shape}|{info.end - info.start}\n".encode())
+            stored = ",".join(f"{k}:{f.tensors[k].dtype}:{f.tensors[k].end - f.tensors[k].start}" for f, k in ref.stored)
+            h.update(f"{key}|{ref.shape}|{ref.rows}|{stored}\n".encode())
         return h.hexdigest()
 
 
@@ -116,16 +181,33 @@ def open_weights_file(path: Path, refusal: Callable[[Path], BadInput] = _refuse_
         raise
 
 
+BFL_TOP = {"double_blocks", "single_blocks", "img_in", "txt_in", "time_in", "vector_in", "guidance_in",
+           "final_layer", "distilled_guidance_layer"}
+
+
+def is_weight_key(key: str) -> bool:
+    """False for the scaled-fp8 side tensors (markers, input scales, weight scales): they belong
+    to a weight, not to the model's graph."""
+    return not (key == NOT_WEIGHTS[0] or key.endswith(NOT_WEIGHTS[1]) or key.endswith(SCALE_SUFFIX))
+
+
 def _normalise_single_file(keys: list[str]) -> dict[str, str]:
-    """Single-file variants -> canonical names: diffusion-only files without a prefix, and old
-    SD1 files whose text encoder lacks `text_model.`."""
+    """Single-file variants -> canonical names: diffusion-only files without a prefix (LDM UNets,
+    BFL Flux/Chroma transformers), ComfyUI's `vae.` prefix, and old SD1 files whose text encoder
+    lacks `text_model.`."""
     bare_unet = any(k.startswith("input_blocks.") for k in keys) and not any(k.startswith(UNET) for k in keys)
+    bare_dit = any(k.startswith("double_blocks.") for k in keys) and not any(k.startswith(DIT) for k in keys)
+    comfy_vae = any(k.startswith("vae.") for k in keys) and not any(k.startswith(VAE) for k in keys)
     out = {}
     for k in keys:
         c = k
-        if bare_unet and k.split(".")[0] in {"input_blocks", "middle_block", "output_blocks", "time_embed",
-                                             "out", "label_emb"}:
+        top = k.split(".")[0]
+        if bare_unet and top in {"input_blocks", "middle_block", "output_blocks", "time_embed", "out", "label_emb"}:
             c = UNET + k
+        elif bare_dit and top in BFL_TOP:
+            c = DIT + k
+        elif comfy_vae and top == "vae":
+            c = VAE + k[len("vae."):]
         elif k.startswith("cond_stage_model.transformer.") and not k.startswith(TEXT) and \
                 k.split(".")[2] in {"embeddings", "encoder", "final_layer_norm"}:
             c = TEXT + k[len("cond_stage_model.transformer."):]
@@ -133,10 +215,28 @@ def _normalise_single_file(keys: list[str]) -> dict[str, str]:
     return out
 
 
+def _diffusers_dit_refs(files: dict[str, SafetensorsFile], where: str, prefix: str = "") -> dict[str, TensorRef]:
+    """A Flux/Chroma transformer in diffusers names (keys under `prefix`) -> BFL-named refs."""
+    rel = [k[len(prefix):] for k in files if k.startswith(prefix) and is_weight_key(k)]
+    shapes = {k: files[prefix + k].tensors[prefix + k].shape for k in rel}
+    parts, stray = flux_names.bfl_parts(rel, shapes)
+    if stray:
+        raise BadInput(f"{where}: {len(stray)} transformer tensor(s) have no place in a Flux/Chroma transformer, e.g. "
+                       f"{', '.join(stray[:5])}; the file is damaged or a variant precast does not support yet")
+    return {DIT + bfl: fused_ref(lambda k: files[k], srcs, prefix) for bfl, srcs in parts.items()}
+
+
 def open_single_file(path: Path) -> Checkpoint:
     f = open_weights_file(path)
-    names = _normalise_single_file(f.keys())
-    refs = {canon: tensor_ref(f, key, canon) for key, canon in names.items()}
+    keys = [k for k in f.keys() if is_weight_key(k)]
+    refs: dict[str, TensorRef] = {}
+    if flux_names.is_diffusers_flux(keys):      # a diffusers-named Flux/Chroma transformer saved as one file
+        marker = next(k for k in keys if k.endswith("x_embedder.weight"))
+        prefix = marker[:-len("x_embedder.weight")]
+        refs.update(_diffusers_dit_refs({k: f for k in f.keys()}, str(path), prefix))
+        keys = [k for k in keys if not k.startswith(prefix)]
+    names = _normalise_single_file(keys)
+    refs.update({canon: tensor_ref(f, key, canon) for key, canon in names.items()})
     return Checkpoint(str(path), "single-file", refs, metadata=f.metadata)
 
 
@@ -218,8 +318,8 @@ def _read_config(folder: Path, name: str) -> dict:
 
 
 def _text_prefixes(folder: Path) -> dict[str, str]:
-    """Where a folder's text encoders go in the canonical layout: SD 1.x/2.x have one; SDXL base
-    has CLIP-L + bigG (text_encoder_2); the refiner has bigG only."""
+    """Where an SD folder's text encoders go in the canonical layout: SD 1.x/2.x have one; SDXL
+    base has CLIP-L + bigG (text_encoder_2); the refiner has bigG only."""
     if (folder / "text_encoder_2").is_dir():
         if (folder / "text_encoder").is_dir():
             return {"text_encoder": "conditioner.embedders.0.transformer.text_model.",
@@ -228,11 +328,56 @@ def _text_prefixes(folder: Path) -> dict[str, str]:
     return {"text_encoder": TEXT}
 
 
+def text_encoder_kind(keys) -> tuple[str, str] | None:
+    """("t5" | "clip", the key prefix the encoder's HF names start after), from its tensor names."""
+    for kind, marker in (("t5", T5_MARKER), ("clip", CLIP_MARKER)):
+        hit = next((k for k in keys if k.endswith(marker)), None)
+        if hit is not None:
+            return kind, hit[:-len(marker)]
+    return None
+
+
+def _encoder_mapping(keys: list[str], kind: str, prefix: str) -> dict[str, str]:
+    """A text encoder's keys (under `prefix`) -> canonical names (T5 or Flux's CLIP-L)."""
+    canon = T5 if kind == "t5" else CLIP_L
+    return {k: canon + k[len(prefix):] for k in keys if k.startswith(prefix) and is_weight_key(k)}
+
+
+DIT_CLASSES = ("FluxTransformer2DModel", "ChromaTransformer2DModel")
+
+
+def _dit_folder_refs(folder: Path, refs: dict, configs: dict, found: list) -> None:
+    """A DiT pipeline folder (Flux, Chroma): transformer/ in BFL names, text encoders by kind."""
+    weights = _component_weights(folder, "transformer")
+    configs["transformer"] = _read_config(folder, "transformer")
+    cls = configs["transformer"].get("_class_name")
+    if cls not in DIT_CLASSES and not flux_names.is_diffusers_flux(list(weights)):
+        raise BadInput(f"{folder}/transformer: a {cls or 'transformer'} precast does not support yet "
+                       f"(supported: {', '.join(DIT_CLASSES)})")
+    refs.update(_diffusers_dit_refs(weights, f"{folder}/transformer"))
+    found.append("transformer")
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+        weights = _component_weights(folder, name)
+        if weights is None:
+            continue
+        kind = text_encoder_kind(list(weights))
+        if kind is None:
+            raise BadInput(f"{folder}/{name}: neither a T5 nor a CLIP text encoder (looked for {T5_MARKER} and "
+                           f"{CLIP_MARKER})")
+        configs["t5" if kind[0] == "t5" else "clip_l"] = _read_config(folder, name)
+        for key, canon in _encoder_mapping(list(weights), *kind).items():
+            refs[canon] = tensor_ref(weights[key], key, canon)
+        found.append(name)
+
+
 def open_diffusers_folder(folder: Path) -> Checkpoint:
     refs: dict[str, TensorRef] = {}
     configs: dict[str, dict] = {}
-    found = []
-    texts = [(name, prefix, None) for name, prefix in _text_prefixes(folder).items()]
+    found: list[str] = []
+    dit = (folder / "transformer").is_dir()
+    if dit:
+        _dit_folder_refs(folder, refs, configs, found)
+    texts = [] if dit else [(name, prefix, None) for name, prefix in _text_prefixes(folder).items()]
     for name, prefix, rename in [("unet", UNET, diffusers_names.unet_names),
                                  ("vae", VAE, diffusers_names.vae_names), *texts]:
         weights = _component_weights(folder, name)
@@ -240,7 +385,7 @@ def open_diffusers_folder(folder: Path) -> Checkpoint:
             continue
         found.append(name)
         configs[name] = _read_config(folder, name)
-        keys = list(weights)
+        keys = [k for k in weights if is_weight_key(k)]
         if rename is not None:
             mapping = rename(keys)
         else:  # HF CLIPTextModel: text_model.* (some saves drop the text_model. prefix)
@@ -252,14 +397,16 @@ def open_diffusers_folder(folder: Path) -> Checkpoint:
         if cfg := _read_json(path):
             configs[name] = cfg
     if not found:
-        raise BadInput(f"{folder}: a folder, but not a diffusers model (no unet/, vae/ or text_encoder/ "
+        raise BadInput(f"{folder}: a folder, but not a diffusers model (no unet/, transformer/, vae/ or text_encoder/ "
                        "with .safetensors weights)")
     return Checkpoint(str(folder), "diffusers", refs, configs=configs)
 
 
-def open_checkpoint(path: str | os.PathLike, vae: str | os.PathLike | None = None) -> Checkpoint:
+def open_checkpoint(path: str | os.PathLike, vae: str | os.PathLike | None = None,
+                    text_encoders: tuple | list = ()) -> Checkpoint:
     """The checkpoint at `path`; with `vae`, its VAE tensors are replaced by that file's or folder's
-    (e.g. the SDXL fp16-fix VAE)."""
+    (e.g. the SDXL fp16-fix VAE, Flux's ae.safetensors); each of `text_encoders` (a T5 or CLIP-L
+    file, recognised by its tensors) is added in place of the checkpoint's own."""
     p = Path(path)
     if not p.exists():
         raise BadInput(f"{p}: no such file or folder")
@@ -269,7 +416,35 @@ def open_checkpoint(path: str | os.PathLike, vae: str | os.PathLike | None = Non
         ckpt = open_single_file(p)
     if vae is not None:
         replace_vae(ckpt, Path(vae))
+    for te in text_encoders:
+        add_text_encoder(ckpt, Path(te))
     return ckpt
+
+
+def add_text_encoder(ckpt: Checkpoint, path: Path) -> None:
+    """A separate text-encoder file (T5-XXL or CLIP-L, HF names with or without a prefix, e.g.
+    comfyanonymous' t5xxl_fp16.safetensors / clip_l.safetensors), or a diffusers text_encoder*/
+    folder, in place of the checkpoint's own encoder of that kind."""
+    flag = f"--text-encoder {path}"
+    if not path.exists():
+        raise BadInput(f"{flag}: no such file or folder")
+    if path.is_dir():
+        weights = _component_weights(path.parent, path.name)
+        if weights is None:
+            raise BadInput(f"{flag}: a folder without .safetensors weights; give the encoder's folder or file")
+    else:
+        f = open_weights_file(path)
+        weights = {k: f for k in f.keys()}
+    kind = text_encoder_kind(list(weights))
+    if kind is None:
+        raise BadInput(f"{flag}: neither a T5 nor a CLIP text encoder (looked for {T5_MARKER} / {CLIP_MARKER}; "
+                       f"found e.g. {', '.join(sorted(weights)[:3]) or 'no tensors'}); give the T5-XXL or CLIP-L file")
+    canon = T5 if kind[0] == "t5" else CLIP_L
+    for k in [k for k in ckpt.refs if k.startswith(canon)]:
+        del ckpt.refs[k]
+    for key, name in _encoder_mapping(list(weights), *kind).items():
+        ckpt.refs[name] = tensor_ref(weights[key], key, name)
+    ckpt.sources[canon] = str(path)
 
 
 def replace_vae(ckpt: Checkpoint, vae: Path) -> None:
@@ -289,6 +464,8 @@ def replace_vae(ckpt: Checkpoint, vae: Path) -> None:
     keys = list(weights)
     if any(k.startswith(VAE) for k in keys):
         mapping = {k: k for k in keys if k.startswith(VAE)}
+    elif any(k.startswith("vae.") for k in keys):
+        mapping = {k: VAE + k[len("vae."):] for k in keys if k.startswith("vae.")}
     elif any(".down_blocks." in k or ".up_blocks." in k for k in keys):
         mapping = {k: VAE + v for k, v in diffusers_names.vae_names(keys).items()}
     else:
@@ -299,3 +476,4 @@ def replace_vae(ckpt: Checkpoint, vae: Path) -> None:
         del ckpt.refs[k]
     for key, canon in mapping.items():
         ckpt.refs[canon] = tensor_ref(weights[key], key, canon)
+    ckpt.sources[VAE] = str(vae)

@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import BadInput
-from .checkpoint import UNET, VAE, Checkpoint
+from .checkpoint import CLIP_MARKER, DIT, T5_MARKER, UNET, VAE, Checkpoint
 
-SUPPORTED = {"sd1", "sd2", "sdxl", "sdxl-refiner"}
+SUPPORTED = {"sd1", "sd2", "sdxl", "sdxl-refiner", "flux", "chroma"}
 LOOKED_FOR = (f"{UNET}input_blocks.0.0.weight (SD/SDXL UNet), joint_blocks.* (SD3), double_blocks.* (Flux), "
               f"zero_convs.* (ControlNet), {VAE}decoder.conv_in.weight (VAE)")
 
@@ -46,10 +46,7 @@ def detect_family(ckpt: Checkpoint) -> Family:
     if _has(ckpt, "joint_blocks.0.context_block.attn.qkv.weight"):
         return Family("sd3", "", "joint_blocks.0.context_block.attn.qkv.weight")
     if _has(ckpt, "double_blocks.0.img_attn.norm.key_norm.scale"):
-        if any("distilled_guidance_layer." in k for k in keys):
-            return Family("chroma", "", "double_blocks.* with distilled_guidance_layer.*")
-        variant = "dev" if any("guidance_in." in k for k in keys) else "schnell"
-        return Family("flux", variant, "double_blocks.0.img_attn.norm.key_norm.scale")
+        return _flux_or_chroma(ckpt)
     if _has(ckpt, "zero_convs.0.0.weight") and _has(ckpt, "input_hint_block.0.weight"):
         return Family("controlnet", "", "zero_convs.0.0.weight + input_hint_block.0.weight")
     conv_in = ckpt.refs.get(UNET + "input_blocks.0.0.weight")
@@ -74,11 +71,39 @@ def detect_family(ckpt: Checkpoint) -> Family:
     if VAE + "decoder.conv_in.weight" in keys or "decoder.conv_in.weight" in keys:
         return Family("vae", "", "decoder.conv_in.weight without a UNet")
     hint = ""
-    if any(k.startswith(DIFFUSERS_COMPONENT_NAMES) for k in keys):
+    if any(k.endswith((T5_MARKER, CLIP_MARKER)) for k in keys):
+        hint = (" It holds a text encoder only (T5 or CLIP): give the model's checkpoint and this file with "
+                "--text-encoder FILE (recipe: model.text_encoders).")
+    elif any(k.startswith(DIFFUSERS_COMPONENT_NAMES) for k in keys):
         hint = (" These look like the tensors of one component of a diffusers folder (unet/, vae/, "
                 "text_encoder/): pass the folder that holds model_index.json instead of the file.")
     raise BadInput(f"{ckpt.path}: not a recognised diffusion model checkpoint. Looked for: {LOOKED_FOR}. "
                    f"Found {len(keys)} tensors, e.g. {', '.join(sorted(keys)[:3]) or 'none'}.{hint}")
+
+
+FLUX_UNSUPPORTED = (("nerf_blocks.", "Chroma Radiance (pixel-space nerf blocks)"),
+                    ("__x0__", "Chroma x0-prediction"))
+
+
+def _flux_or_chroma(ckpt: Checkpoint) -> Family:
+    """Chroma (the distilled-guidance approximator instead of modulation Linears) before Flux; Flux
+    dev (guidance_in) or schnell. A transformer that takes more input channels than it predicts
+    is an image-conditioned variant (Fill: 384, Canny/Depth: 128 for 64 out), refused by name."""
+    keys = ckpt.refs
+    for marker, what in FLUX_UNSUPPORTED:
+        if any(marker in k for k in keys):
+            raise BadInput(f"{ckpt.path}: {what} (tensors {marker}*) is not supported yet; Flux.1 dev/schnell "
+                           "and Chroma are")
+    img_in, final = keys.get(DIT + "img_in.weight"), keys.get(DIT + "final_layer.linear.weight")
+    if img_in is not None and final is not None and len(img_in.shape) == 2 and img_in.shape[1] > final.shape[0]:
+        kind = {384: "Fill (inpainting)", 128: "Canny/Depth (structural control)"}.get(img_in.shape[1], "image-conditioned")
+        raise BadInput(f"{ckpt.path}: img_in takes {img_in.shape[1]} channels for {final.shape[0]} out: a Flux {kind} "
+                       "variant, not supported yet (Flux.1 dev/schnell and Chroma are)")
+    if any(k.startswith(DIT + "distilled_guidance_layer.") for k in keys):
+        return Family("chroma", "", "double_blocks.* with distilled_guidance_layer.*")
+    variant = "dev" if DIT + "guidance_in.in_layer.weight" in keys else "schnell"
+    return Family("flux", variant, "double_blocks.0.img_attn.norm.key_norm.scale" +
+                  (", guidance_in" if variant == "dev" else ", no guidance_in"))
 
 
 def _sdxl_base_or_refiner(ckpt: Checkpoint, label_in: int, context: int | None) -> tuple[str, str]:

@@ -191,17 +191,19 @@ class SafetensorsFile:
     def keys(self) -> list[str]:
         return list(self.tensors)
 
-    def read(self, key: str) -> np.ndarray:
-        """One tensor as numpy (BF16 widened to float32, F8 through ml_dtypes)."""
+    def read(self, key: str, raw: bool = False) -> np.ndarray:
+        """One tensor as numpy: BF16 widened to float32 and F8 decoded to float32 through ml_dtypes,
+        or (`raw`) BF16 / F8 as ml_dtypes arrays over the bytes read, with no conversion."""
         info = self.tensors[key]
-        raw = os.pread(self._fd, info.end - info.start, info.start)
-        if len(raw) != info.end - info.start:
+        data = os.pread(self._fd, info.end - info.start, info.start)
+        if len(data) != info.end - info.start:
             raise _bad(self.path, f"tensor '{key}' could not be read in full (file changed while reading?)")
-        arr = np.frombuffer(raw, dtype=DTYPES[info.dtype][1]).reshape(info.shape)
-        if info.dtype == "BF16":
-            return bf16_to_f32(arr)
-        if info.dtype.startswith("F8"):
+        arr = np.frombuffer(data, dtype=DTYPES[info.dtype][1]).reshape(info.shape)
+        if info.dtype == "BF16" or info.dtype.startswith("F8"):
             import ml_dtypes
-            kind = ml_dtypes.float8_e4m3fn if info.dtype == "F8_E4M3" else ml_dtypes.float8_e5m2
-            return arr.view(kind).astype(np.float32)
+            kind = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn,
+                    "F8_E5M2": ml_dtypes.float8_e5m2}[info.dtype]
+            if raw:
+                return arr.view(kind)
+            return bf16_to_f32(arr) if info.dtype == "BF16" else arr.view(kind).astype(np.float32)
         return arr
