@@ -8,6 +8,7 @@ Bundles are written to a staging folder and renamed into place.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -28,15 +29,29 @@ DEMO_FILE = "tiny-sd15-seed0.safetensors"
 
 
 def materialize_source(recipe: Recipe, cache: Cache) -> Path:
-    """The checkpoint path; the embedded demo is written once into the cache folder."""
+    """The checkpoint path; an embedded demo is written once into the cache folder."""
     if not recipe.source.startswith("demo:"):
         return Path(recipe.source)
-    from .demo_model import write_demo_model
-    path = cache.root / "demo" / DEMO_FILE
+    name = recipe.source[len("demo:"):]
+    path = cache.root / "demo" / (DEMO_FILE if name == "tiny-sd15" else f"{name}-seed0.safetensors")
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_demo_model(str(path), seed=0)
+        if name == "tiny-sd15":
+            from .demo_model import write_demo_model
+            write_demo_model(str(path), seed=0)
+        else:
+            from .demo_dit import write_demo_dit
+            write_demo_dit(str(path), name, seed=0)
     return path
+
+
+def demo_overrides(recipe: Recipe) -> dict:
+    """What the tiny DiT demos' weights cannot say (their 16-wide heads' RoPE split), unless set."""
+    if not recipe.source.startswith("demo:tiny-") or recipe.source == "demo:tiny-sd15":
+        return recipe.overrides
+    from .demo_dit import DEMO_AXES
+    transformer = {"axes_dims_rope": DEMO_AXES, **recipe.overrides.get("transformer", {})}
+    return {**recipe.overrides, "transformer": transformer}
 
 
 def source_digest(path: Path) -> str:
@@ -62,14 +77,17 @@ def builder_digest() -> str:
 
 def cached_export(cache: Cache, source: Path, digest: str, component: str, dtype: str, overrides: dict,
                   progress: bool, vae: Path | None = None, vae_digest: str = "", loras: list | None = None,
-                  lora_ids: list[dict] | None = None) -> tuple[Entry, bool]:
+                  lora_ids: list[dict] | None = None, text_encoders: tuple = (),
+                  te_digests: tuple = ()) -> tuple[Entry, bool]:
     """One component's ONNX export, as a cache entry: (verified entry, hit). `loras` are merged
     ((path, strength, te_strength) each); `lora_ids` (digest + strength of each LoRA that touches
-    this component) go into the key."""
+    this component) go into the key; so do the digests of separate text-encoder files."""
     from .export import export
     key_parts = {"kind": "export", "source_sha256": digest, "component": component, "dtype": dtype,
                  "overrides": overrides, "vae_sha256": vae_digest, "precast": PRECAST_VERSION,
                  "builder": builder_digest()}
+    if te_digests:
+        key_parts["text_encoders_sha256"] = list(te_digests)
     if lora_ids:
         key_parts["loras"] = lora_ids
     key = cache_key(key_parts)
@@ -77,7 +95,7 @@ def cached_export(cache: Cache, source: Path, digest: str, component: str, dtype
     def build(folder: Path) -> dict:
         work = folder / "export"
         report = export(source, work, [component], dtype, overrides, progress=progress, vae_dtype=dtype,
-                        vae=vae, loras=loras if lora_ids else None)
+                        vae=vae, loras=loras if lora_ids else None, text_encoders=text_encoders)
         for f in (work / component).iterdir():
             os.rename(f, folder / f.name)
         shutil.rmtree(work)
@@ -85,7 +103,9 @@ def cached_export(cache: Cache, source: Path, digest: str, component: str, dtype
         return {"kind": "export", "component": component, "dtype": dtype, "family": report["family"],
                 "variant": report["variant"], "inputs": comp["inputs"], "outputs": comp["outputs"],
                 "config": comp["config"], "entry": "model.onnx", "prediction": report["prediction"],
-                "latent_scale": report["latent_scale"]}
+                "latent_scale": report["latent_scale"],
+                **{k: report[k] for k in ("latent_shift", "t5_tokens") if k in report},
+                **({"precision_notes": comp["precision_notes"]} if comp.get("precision_notes") else {})}
 
     entry, hit, _ = cache.get_or_build(key, build)
     return entry, hit
@@ -178,17 +198,25 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
     cache = cache or Cache()
     entries = select(make_plan(recipe), only, shard)
     source = materialize_source(recipe, cache)
-    ckpt = open_checkpoint(source, vae=recipe.vae)
+    ckpt = open_checkpoint(source, vae=recipe.vae, text_encoders=recipe.text_encoders)
     family = detect_family(ckpt)
     require_supported(ckpt, family)
     if recipe.family and recipe.family != family.name:
         raise BadInput(f"{recipe.path}: family {recipe.family!r} but {source} is {family.name} ({family.evidence})")
-    from .families import FAMILIES, FP32_VAE_FAMILIES
+    from .export import plan_graphs
+    from .families import FAMILIES, FP32_VAE_FAMILIES, T5_TOKENS, flow_defaults
     absent = [c for c in recipe.components if c not in FAMILIES[family.name]]
     if absent:
         raise BadInput(f"{recipe.path}: components: {family.name} has no {', '.join(absent)} "
                        f"(it has {', '.join(FAMILIES[family.name])})")
+    overrides = demo_overrides(recipe)
+    # every graph built from the headers once: a missing part (T5), a mismatched one (a 4-channel VAE
+    # for Flux) or a damaged tensor is one error now, before anything is written
+    plan_graphs(ckpt, list(recipe.components), "fp32", overrides)
+    t5 = T5_TOKENS.get(family.name, {}).get(family.variant)
+    profiles = [dataclasses.replace(p, t5_tokens=p.t5_tokens or (t5, t5, t5)) if t5 else p for p in recipe.profiles]
     digest = source_digest(source)
+    te_digests = tuple(source_digest(Path(t)) for t in recipe.text_encoders)
     lora_plan = None
     if recipe.loras:  # checked against the model now (unmatched keys, shapes), before anything is built
         from .lora_merge import LoraSpec, component_loras, plan_merge
@@ -202,6 +230,10 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
         if comp.startswith("vae_") and comp not in recipe.precision_explicit and family.name in FP32_VAE_FAMILIES:
             return "fp32", f"{family.name} VAE overflows in fp16; kept fp32 (set precision.{comp} to override)"
         return recipe.precision[comp], "recipe"
+    for e in entries:   # a precision a backend cannot run is refused before anything is exported
+        if e.target.backend == "onnxruntime" and precision_of(e.component)[0] == "bf16":
+            raise BadInput(f"{recipe.path}: {e.component} is bf16 (precision), which ONNX Runtime's CPU provider "
+                           "cannot run: give it fp32 or fp16 for the onnxruntime target, or drop that target")
     staging = out.parent / f".{out.name}.building-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -212,6 +244,13 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
                           "source_sha256": digest, "loras": [], "embeddings": [],
                           "vae": {"source": vae_path.name, "sha256": vae_digest} if vae_path else None},
                 "components": {}, "artifacts": [], "files": writer.files}
+    if recipe.text_encoders:
+        manifest["model"]["text_encoders"] = [{"source": Path(t).name, "sha256": d}
+                                              for t, d in zip(recipe.text_encoders, te_digests)]
+    flow = flow_defaults(family.name, family.variant, ckpt.configs.get("scheduler", {}),
+                         f"{ckpt.path} scheduler/scheduler_config.json")
+    if flow is not None:
+        manifest["model"].update(flow)
     if lora_plan is not None:
         manifest["model"]["loras"] = [{k: d[k] for k in ("name", "sha256", "strength", "te_strength")}
                                       for d in lora_plan.describe()]
@@ -226,25 +265,31 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
         for comp in sorted({e.component for e in entries}):
             c0 = time.perf_counter()
             dtype, why = precision_of(comp)
-            entry, hit = cached_export(cache, source, digest, comp, dtype, recipe.overrides, progress,
+            is_text = comp.startswith("text_encoder")
+            entry, hit = cached_export(cache, source, digest, comp, dtype, overrides, progress,
                                        vae_path if comp.startswith("vae_") else None,
                                        vae_digest if comp.startswith("vae_") else "", lora_args,
                                        component_loras(lora_plan, FAMILIES[family.name][comp].prefix_in(ckpt.refs))
-                                       if lora_plan is not None else None)
+                                       if lora_plan is not None else None,
+                                       recipe.text_encoders if is_text else (), te_digests if is_text else ())
             meta = entry.metadata
             manifest["model"]["prediction"] = meta.get("prediction", "epsilon")
             manifest["model"]["latent_scale"] = meta.get("latent_scale")
+            for k in ("latent_shift", "t5_tokens"):
+                if k in meta:
+                    manifest["model"][k] = meta[k]
             placed = writer.add(entry.path, entry.files, f"onnx/{comp}")
             exported[comp] = ExportedComponent(comp, entry.path / "model.onnx", meta["inputs"], meta["outputs"])
             manifest["components"][comp] = {
                 "onnx": placed["model.onnx"], "files": sorted(placed.values()), "dtype": meta["dtype"],
                 "dtype_reason": why,
                 "inputs": meta["inputs"], "outputs": meta["outputs"], "config": meta["config"],
-                "profiles": [p.describe() for p in recipe.profiles]}
+                "profiles": [p.describe() for p in profiles],
+                **({"precision_notes": meta["precision_notes"]} if meta.get("precision_notes") else {})}
             report.append({"entry": f"{comp}.onnx", "component": comp, "backend": "onnx", "cache": "hit" if hit else "miss",
                            "seconds": round(time.perf_counter() - c0, 3)})
         for e in entries:
-            for profile in recipe.profiles:
+            for profile in profiles:
                 rec, entry = compile_component(exported[e.component], e.target, profile, cache, progress)
                 meta = entry.metadata
                 placed = writer.add(entry.path, entry.files,
@@ -259,7 +304,11 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
                 report.append({**{k: rec[k] for k in ("component", "backend", "target", "cache", "seconds", "key",
                                                       "fingerprint")}, "entry": e.id})
         for comp, folder in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")):
-            if comp in manifest["components"]:
+            if comp not in manifest["components"]:
+                continue
+            if "t5_sequence" in str(manifest["components"][comp]["inputs"]):
+                add_t5_tokenizer(writer, source, folder)
+            else:
                 add_tokenizer(writer, source, folder, pad_zero=family.name == "sd2" or comp == "text_encoder_2")
         write_manifest(staging, manifest)
         commit_bundle(staging, out)
@@ -283,6 +332,17 @@ def add_tokenizer(writer: BundleWriter, source: Path, name: str = "tokenizer", p
         ClipTokenizer.shipped().write_files(folder)
         if pad_zero:
             (folder / "tokenizer_config.json").write_text(json.dumps({"pad_token": "!"}) + "\n")
+    for p in sorted(folder.iterdir()):
+        writer.files[f"{name}/{p.name}"] = file_record(p)
+
+
+def add_t5_tokenizer(writer: BundleWriter, source: Path, name: str) -> None:
+    """<name>/: the T5 tokenizer (sentencepiece `spiece.model` + transformers' files): the diffusers
+    folder's own, else the one precast ships."""
+    from .sources.t5_tokenizer_files import write_t5_tokenizer_folder
+    theirs = source / name if source.is_dir() and (source / name).is_dir() else None
+    folder = writer.root / name
+    write_t5_tokenizer_folder(folder, theirs)
     for p in sorted(folder.iterdir()):
         writer.files[f"{name}/{p.name}"] = file_record(p)
 

@@ -134,15 +134,17 @@ def _options(values: tuple[str, ...]) -> dict:
 @click.option("--batch", default="1", show_default=True, help="N or MIN:OPT:MAX (images per prompt).")
 @click.option("--height", default="512", show_default=True, help="Pixels: N or MIN:OPT:MAX.")
 @click.option("--width", default="512", show_default=True, help="Pixels: N or MIN:OPT:MAX.")
-@click.option("--tokens", default="77", show_default=True, help="Text length: N or MIN:OPT:MAX.")
+@click.option("--tokens", default="77", show_default=True, help="CLIP text length: N or MIN:OPT:MAX.")
+@click.option("--t5-tokens", default=None, help="T5 text length (Flux, Chroma): N or MIN:OPT:MAX "
+              "(default: the export's, e.g. 512 for Flux dev, 256 for schnell).")
 @click.option("--option", "options", multiple=True, metavar="KEY=VALUE",
               help="Target option, e.g. precision=f32, weight_streaming=true, ir=true.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record per artifact (hit/miss, time).")
-def compile_cmd(export_dir, targets, components, batch, height, width, tokens, options, as_json):
+def compile_cmd(export_dir, targets, components, batch, height, width, tokens, t5_tokens, options, as_json):
     """Build engines for an export folder, through the cache."""
     def go():
         from .cache import Cache
-        from .engines import compile_component, read_export
+        from .engines import compile_component, export_t5_tokens, read_export
         from .profiles import ShapeProfile, parse_range
         from .targets import parse_target
         comps = read_export(export_dir)
@@ -150,8 +152,13 @@ def compile_cmd(export_dir, targets, components, batch, height, width, tokens, o
         for n in names:
             if n not in comps:
                 raise BadInput(f"--component {n!r}: {export_dir} has {', '.join(comps)}")
+        if t5_tokens is None:
+            t5 = export_t5_tokens(export_dir)
+            t5_range = (t5, t5, t5) if t5 else None
+        else:
+            t5_range = parse_range(t5_tokens, "--t5-tokens")
         profile = ShapeProfile(parse_range(batch, "--batch"), parse_range(height, "--height"),
-                               parse_range(width, "--width"), parse_range(tokens, "--tokens"))
+                               parse_range(width, "--width"), parse_range(tokens, "--tokens"), t5_range)
         specs = [parse_target(t, _options(options)) for t in targets]
         cache = Cache()
         records = []

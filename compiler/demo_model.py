@@ -264,31 +264,74 @@ def random_tensor(rng: np.random.Generator, key: str, shape: tuple[int, ...]) ->
     return (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
 
 
-def write_safetensors(path: str, shapes: dict[str, tuple[int, ...]], dtype: str, make) -> None:
-    """Stream tensors into a .safetensors file (temp file + rename); `make(key, shape)` -> array."""
-    st = {"fp16": ("F16", np.float16, 2), "fp32": ("F32", np.float32, 4)}[dtype]
+# dtype name -> safetensors dtype; numpy storage types come from `storage_type` (bf16 and fp8 through ml_dtypes)
+SAFETENSORS_DTYPES = {"fp32": "F32", "fp16": "F16", "bf16": "BF16", "fp8_e4m3": "F8_E4M3", "fp8_e5m2": "F8_E5M2"}
+
+
+def storage_type(dtype: str) -> np.dtype:
+    """The numpy dtype whose bytes are what a .safetensors file of this dtype name holds."""
+    if dtype in ("fp32", "fp16"):
+        return np.dtype(np.float32 if dtype == "fp32" else np.float16)
+    import ml_dtypes
+    return np.dtype({"bf16": ml_dtypes.bfloat16, "fp8_e4m3": ml_dtypes.float8_e4m3fn,
+                     "fp8_e5m2": ml_dtypes.float8_e5m2}[dtype])
+
+
+def _cast(arr: np.ndarray, kind: np.dtype, dtype: str) -> np.ndarray:
+    if dtype.startswith("fp8") and arr.dtype != kind:   # fp8 casts overflow to NaN: saturate at the format's max
+        import ml_dtypes
+        top = float(ml_dtypes.finfo(kind).max)
+        arr = np.clip(np.asarray(arr, dtype=np.float32), -top, top)
+    return np.ascontiguousarray(arr, dtype=kind)
+
+
+def write_safetensors(path: str, shapes: dict[str, tuple[int, ...]], dtype, make, metadata: dict | None = None) -> None:
+    """Stream tensors into a .safetensors file (temp file + rename).
+
+    `dtype`: one name of SAFETENSORS_DTYPES for every tensor, or {key: name}. `make(key, shape)` returns
+    an array (cast to the dtype; fp8 saturates) or an iterable of arrays already in the storage dtype,
+    written one after another (their sizes must add up to the shape), so a tensor need never be whole
+    in memory."""
+    names = dtype if isinstance(dtype, dict) else dict.fromkeys(shapes, dtype)
     header, offset = {}, 0
     for key in sorted(shapes):
-        n = int(np.prod(shapes[key])) * st[2]
-        header[key] = {"dtype": st[0], "shape": list(shapes[key]), "data_offsets": [offset, offset + n]}
+        n = int(np.prod(shapes[key])) * storage_type(names[key]).itemsize
+        header[key] = {"dtype": SAFETENSORS_DTYPES[names[key]], "shape": list(shapes[key]),
+                       "data_offsets": [offset, offset + n]}
         offset += n
     extra = {k: v for k, v in EXTRA_TENSORS.items() if any(s.startswith(TEXT) for s in shapes)}
     for key, arr in extra.items():
         n = arr.nbytes
         header[key] = {"dtype": "I64", "shape": list(arr.shape), "data_offsets": [offset, offset + n]}
         offset += n
-    header["__metadata__"] = {"format": "pt"}
+    header["__metadata__"] = metadata or {"format": "pt"}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)) + blob)
-        for key in sorted(shapes):
-            f.write(np.ascontiguousarray(make(key, shapes[key]), dtype=st[1]).tobytes())
-        for arr in extra.values():
-            f.write(arr.tobytes())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)) + blob)
+            for key in sorted(shapes):
+                kind, want = storage_type(names[key]), header[key]["data_offsets"]
+                got = make(key, shapes[key])
+                if isinstance(got, np.ndarray) or np.isscalar(got):
+                    got = (_cast(np.asarray(got), kind, names[key]).reshape(shapes[key]),)
+                written = 0
+                for chunk in got:
+                    if chunk.dtype != kind:
+                        raise ValueError(f"{key}: a streamed chunk is {chunk.dtype}, the file stores {kind}")
+                    f.write(np.ascontiguousarray(chunk).reshape(-1).view(np.uint8))
+                    written += chunk.nbytes
+                if written != want[1] - want[0]:
+                    raise ValueError(f"{key}: {written} bytes made for a {shapes[key]} {names[key]} tensor")
+            for arr in extra.values():
+                f.write(arr.tobytes())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 # Buffers that real SD 1.x files carry beside the weights (not weights; exporters must skip them).

@@ -43,6 +43,15 @@ def read_export(folder: str | Path) -> dict[str, ExportedComponent]:
     return comps
 
 
+def export_t5_tokens(folder: str | Path) -> int | None:
+    """The T5 length an export was made for (Flux dev 512, schnell 256), if it has a T5."""
+    try:
+        value = json.loads((Path(folder) / "precast_export.json").read_text()).get("t5_tokens")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def check_exported(comp: ExportedComponent) -> None:
     """The component's files are there with the sizes the export recorded; else one line naming
     the file (a deleted model.onnx_data would otherwise surface as a traceback inside a target)."""
@@ -94,6 +103,9 @@ def compile_component(comp: ExportedComponent, spec: TargetSpec, profile: ShapeP
     """Build (or fetch) one artifact; returns (report record, verified cache entry)."""
     target = get_target(spec.backend)
     check_exported(comp)
+    why = target.unsupported(comp.inputs + comp.outputs, spec) if hasattr(target, "unsupported") else None
+    if why:
+        raise BadInput(f"{comp.name} for {spec.label()}: {why}")
     t0 = time.perf_counter()
     toolchain = target.toolchain()            # BadInput here when the backend is not installed
     fingerprint = target.fingerprint(spec).to_string()

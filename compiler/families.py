@@ -105,6 +105,39 @@ T5_TOKENS = {"flux": {"dev": 512, "schnell": 256}, "chroma": {"": 512}}
 FP32_VAE_FAMILIES = {"sdxl", "sdxl-refiner", "flux", "chroma"}
 
 
+# Flow-matching schedules (diffusers FlowMatchEulerDiscreteScheduler configs as released) and the
+# pipelines' default steps and guidance: dev 28 / 3.5 (distilled guidance), schnell 4 / none,
+# Chroma 35 / 5.0 (real classifier-free guidance with a negative prompt).
+DYNAMIC = {"use_dynamic_shifting": True, "shift": 3.0, "base_shift": 0.5, "max_shift": 1.15,
+           "base_image_seq_len": 256, "max_image_seq_len": 4096}
+FLOW = {("flux", "dev"): (DYNAMIC, 28, 3.5), ("flux", "schnell"): ({"use_dynamic_shifting": False, "shift": 1.0}, 4, 0.0),
+        ("chroma", ""): (DYNAMIC, 35, 5.0)}
+SCHEDULER_FIELDS = ("use_dynamic_shifting", "shift", "base_shift", "max_shift", "base_image_seq_len",
+                    "max_image_seq_len", "time_shift_type")
+
+
+def flow_defaults(family: str, variant: str, scheduler_json: dict, where: str) -> dict | None:
+    """{scheduler, steps, guidance} for a flow-matching family: the folder's scheduler config where it
+    has one (its fields checked), else the released model's."""
+    if (family, variant) not in FLOW:
+        return None
+    sched, steps, guidance = FLOW[(family, variant)]
+    sched = dict(sched)
+    for name in SCHEDULER_FIELDS:
+        if name not in scheduler_json or scheduler_json[name] is None:
+            continue
+        value = scheduler_json[name]
+        ok = {"use_dynamic_shifting": isinstance(value, bool),
+              "time_shift_type": value in ("exponential", "linear")}.get(
+            name, isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e9)
+        if not ok:
+            raise BadInput(f"{where}: {name} = {value!r} is not a valid flow-matching scheduler setting")
+        sched[name] = value
+    if sched.get("time_shift_type", "exponential") != "exponential":
+        raise BadInput(f"{where}: time_shift_type {sched['time_shift_type']!r} is not supported yet (exponential)")
+    return {"scheduler": sched, "steps": steps, "guidance": guidance}
+
+
 def check_parts(family: str, configs: dict[str, dict], path: str) -> None:
     """Components of one model must fit each other: a Flux/Chroma transformer packs 2x2 patches of
     the VAE's latent channels (64 = 4 x 16), and reads T5's width."""

@@ -1,8 +1,9 @@
-"""Shape profiles: the batch, image size and token length an engine must accept.
+"""Shape profiles: the batch, image size and token lengths an engine must accept.
 
 Owns: `ShapeProfile` (min/opt/max per dimension, in pixels and tokens as a user thinks of
 them) and its translation into each component's input shapes (latents are 1/8 of the image,
-the UNet batch doubles for classifier-free guidance).
+the UNet batch doubles for classifier-free guidance; a Flux/Chroma transformer sees one token
+per 16x16 pixels -- 2x2 patches of latents -- and the T5 length, `t5_tokens`).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ Range = tuple[int, int, int]  # min, opt, max
 EXTRA_TOKENS: Range = (1, 1, 256)
 MAX_SIDE = MAX_PROFILE_SIDE   # px per side; the runtime's manifest check refuses larger profiles too
 MAX_BATCH = 64
+MAX_T5_TOKENS = 4096
 
 
 def parse_range(text: str | int, what: str) -> Range:
@@ -39,12 +41,13 @@ class ShapeProfile:
     height: Range = (512, 512, 512)
     width: Range = (512, 512, 512)
     tokens: Range = (77, 77, 77)
+    t5_tokens: Range | None = None     # T5 text length (Flux, Chroma); None: the model's default
     cfg_doubling: bool = True          # the UNet sees 2x batch (unconditional + conditional)
     latent_factor: int = 8
 
     @property
     def static(self) -> bool:
-        return all(r[0] == r[2] for r in (self.batch, self.height, self.width, self.tokens))
+        return all(r[0] == r[2] for r in (self.batch, self.height, self.width, self.tokens, self.t5_tokens or (0, 0, 0)))
 
     def describe(self) -> dict:
         return asdict(self)
@@ -57,6 +60,17 @@ class ShapeProfile:
         for name, r in (("height", self.height), ("width", self.width)):
             if any(v % self.latent_factor for v in r):
                 raise BadInput(f"profile {name} {r}: must be multiples of {self.latent_factor}")
+        if self.t5_tokens is not None and not 1 <= self.t5_tokens[0] <= self.t5_tokens[2] <= MAX_T5_TOKENS:
+            raise BadInput(f"profile t5_tokens {self.t5_tokens}: 1 to {MAX_T5_TOKENS}")
+
+    def image_tokens(self) -> Range:
+        """Packed latent tokens (one per 2x2 latents = 16x16 px at the usual factor 8) at min/opt/max."""
+        px = 2 * self.latent_factor
+        for name, r in (("height", self.height), ("width", self.width)):
+            if any(v % px for v in r):
+                raise BadInput(f"profile {name} {r}: a Flux/Chroma transformer packs 2x2 latents: sides must be "
+                               f"multiples of {px}")
+        return tuple((h // px) * (w // px) for h, w in zip(self.height, self.width))  # type: ignore[return-value]
 
     def input_shapes(self, component: str, inputs: list[dict]) -> dict[str, tuple[tuple[int, ...], ...]]:
         """{input name: (min, opt, max) shapes} for the component's declared inputs."""
@@ -66,6 +80,13 @@ class ShapeProfile:
         lw = tuple(v // self.latent_factor for v in self.width)
         symbolic = {"batch": b, "steps": b, "sequence": self.tokens, "height": self.height, "width": self.width,
                     "latent_height": lh, "latent_width": lw, "extra_tokens": EXTRA_TOKENS}
+        dims = {d for inp in inputs for d in inp["shape"]}
+        if "t5_sequence" in dims:
+            if self.t5_tokens is None:
+                raise BadInput(f"{component}: the profile gives no T5 length (t5_tokens)")
+            symbolic["t5_sequence"] = self.t5_tokens
+        if "image_tokens" in dims:
+            symbolic["image_tokens"] = self.image_tokens()
         if component == "unet":
             symbolic.update(height=lh, width=lw)
         out = {}

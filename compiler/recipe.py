@@ -17,15 +17,20 @@ from .families import SET_FIELDS, TEXT_POSITIONS, set_problem
 from .profiles import ShapeProfile, parse_range
 from .targets import TargetSpec, get_target, parse_target
 
-COMPONENTS = ("text_encoder", "text_encoder_2", "unet", "vae_encoder", "vae_decoder")
+COMPONENTS = ("text_encoder", "text_encoder_2", "unet", "transformer", "vae_encoder", "vae_decoder")
+SD_COMPONENTS = ("text_encoder", "text_encoder_2", "unet", "vae_encoder", "vae_decoder")
 DEFAULT_COMPONENTS = {"sd1": ("text_encoder", "unet", "vae_encoder", "vae_decoder"),
                       "sd2": ("text_encoder", "unet", "vae_encoder", "vae_decoder"),
-                      "sdxl": COMPONENTS, "sdxl-refiner": ("text_encoder_2", "unet", "vae_encoder", "vae_decoder")}
-PRECISIONS = ("fp32", "fp16")
+                      "sdxl": SD_COMPONENTS, "sdxl-refiner": ("text_encoder_2", "unet", "vae_encoder", "vae_decoder"),
+                      "flux": ("text_encoder", "text_encoder_2", "transformer", "vae_encoder", "vae_decoder"),
+                      "chroma": ("text_encoder", "transformer", "vae_encoder", "vae_decoder")}
+PRECISIONS = ("fp32", "fp16", "bf16")
 TOP_FIELDS = {"name", "model", "components", "precision", "loras", "embeddings", "profiles", "targets"}
-MODEL_FIELDS = {"source", "family", "set", "vae", "prediction"}
-PROFILE_FIELDS = {"batch", "height", "width", "tokens", "static"}
-DEMO_SOURCES = {"demo:tiny-sd15"}
+MODEL_FIELDS = {"source", "family", "set", "vae", "prediction", "text_encoders"}
+PROFILE_FIELDS = {"batch", "height", "width", "tokens", "t5_tokens", "static"}
+# embedded tiny models (written on demand, no download): demo name -> family
+DEMO_SOURCES = {"demo:tiny-sd15": "sd1", "demo:tiny-flux-dev": "flux", "demo:tiny-flux-schnell": "flux",
+                "demo:tiny-chroma": "chroma"}
 MAX_RECIPE_BYTES = 1 << 20
 
 
@@ -47,6 +52,7 @@ class Recipe:
     precision: dict[str, str]           # component -> fp32 | fp16
     precision_explicit: frozenset       # components whose precision the recipe names itself
     vae: str | None                     # a separate VAE file/folder (e.g. the SDXL fp16-fix VAE)
+    text_encoders: tuple[str, ...]      # separate text-encoder files (Flux's T5-XXL / CLIP-L), by content
     loras: tuple[Lora, ...]
     embeddings: tuple[str, ...]
     profiles: tuple[ShapeProfile, ...]
@@ -201,7 +207,7 @@ def _profiles(doc: _Doc, value) -> tuple[ShapeProfile, ...]:
         out = []
         for i, shape in enumerate(value["static"]):
             w = f"profiles.static[{i}]"
-            _check_keys(doc, w, shape, {"batch", "height", "width", "tokens"})
+            _check_keys(doc, w, shape, {"batch", "height", "width", "tokens", "t5_tokens"})
             out.append(_one_profile(doc, w, shape, static=True))
         return tuple(out)
     return (_one_profile(doc, "profiles", value),)
@@ -211,7 +217,9 @@ def _one_profile(doc, where, value, static=False) -> ShapeProfile:
     p = ShapeProfile(batch=_range(doc, f"{where}.batch", value.get("batch"), 1),
                      height=_range(doc, f"{where}.height", value.get("height"), 512),
                      width=_range(doc, f"{where}.width", value.get("width"), 512),
-                     tokens=_range(doc, f"{where}.tokens", value.get("tokens"), 77))
+                     tokens=_range(doc, f"{where}.tokens", value.get("tokens"), 77),
+                     t5_tokens=None if value.get("t5_tokens") is None else
+                     _range(doc, f"{where}.t5_tokens", value.get("t5_tokens"), 512))
     if static and not p.static:
         raise doc.error(where, "static shapes take single values, not ranges")
     try:
@@ -272,7 +280,7 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
     family = model.get("family")
     if family is not None and (not isinstance(family, str) or family not in DEFAULT_COMPONENTS):
         raise doc.error("model.family", f"{family!r}: allowed: {', '.join(DEFAULT_COMPONENTS)}")
-    comps = data.get("components", list(DEFAULT_COMPONENTS[family or "sd1"]))
+    comps = data.get("components", list(DEFAULT_COMPONENTS[family or DEMO_SOURCES.get(source, "sd1")]))
     if not isinstance(comps, list) or not comps:
         raise doc.error("components", f"expected a list drawn from {', '.join(COMPONENTS)}")
     for i, c in enumerate(comps):
@@ -296,6 +304,12 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
         if check_files and not (vae_path.is_file() or vae_path.is_dir()):
             raise doc.error("model.vae", f"{vae_path} is not a file or folder")
         vae = str(vae_path)
+    text_encoders = []
+    for i, te in enumerate(_list(doc, "model.text_encoders", model.get("text_encoders"), "text-encoder files")):
+        te_path = (path.parent / _string(doc, f"model.text_encoders[{i}]", te, "a T5 / CLIP file")).resolve()
+        if check_files and not te_path.exists():
+            raise doc.error(f"model.text_encoders[{i}]", f"{te_path} does not exist")
+        text_encoders.append(str(te_path))
     prediction = model.get("prediction")
     if prediction is not None and prediction not in ("epsilon", "v_prediction"):
         raise doc.error("model.prediction", f"{prediction!r}: allowed: epsilon, v_prediction")
@@ -314,5 +328,5 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
         overrides["model"] = {**overrides.get("model", {}), "prediction": prediction}
     name = path.stem if data.get("name") is None else _string(doc, "name", data["name"], "a name (a string)")
     return Recipe(str(path), str(name), source, family, overrides, tuple(comps), per_comp, explicit, vae,
-                  tuple(loras), embeddings, _profiles(doc, data.get("profiles")), _targets(doc, data.get("targets")),
+                  tuple(text_encoders), tuple(loras), embeddings, _profiles(doc, data.get("profiles")), _targets(doc, data.get("targets")),
                   lines=doc.lines)

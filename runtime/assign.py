@@ -24,7 +24,7 @@ MODULES = {"diffusion": ("diffusion", "model", "unet", "dit"),
            "controlnet": ("controlnet", "control"),
            "upscaler": ("upscaler",)}
 ALIAS = {alias: module for module, aliases in MODULES.items() for alias in aliases}
-COMPONENT_MODULE = {"unet": "diffusion", "text_encoder": "te", "text_encoder_2": "te", "vae_decoder": "vae", "vae_encoder": "vae",
+COMPONENT_MODULE = {"unet": "diffusion", "transformer": "diffusion", "text_encoder": "te", "text_encoder_2": "te", "vae_decoder": "vae", "vae_encoder": "vae",
                     "controlnet": "controlnet"}
 BACKEND_VENDOR = {"cuda": "nvidia", "nvidia": "nvidia", "tensorrt": "nvidia", "tensorrtrtx": "nvidia", "trt": "nvidia",
                   "rocm": "amd", "amd": "amd", "hip": "amd", "migraphx": "amd",

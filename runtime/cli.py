@@ -187,14 +187,16 @@ def doctor_cmd(bundle, backend, params_backend, size, sysroot, as_json):
 @click.argument("bundle", type=click.Path())
 @click.option("--prompt", required=True)
 @click.option("--negative", default="", show_default=True)
-@click.option("--steps", default=20, show_default=True, type=int)
+@click.option("--steps", default=None, type=int, help="Denoising steps (default: SD 20; Flux dev 28, schnell 4; Chroma 35).")
 @click.option("--seed", default=0, show_default=True, type=int,
               help="Noise seed: 0 or more (negative seeds are refused, not wrapped).")
 @click.option("--size", default="512x512", show_default=True,
               help=f"WIDTHxHEIGHT in pixels: multiples of the VAE factor (8), at most {MAX_SIDE} per side "
                    "(or the bundle's largest profile).")
-@click.option("--guidance", default=7.5, show_default=True, type=float, help="Classifier-free guidance scale (finite).")
-@click.option("--scheduler", default="euler", show_default=True, help="euler | dpm++2m")
+@click.option("--guidance", default=None, type=float,
+              help="Guidance scale (finite): classifier-free for SD (default 7.5) and Chroma (5.0); Flux dev's "
+                   "distilled guidance (3.5); unused by schnell.")
+@click.option("--scheduler", default=None, help="euler | dpm++2m (SD; default euler). Flux/Chroma: flow-matching Euler.")
 @click.option("--out", required=True, type=click.Path(), help="PNG file to write.")
 @click.option("--backend", default=None, help="Module assignment, e.g. te=cpu,vae=gpu0,unet=gpu0.")
 @click.option("--params-backend", default=None, help="Where weights live, e.g. cpu (offload).")
@@ -207,20 +209,36 @@ def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, schedule
         import time
         from .manifest import read_manifest
         from .pipeline import Txt2Img, check_steps, describe_where, to_uint8
-        check_steps(steps)
+        if steps is not None:
+            check_steps(steps)
         manifest = read_manifest(bundle)
+        dit = "transformer" in manifest.components
         w, h = parse_size(size, manifest)
         if seed < 0:
             raise UserError(f"--seed {seed}: must be 0 or more (negative seeds are refused)")
-        if not math.isfinite(guidance):
+        if guidance is not None and not math.isfinite(guidance):
             raise UserError(f"--guidance {guidance}: must be a finite number, e.g. 7.5")
+        if dit and scheduler not in (None, "euler", "flow-euler"):
+            raise UserError(f"--scheduler {scheduler}: {manifest.model.get('family')} samples with flow-matching Euler "
+                            "(the scheduler it was trained for); leave --scheduler out")
         _check_text("--prompt", prompt)
         _check_text("--negative", negative)
+        if dit and negative and manifest.model.get("family") == "flux":
+            click.echo("warning: --negative is not used by Flux (distilled guidance, no negative prompt)", err=True)
         out_path = _check_out(out)
         t0 = time.perf_counter()
-        pipe = Txt2Img(manifest, backend, params_backend, width=w, height=h, sysroot=sysroot)
-        t1 = time.perf_counter()
-        image = pipe(prompt, negative, steps, seed, guidance, scheduler, progress=not as_json)
+        if dit:
+            from .dit_pipeline import FluxTxt2Img
+            pipe = FluxTxt2Img(manifest, backend, params_backend, width=w, height=h, sysroot=sysroot)
+            steps = pipe.defaults["steps"] if steps is None else steps
+            t1 = time.perf_counter()
+            image = pipe(prompt, negative, steps, seed, guidance, progress=not as_json)
+        else:
+            steps = 20 if steps is None else steps
+            pipe = Txt2Img(manifest, backend, params_backend, width=w, height=h, sysroot=sysroot)
+            t1 = time.perf_counter()
+            image = pipe(prompt, negative, steps, seed, 7.5 if guidance is None else guidance, scheduler or "euler",
+                         progress=not as_json)
         _write_image(out_path, to_uint8(image))
         report = {**pipe.report(), "out": out, "load_seconds": round(t1 - t0, 3),
                   "generate_seconds": round(time.perf_counter() - t1, 3)}

@@ -165,6 +165,23 @@ def check_manifest(data, where: str) -> dict:
     scale = check.of(model, "latent_scale", (int, float, type(None)), "model", optional=True)
     if scale is not None and not (math.isfinite(scale) and scale > 0):
         check.fail("model.latent_scale", f"is {_shown(scale)}, expected a finite number above 0")
+    shift = check.of(model, "latent_shift", (int, float), "model", optional=True)
+    if shift is not None and not math.isfinite(shift):
+        check.fail("model.latent_shift", f"is {_shown(shift)}, expected a finite number")
+    for key, low, high in (("t5_tokens", 1, 4096), ("steps", 1, 1000)):
+        value = check.of(model, key, int, "model", optional=True)
+        if value is not None and not low <= value <= high:
+            check.fail(f"model.{key}", f"is {value}, expected {low} to {high}")
+    guidance = check.of(model, "guidance", (int, float), "model", optional=True)
+    if guidance is not None and not math.isfinite(guidance):
+        check.fail("model.guidance", f"is {_shown(guidance)}, expected a finite number")
+    sched = check.of(model, "scheduler", dict, "model", optional=True) or {}
+    for key, value in sched.items():
+        ok = isinstance(value, bool) if key == "use_dynamic_shifting" else (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0)
+        if not ok and key != "time_shift_type":
+            check.fail(f"model.scheduler.{key}", f"is {_shown(value)}, expected "
+                       + ("true or false" if key == "use_dynamic_shifting" else "a finite number above 0"))
     names = set()
     for i, emb in enumerate(check.of(model, "embeddings", (list, type(None)), "model", optional=True) or []):
         field = f"model.embeddings[{i}]"
@@ -240,6 +257,9 @@ def _check_component(check: "_Checker", comp, field: str, files: dict) -> None:
         for dim in ("width", "height"):
             check.triple(check.of(prof, dim, list, f"{field}.profiles[{i}]"), f"{field}.profiles[{i}].{dim}", int,
                          MAX_PROFILE_SIDE)
+        t5 = check.of(prof, "t5_tokens", (list, type(None)), f"{field}.profiles[{i}]", optional=True)
+        if t5 is not None:
+            check.triple(t5, f"{field}.profiles[{i}].t5_tokens", int, 4096)
 
 
 def _check_artifact(check: "_Checker", art, field: str, files: dict) -> None:

@@ -37,6 +37,9 @@ def latent_factor(manifest) -> int:
 
 def requests(manifest, batch: int, height: int, width: int, tokens: int = 77, cfg: bool = True) -> dict:
     """The input shapes each component will be called with."""
+    if "transformer" in manifest.components:
+        from .dit_pipeline import dit_requests
+        return dit_requests(manifest, batch, height, width)
     f = latent_factor(manifest)
     lat = (batch, 4, height // f, width // f)
     unet_inputs = {i["name"]: i["shape"] for i in manifest.components.get("unet", {}).get("inputs", [])}
@@ -62,12 +65,29 @@ def load_tokenizer(manifest, folder: str):
         raise UserError(f"{manifest.root}/{folder}: not a readable tokenizer ({e})") from None
 
 
+def is_t5(manifest, comp: str) -> bool:
+    """A T5 text encoder (Flux, Chroma): its input_ids run over the T5 length."""
+    return any("t5_sequence" in (i.get("shape") or []) for i in manifest.components[comp]["inputs"])
+
+
+def load_t5_tokenizer(manifest, folder: str):
+    """The bundle's T5 tokenizer (sentencepiece model), checked against the manifest first."""
+    from .t5_tokenizer import FOLDER_FILES, T5Tokenizer
+    for name in FOLDER_FILES:
+        manifest.check_file(f"{folder}/{name}", required=name == "spiece.model")
+    return T5Tokenizer.from_folder(manifest.root / folder)
+
+
 def bundle_tokenizers(manifest, needed) -> tuple[dict, dict]:
     """({text encoder: tokenizer}, {text encoder: Embeddings}) for the text encoders in `needed`; each
-    embedding file is checked and read once, then registered with every encoder's tokenizer."""
+    embedding file is checked and read once, then registered with every CLIP encoder's tokenizer
+    (T5 encoders take no textual-inversion vectors)."""
     from .embeddings import read_bundle_embeddings, register_embeddings
     tokenizers, embeddings, items = {}, {}, None
     for comp in (c for c in needed if c.startswith("text_encoder")):
+        if is_t5(manifest, comp):
+            tokenizers[comp] = load_t5_tokenizer(manifest, TOKENIZER_FOLDER[comp])
+            continue
         tok = tokenizers[comp] = load_tokenizer(manifest, TOKENIZER_FOLDER[comp])
         if items is None:
             items = read_bundle_embeddings(manifest)
@@ -105,43 +125,55 @@ def check_steps(steps: int) -> None:
         raise UserError(f"--steps {steps}: must be 1 to {MAX_STEPS} (the noise schedule's timesteps)")
 
 
-class Txt2Img:
-    """Text-to-image over a bundle, each component on the device it is assigned to."""
+class BundleModel:
+    """A bundle opened to generate: its manifest read and checked, devices discovered, modules
+    assigned, the tokenizers (small) checked before any engine, and each component in `needed`
+    selected (fingerprint, profile, sha256) and loaded, with the reasons for every fallback."""
+
+    def __init__(self, manifest: Manifest, needed: tuple[str, ...], reqs: dict, backend: str | None,
+                 params_backend: str | None, sysroot: str, env, verify: bool):
+        self.manifest, self.needed = manifest, needed
+        missing = [c for c in needed if c not in manifest.components]
+        if missing:
+            raise UserError(f"{manifest.root}: txt2img needs {', '.join(needed)}; the bundle lacks {', '.join(missing)}")
+        devices = discover_devices(sysroot, env)
+        self.devices, self.device_warning = apply_device_override(devices, env)
+        self.placements = assign_modules(self.devices, backend, params_backend)
+        self.installed = installed_backends()
+        self.tokenizers, self.embeddings = bundle_tokenizers(manifest, needed)
+        self.selections = select_all(manifest, self.placements, self.devices, reqs, self.installed, verify)
+        self.loaded: dict[str, Loaded] = {}
+        for comp in needed:
+            outputs = [o["name"] for o in manifest.components[comp]["outputs"]]
+            placement = self.placements[COMPONENT_MODULE[comp]]
+            session, cand, reasons = load_component(self.selections[comp], outputs, placement.offload)
+            self.loaded[comp] = Loaded(session, cand.describe(), reasons)
+
+    def report(self) -> dict:
+        return {"devices": [d.describe() for d in self.devices], "device_warning": self.device_warning,
+                "components": {c: {**l.where, "reasons": l.reasons} for c, l in self.loaded.items()}}
+
+
+class Txt2Img(BundleModel):
+    """Text-to-image over an SD 1.x/2.x/XL bundle, each component on the device it is assigned to."""
 
     def __init__(self, bundle: str | Path | Manifest, backend: str | None = None, params_backend: str | None = None,
                  width: int = 512, height: int = 512, sysroot: str = "/", env=None, verify: bool = True):
         """`bundle`: a bundle folder, or its manifest already read (and so checked) by read_manifest."""
         env = os.environ if env is None else env
-        self.manifest = bundle if isinstance(bundle, Manifest) else read_manifest(bundle)
-        bundle = self.manifest.root
-        family = self.family = self.manifest.model.get("family")
+        manifest = bundle if isinstance(bundle, Manifest) else read_manifest(bundle)
+        family = self.family = manifest.model.get("family")
         if family not in LATENT_SCALE:
-            raise UserError(f"{bundle}: the reference pipeline runs SD 1.x/2.x/XL bundles; this one is {family}")
-        needed = self.needed = NEEDED[family]
-        missing = [c for c in needed if c not in self.manifest.components]
-        if missing:
-            raise UserError(f"{bundle}: txt2img needs {', '.join(needed)}; the bundle lacks {', '.join(missing)}")
-        f = latent_factor(self.manifest)
+            raise UserError(f"{manifest.root}: the SD pipeline runs SD 1.x/2.x/XL bundles; this one is {family}")
+        f = latent_factor(manifest)
         if width % f or height % f:
             raise UserError(f"--size {width}x{height}: width and height must be multiples of {f}")
         self.width, self.height = width, height
-        devices = discover_devices(sysroot, env)
-        self.devices, self.device_warning = apply_device_override(devices, env)
-        self.placements = assign_modules(self.devices, backend, params_backend)
-        self.installed = installed_backends()
-        # the tokenizers and embeddings are small: checked before any engine is verified or loaded
-        self.tokenizers, self.embeddings = bundle_tokenizers(self.manifest, needed)
+        super().__init__(manifest, NEEDED[family], requests(manifest, 1, height, width), backend, params_backend,
+                         sysroot, env, verify)
         self.tokenizer = self.tokenizers.get("text_encoder") or self.tokenizers["text_encoder_2"]
-        self.selections = select_all(self.manifest, self.placements, self.devices,
-                                     requests(self.manifest, 1, height, width), self.installed, verify)
-        self.loaded: dict[str, Loaded] = {}
-        for comp in needed:
-            outputs = [o["name"] for o in self.manifest.components[comp]["outputs"]]
-            placement = self.placements[COMPONENT_MODULE[comp]]
-            session, cand, reasons = load_component(self.selections[comp], outputs, placement.offload)
-            self.loaded[comp] = Loaded(session, cand.describe(), reasons)
-        self.latent_scale = float(self.manifest.model.get("latent_scale") or LATENT_SCALE[family])
-        self.prediction = self.manifest.model.get("prediction") or "epsilon"
+        self.latent_scale = float(manifest.model.get("latent_scale") or LATENT_SCALE[family])
+        self.prediction = manifest.model.get("prediction") or "epsilon"
 
     def _encoder(self, comp: str, prompt: str) -> dict[str, np.ndarray]:
         from .embeddings import encoder_feeds
@@ -211,11 +243,6 @@ class Txt2Img:
         decoded = self.loaded["vae_decoder"].session.run({"latent_sample": x / np.float32(self.latent_scale)})
         image = decoded["sample"].astype(np.float32)[0].transpose(1, 2, 0)
         return np.clip(image / 2 + 0.5, 0.0, 1.0)
-
-    def report(self) -> dict:
-        return {"devices": [d.describe() for d in self.devices], "device_warning": self.device_warning,
-                "components": {c: {**l.where, "reasons": l.reasons} for c, l in self.loaded.items()}}
-
 
 def to_uint8(image: np.ndarray) -> np.ndarray:
     return (image * 255).round().astype(np.uint8)

@@ -55,12 +55,40 @@ class OpenVinoSession:
             self._cm = core.import_model(ov.Tensor(self._blob, shared_memory=True), device, config)
         self.input_names = [_port_name(p) for p in self._cm.inputs]
         self.output_names = [_port_name(p) for p in self._cm.outputs]
-        self._types = {n: np.dtype(p.get_element_type().to_dtype()) for n, p in zip(self.input_names, self._cm.inputs)}
+        # OpenVINO's Python API hands bf16 data out as float16 views of the bf16 bits: kept as bits here
+        self._bf16 = {n for n, p in zip(self.input_names + self.output_names, [*self._cm.inputs, *self._cm.outputs])
+                      if p.get_element_type() == ov.Type.bf16}
+        self._types = {n: np.dtype(p.get_element_type().to_dtype()) for n, p in zip(self.input_names, self._cm.inputs)
+                       if n not in self._bf16}
+        self._ov = ov
         self._request = self._cm.create_infer_request()
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        res = self._request.infer(_cast(feeds, self._types))
-        return {name: np.array(res[port]) for name, port in zip(self.output_names, self._cm.outputs)}
+        inputs = _cast({k: v for k, v in feeds.items() if k not in self._bf16}, self._types)
+        for k in self._bf16 & set(feeds):
+            v = np.asarray(feeds[k])
+            inputs[k] = self._ov.Tensor(to_bf16_bits(v), self._ov.Shape(list(v.shape)), self._ov.Type.bf16)
+        res = self._request.infer(inputs)
+        out = {}
+        for name, port in zip(self.output_names, self._cm.outputs):
+            arr = np.array(res[port])
+            out[name] = from_bf16_bits(arr.view(np.uint16)) if name in self._bf16 else arr
+        return out
+
+
+def to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float -> bfloat16 bit patterns (uint16), rounding to nearest even, as a cast does."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    out = (rounded >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        out[nan] = 0x7FC0
+    return out
+
+
+def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
+    return (np.ascontiguousarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
 def _port_name(port) -> str:

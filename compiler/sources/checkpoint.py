@@ -42,8 +42,10 @@ T5 = "text_encoders.t5xxl.transformer."
 # A key only T5 / CLIP text encoders have, in HF names: where a file's encoder starts is the part before it.
 T5_MARKER = "encoder.block.0.layer.0.SelfAttention.q.weight"
 CLIP_MARKER = "encoder.layers.0.self_attn.q_proj.weight"
-SCALE_SUFFIX = ".scale_weight"               # ComfyUI scaled fp8: weight = fp8 * scale_weight
-NOT_WEIGHTS = ("scaled_fp8", ".scale_input")  # ComfyUI scaled-fp8 markers and input scales: not weights
+# ComfyUI scaled fp8: weight = fp8 * `.scale_weight` (newer ComfyUI saves: `.weight_scale`), a float32
+# scalar beside each Linear weight; a `scaled_fp8` marker tensor and input scales are not weights.
+SCALE_SUFFIXES = (".scale_weight", ".weight_scale")
+NOT_WEIGHTS = ("scaled_fp8", ".scale_input", ".input_scale") + SCALE_SUFFIXES
 
 
 @dataclass(frozen=True)
@@ -93,8 +95,8 @@ def tensor_ref(f: SafetensorsFile, key: str, canon: str) -> TensorRef:
     shape = f.tensors[key].shape
     if canon.startswith(VAE) and ".mid.attn_1." in canon and canon.endswith(".weight") and len(shape) == 2:
         shape = shape + (1, 1)
-    scale = key[:-len(".weight")] + SCALE_SUFFIX if key.endswith(".weight") else None
-    return TensorRef(f, key, shape, scale=scale if scale in f.tensors else None)
+    scales = [key[:-len(".weight")] + s for s in SCALE_SUFFIXES] if key.endswith(".weight") else []
+    return TensorRef(f, key, shape, scale=next((s for s in scales if s in f.tensors), None))
 
 
 def fused_ref(f_of: Callable[[str], SafetensorsFile], parts: list[tuple[str, tuple[int, int] | None]],
@@ -188,7 +190,7 @@ BFL_TOP = {"double_blocks", "single_blocks", "img_in", "txt_in", "time_in", "vec
 def is_weight_key(key: str) -> bool:
     """False for the scaled-fp8 side tensors (markers, input scales, weight scales): they belong
     to a weight, not to the model's graph."""
-    return not (key == NOT_WEIGHTS[0] or key.endswith(NOT_WEIGHTS[1]) or key.endswith(SCALE_SUFFIX))
+    return not key.endswith(NOT_WEIGHTS)
 
 
 def _normalise_single_file(keys: list[str]) -> dict[str, str]:

@@ -46,6 +46,14 @@ class OnnxRuntimeTarget:
             out["onnxsim"] = "absent"
         return out
 
+    def unsupported(self, io: list[dict], spec: TargetSpec) -> str | None:
+        """Why this component cannot be an ONNX Runtime (CPU) artifact, before any work: its CPU
+        provider has no bf16 kernels (MatMul, Sigmoid, ... refuse to load)."""
+        if any(v.get("dtype") == "bfloat16" for v in io):
+            return ("the export is bf16, which ONNX Runtime's CPU provider cannot run; export it with --dtype fp32 "
+                    "or fp16 for onnxruntime (bf16 serves openvino and tensorrt-rtx)")
+        return None
+
     def fingerprint(self, spec: TargetSpec) -> Fingerprint:
         arch = isa_level(cpu_flags()) if spec.get("optimize", True) else "any"
         return Fingerprint("onnxruntime", self.toolchain()["onnxruntime"], "any", "cpu", (arch,))

@@ -1,0 +1,261 @@
+"""Flux.1 (dev, schnell) and Chroma: every exported component against diffusers / transformers on
+tiny random-weight models written in the real layouts (BFL / ComfyUI single files, bare files with
+separate T5 / CLIP-L / VAE files, diffusers folders), fp8 inputs, fp16 / bf16 exports and their
+hazards, and the runtime's pipelines against diffusers' FluxPipeline / ChromaPipeline."""
+import json
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+import reference_dit as ref
+from conftest import precast, rel_err
+from precast.compiler.demo_dit import (DEMO_AXES, TINY_CHROMA, TINY_CLIP_L, TINY_FLUX_DEV, TINY_FLUX_SCHNELL, TINY_T5,
+                                       TINY_VAE16, write_clip_l_file, write_flux_checkpoint, write_t5_file,
+                                       write_vae16_file)
+
+AXES = "transformer.axes_dims_rope=" + json.dumps(DEMO_AXES).replace(" ", "")
+L_ROWS, L_COLS, T = 4, 4, 12          # a 4x4 grid of packed tokens, 12 T5 tokens
+
+
+def _export(src, out, *extra, dtype="fp32"):
+    proc = precast("export", src, "--out", out, "--dtype", dtype, "--set", AXES, *map(str, extra))
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """dev: one ComfyUI all-in-one file (bf16); schnell: bare BFL transformer + separate T5 / CLIP-L / VAE
+    files (fp16 T5, as comfyanonymous ships it); chroma: bare transformer + T5 + VAE."""
+    tmp = tmp_path_factory.mktemp("flux-files")
+    out = {"dev": tmp / "flux-dev.safetensors", "schnell": tmp / "flux-schnell.safetensors",
+           "chroma": tmp / "chroma.safetensors", "t5": tmp / "t5xxl.safetensors", "clip": tmp / "clip_l.safetensors",
+           "vae": tmp / "ae.safetensors"}
+    write_flux_checkpoint(out["dev"], TINY_FLUX_DEV, t5=TINY_T5, clip=TINY_CLIP_L, vae=TINY_VAE16, seed=1)
+    write_flux_checkpoint(out["schnell"], TINY_FLUX_SCHNELL, seed=2, layout="bare")
+    write_flux_checkpoint(out["chroma"], TINY_CHROMA, seed=3, layout="bare")
+    write_t5_file(out["t5"], seed=4)
+    write_clip_l_file(out["clip"], seed=5)
+    write_vae16_file(out["vae"], seed=6)
+    return out
+
+
+@pytest.fixture(scope="module")
+def exports(files, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("flux-exports")
+    sep = ("--text-encoder", files["t5"], "--text-encoder", files["clip"], "--vae", files["vae"])
+    return {"dev": _export(files["dev"], tmp / "dev"),
+            "schnell": _export(files["schnell"], tmp / "schnell", *sep),
+            "chroma": _export(files["chroma"], tmp / "chroma", "--text-encoder", files["t5"], "--vae", files["vae"])}
+
+
+def _run(folder, comp, feeds):
+    sess = ort.InferenceSession(str(folder / comp / "model.onnx"), providers=["CPUExecutionProvider"])
+    types = {i.name: i.type for i in sess.get_inputs()}
+    cast = {k: v.astype(np.float16) if types[k] == "tensor(float16)" else v for k, v in feeds.items() if k in types}
+    return [o.astype(np.float32) for o in sess.run(None, cast)]
+
+
+def _run_ov(folder, comp, feeds):
+    """OpenVINO at f32 precision (bf16 exports: ONNX Runtime's CPU provider has no bf16 kernels)."""
+    from precast.runtime.sessions import OpenVinoSession
+    sess = OpenVinoSession(folder / comp / "model.onnx", "CPU", {"INFERENCE_PRECISION_HINT": "f32"}, from_onnx=True)
+    return list(sess.run({k: v for k, v in feeds.items() if k in sess.input_names}).values())
+
+
+def _dit_inputs(variant: str, seed: int = 0):
+    chroma = variant == "chroma"
+    rng = np.random.default_rng(seed)
+    n = L_ROWS * L_COLS
+    ids = np.zeros((n, 3), np.float32)
+    ids[:, 1], ids[:, 2] = np.arange(n) // L_COLS, np.arange(n) % L_COLS
+    feeds = {"hidden_states": rng.standard_normal((1, n, 64)).astype(np.float32),
+             "encoder_hidden_states": rng.standard_normal((1, T, 32)).astype(np.float32),
+             "timestep": np.array([0.62], np.float32), "img_ids": ids, "txt_ids": np.zeros((T, 3), np.float32)}
+    if chroma:
+        mask = np.zeros((1, T), np.int32)
+        mask[0, :7] = 1
+        feeds["attention_mask"] = mask
+    else:
+        feeds["pooled_projections"] = rng.standard_normal((1, 32)).astype(np.float32)
+    if variant == "dev":
+        feeds["guidance"] = np.array([3.5], np.float32)
+    return feeds
+
+
+@torch.no_grad()
+def _dit_reference(model, feeds, dtype=torch.float32):
+    t = {k: torch.from_numpy(v).to(dtype) if v.dtype == np.float32 and k not in ("img_ids", "txt_ids") else
+         torch.from_numpy(v) for k, v in feeds.items()}
+    args = dict(hidden_states=t["hidden_states"], encoder_hidden_states=t["encoder_hidden_states"],
+                timestep=t["timestep"], img_ids=t["img_ids"], txt_ids=t["txt_ids"])
+    if "attention_mask" in t:   # diffusers' ChromaTransformer2DModel: [B, T + L] bool (text mask, then image)
+        n = t["hidden_states"].shape[1]
+        args["attention_mask"] = torch.cat([t["attention_mask"].bool(), torch.ones(1, n, dtype=torch.bool)], 1)
+    else:
+        args.update(pooled_projections=t["pooled_projections"], guidance=t.get("guidance"))
+    return model(**args).sample.float().numpy()
+
+
+def _reference(files, variant):
+    if variant == "chroma":
+        return ref.chroma_reference(files["chroma"], TINY_CHROMA)
+    cfg = TINY_FLUX_DEV if variant == "dev" else TINY_FLUX_SCHNELL
+    return ref.flux_reference(files[variant], cfg)
+
+
+@pytest.mark.parametrize("variant", ["dev", "schnell", "chroma"])
+def test_transformer_matches_diffusers(files, exports, variant):
+    feeds = _dit_inputs(variant)
+    ours = _run(exports[variant], "transformer", feeds)[0]
+    want = _dit_reference(_reference(files, variant), feeds)
+    # fp32; the t*1000 sinusoid is only good to ~1e-5 in fp32, where torch's exp is 1 ulp off (seen 2e-5)
+    assert rel_err(ours, want) <= 1e-4, rel_err(ours, want)
+    report = json.loads((exports[variant] / "precast_export.json").read_text())
+    assert report["family"] == ("chroma" if variant == "chroma" else "flux") and report["prediction"] == "flow"
+    assert report["variant"] == {"dev": "dev", "schnell": "schnell", "chroma": ""}[variant]
+
+
+def test_text_encoders_and_vae_match_transformers_and_diffusers(files, exports):
+    rng = np.random.default_rng(7)
+    ids = rng.integers(0, 32100, (1, T)).astype(np.int32)
+    for variant, src in (("dev", files["dev"]), ("schnell", files["t5"])):
+        t5 = ref.t5_reference(src, TINY_T5)
+        ours = _run(exports[variant], "text_encoder_2", {"input_ids": ids})[0]
+        with torch.no_grad():
+            want = t5(torch.from_numpy(ids).long()).last_hidden_state.numpy()
+        assert rel_err(ours, want) <= 1e-4, (variant, rel_err(ours, want))
+    mask = (np.arange(T) < 5).astype(np.int32)[None]           # Chroma runs T5 with its mask
+    ours = _run(exports["chroma"], "text_encoder", {"input_ids": ids, "attention_mask": mask})[0]
+    with torch.no_grad():
+        want = ref.t5_reference(files["t5"], TINY_T5)(torch.from_numpy(ids).long(),
+                                                     attention_mask=torch.from_numpy(mask).long()).last_hidden_state
+    assert rel_err(ours, want.numpy()) <= 1e-4
+    clip = ref.clip_l_reference(files["dev"], TINY_CLIP_L)
+    clip_ids = np.array([[49406, 320, 1929, 539, 320, 2368, 49407] + [49407] * 70], np.int32)
+    hidden, pooled = _run(exports["dev"], "text_encoder", {"input_ids": clip_ids,
+                                                            "token_embeddings_extra": np.zeros((1, 32), np.float32)})
+    with torch.no_grad():
+        out = clip(torch.from_numpy(clip_ids).long())
+    assert rel_err(pooled, out.pooler_output.numpy()) <= 1e-4 and rel_err(hidden, out.last_hidden_state.numpy()) <= 1e-4
+    vae = ref.vae16_reference(files["vae"], TINY_VAE16)
+    image = rng.uniform(-1, 1, (1, 3, 32, 32)).astype(np.float32)
+    z = rng.standard_normal((1, 16, 16, 16)).astype(np.float32)
+    with torch.no_grad():
+        enc = vae.encode(torch.from_numpy(image)).latent_dist.parameters.numpy()
+        dec = vae.decode(torch.from_numpy(z)).sample.numpy()
+    assert rel_err(_run(exports["schnell"], "vae_encoder", {"sample": image})[0], enc) <= 1e-4
+    assert rel_err(_run(exports["schnell"], "vae_decoder", {"latent_sample": z})[0], dec) <= 1e-4
+
+
+def test_half_precision_exports_stay_close(files, exports, tmp_path):
+    """fp16 (ONNX Runtime) and bf16 (OpenVINO, f32 compute on the bf16 weights) against the fp32
+    reference, held to what the reference itself loses in that precision: no worse than twice the
+    error of diffusers' / transformers' own fp16 / bf16 run of the same weights (bf16 keeps 8 bits:
+    torch's bf16 T5 is ~4e-2 off its fp32 run here), with a floor of 1e-2."""
+    import copy
+    feeds = _dit_inputs("dev")
+    models = {"transformer": _reference(files, "dev"), "text_encoder_2": ref.t5_reference(files["dev"], TINY_T5)}
+    ids = np.random.default_rng(8).integers(0, 32100, (1, T)).astype(np.int32)
+
+    @torch.no_grad()
+    def reference(comp, model, dtype):
+        m = copy.deepcopy(model).to(dtype)
+        if comp == "text_encoder_2":
+            return m(torch.from_numpy(ids).long()).last_hidden_state.float().numpy()
+        return _dit_reference(m, {k: v for k, v in feeds.items()}, dtype).astype(np.float32)
+    for dtype, run, torch_dtype in (("fp16", _run, torch.float16), ("bf16", _run_ov, torch.bfloat16)):
+        out = _export(files["dev"], tmp_path / dtype, "--component", "transformer", "--component", "text_encoder_2",
+                      dtype=dtype)
+        for comp, comp_feeds in (("transformer", feeds), ("text_encoder_2", {"input_ids": ids})):
+            want = reference(comp, models[comp], torch.float32)
+            theirs = rel_err(reference(comp, models[comp], torch_dtype), want)
+            ours = rel_err(run(out, comp, comp_feeds)[0], want)
+            assert ours <= max(2 * theirs, 1e-2), (dtype, comp, ours, theirs)
+        report = json.loads((out / "precast_export.json").read_text())
+        t5 = next(c for c in report["components"] if c["name"] == "text_encoder_2")
+        assert t5["dtype"] == dtype and "residual stream in fp32" in t5["precision_notes"][0]
+
+
+def _copy_with(path, out, change):
+    """A copy of a safetensors file with some tensors changed (change(key, array) -> array or None)."""
+    from safetensors.numpy import load_file, save_file
+    tensors = load_file(str(path))
+    for k in list(tensors):
+        new = change(k, tensors[k])
+        if new is not None:
+            tensors[k] = new
+    save_file(tensors, str(out))
+    return out
+
+
+def test_t5_fp16_overflow_is_contained(files, tmp_path):
+    """T5-XXL's FFN output passes fp16's 65504: here made to reach ~1e6. The fp16 export keeps the
+    residual stream in fp32 and runs wo on its input / 32, so its output stays finite and close."""
+    src = tmp_path / "t5.safetensors"
+    write_t5_file(src, seed=9, dtype="fp32")
+    big = _copy_with(src, tmp_path / "t5-big.safetensors",
+                     lambda k, a: (a * 1e5).astype(a.dtype) if k.endswith("DenseReluDense.wo.weight") else None)
+    model = ref.t5_reference(big, TINY_T5)
+    ids = np.random.default_rng(10).integers(0, 32100, (1, T)).astype(np.int32)
+    peak = []
+    hook = model.encoder.block[0].layer[1].DenseReluDense.wo.register_forward_hook(
+        lambda m, i, o: peak.append(float(o.abs().max())))
+    with torch.no_grad():
+        want = model(torch.from_numpy(ids).long()).last_hidden_state.numpy()
+    hook.remove()
+    assert peak[0] > 65504 * 4          # the hazard is real in this model
+    out = tmp_path / "exp"
+    _export(files["schnell"], out, "--text-encoder", big, "--component", "text_encoder_2", dtype="fp16")
+    ours = _run(out, "text_encoder_2", {"input_ids": ids})[0]
+    assert np.isfinite(ours).all() and rel_err(ours, want) <= 1e-2, rel_err(ours, want)
+
+
+def test_flux_fp16_clips_block_outputs(files, tmp_path):
+    """Block outputs past fp16's range are clipped (as diffusers does), never inf/NaN."""
+    big = _copy_with(files["schnell"], tmp_path / "big.safetensors",
+                     lambda k, a: (a.astype(np.float32) * 3000).astype(a.dtype) if k == "img_in.weight" else None)
+    out = _export(big, tmp_path / "exp", "--component", "transformer", dtype="fp16")
+    feeds = _dit_inputs("schnell")
+    assert np.isfinite(_run(out, "transformer", feeds)[0]).all()
+    graph = onnx.load(str(out / "transformer" / "model.onnx"), load_external_data=False).graph
+    assert sum(n.op_type == "Clip" for n in graph.node) == TINY_FLUX_SCHNELL.depth * 2 + TINY_FLUX_SCHNELL.depth_single
+
+
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2", "fp8_e4m3_scaled"])
+def test_fp8_checkpoints_export_exactly_their_dequantized_weights(tmp_path, dtype):
+    """An fp8 file (incl. ComfyUI scaled fp8) exports to the same graph and the same weight bytes as
+    the fp32 file holding its dequantized values."""
+    fp8 = tmp_path / "fp8.safetensors"
+    write_flux_checkpoint(fp8, TINY_FLUX_SCHNELL, t5=TINY_T5, seed=11, dtype=dtype, rest_dtype="bf16")
+    twin = tmp_path / "twin.safetensors"
+    from safetensors.numpy import save_file
+    sd = ref.dequantize(ref.load_tensors(fp8))
+    save_file({k: v.numpy() for k, v in sd.items()}, str(twin))
+    a = _export(fp8, tmp_path / "a", "--component", "transformer", "--component", "text_encoder_2")
+    b = _export(twin, tmp_path / "b", "--component", "transformer", "--component", "text_encoder_2")
+    for comp in ("transformer", "text_encoder_2"):
+        assert (a / comp / "model.onnx_data").read_bytes() == (b / comp / "model.onnx_data").read_bytes(), comp
+        ga, gb = (onnx.load(str(x / comp / "model.onnx"), load_external_data=False).graph for x in (a, b))
+        assert ga == gb, comp
+
+
+def test_diffusers_folder_exports_the_same_weights(files, exports, tmp_path):
+    """A diffusers FluxPipeline folder (bf16 variant, sharded transformer and T5) exports to the same
+    graph and weights as the BFL single file it was made from: fused q|k|v, linear1 = q|k|v|mlp and
+    the final modulation's swapped halves all land where BFL has them."""
+    folder = tmp_path / "folder"
+    ref.save_diffusers_folder(folder, ref.flux_reference(files["dev"], TINY_FLUX_DEV),
+                              ref.vae16_reference(files["dev"], TINY_VAE16), ref.t5_reference(files["dev"], TINY_T5),
+                              ref.clip_l_reference(files["dev"], TINY_CLIP_L), variant="bf16", max_shard_size="20KB")
+    assert len(list((folder / "transformer").glob("*.safetensors"))) > 1
+    out = _export(folder, tmp_path / "exp")
+    for comp in ("transformer", "text_encoder_2", "vae_decoder"):
+        ga = onnx.load(str(out / comp / "model.onnx"), load_external_data=False).graph
+        gb = onnx.load(str(exports["dev"] / comp / "model.onnx"), load_external_data=False).graph
+        assert ga == gb, comp
+        assert (out / comp / "model.onnx_data").read_bytes() == (exports["dev"] / comp / "model.onnx_data").read_bytes()
