@@ -204,7 +204,7 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
     if recipe.family and recipe.family != family.name:
         raise BadInput(f"{recipe.path}: family {recipe.family!r} but {source} is {family.name} ({family.evidence})")
     from .export import plan_graphs
-    from .families import FAMILIES, FP32_VAE_FAMILIES, T5_TOKENS, flow_defaults
+    from .families import FAMILIES, FP32_VAE_FAMILIES, T5_TOKENS, flow_defaults, latent_factor_of
     absent = [c for c in recipe.components if c not in FAMILIES[family.name]]
     if absent:
         raise BadInput(f"{recipe.path}: components: {family.name} has no {', '.join(absent)} "
@@ -214,7 +214,11 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
     # for Flux) or a damaged tensor is one error now, before anything is written
     plan_graphs(ckpt, list(recipe.components), "fp32", overrides)
     t5 = T5_TOKENS.get(family.name, {}).get(family.variant)
-    profiles = [dataclasses.replace(p, t5_tokens=p.t5_tokens or (t5, t5, t5)) if t5 else p for p in recipe.profiles]
+    factor = latent_factor_of(ckpt.refs)
+    profiles = [dataclasses.replace(p, t5_tokens=p.t5_tokens or ((t5, t5, t5) if t5 else None), latent_factor=factor)
+                for p in recipe.profiles]
+    for p in profiles:
+        p.check()
     digest = source_digest(source)
     te_digests = tuple(source_digest(Path(t)) for t in recipe.text_encoders)
     lora_plan = None

@@ -144,7 +144,7 @@ def compile_cmd(export_dir, targets, components, batch, height, width, tokens, t
     """Build engines for an export folder, through the cache."""
     def go():
         from .cache import Cache
-        from .engines import compile_component, export_t5_tokens, read_export
+        from .engines import compile_component, export_latent_factor, export_t5_tokens, read_export
         from .profiles import ShapeProfile, parse_range
         from .targets import parse_target
         comps = read_export(export_dir)
@@ -158,7 +158,8 @@ def compile_cmd(export_dir, targets, components, batch, height, width, tokens, t
         else:
             t5_range = parse_range(t5_tokens, "--t5-tokens")
         profile = ShapeProfile(parse_range(batch, "--batch"), parse_range(height, "--height"),
-                               parse_range(width, "--width"), parse_range(tokens, "--tokens"), t5_range)
+                               parse_range(width, "--width"), parse_range(tokens, "--tokens"), t5_range,
+                               latent_factor=export_latent_factor(export_dir))
         specs = [parse_target(t, _options(options)) for t in targets]
         cache = Cache()
         records = []

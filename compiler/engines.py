@@ -43,13 +43,28 @@ def read_export(folder: str | Path) -> dict[str, ExportedComponent]:
     return comps
 
 
+def _export_report(folder: str | Path) -> dict:
+    try:
+        report = json.loads((Path(folder) / "precast_export.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return report if isinstance(report, dict) else {}
+
+
 def export_t5_tokens(folder: str | Path) -> int | None:
     """The T5 length an export was made for (Flux dev 512, schnell 256), if it has a T5."""
-    try:
-        value = json.loads((Path(folder) / "precast_export.json").read_text()).get("t5_tokens")
-    except (OSError, ValueError, AttributeError):
-        return None
+    value = _export_report(folder).get("t5_tokens")
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def export_latent_factor(folder: str | Path) -> int:
+    """Pixels per latent of an export's VAE (2 ** (levels - 1)); 8 when it has none."""
+    for c in _export_report(folder).get("components") or []:
+        cfg = c.get("config") if isinstance(c, dict) else None
+        levels = (cfg or {}).get("decoder_levels") or (cfg or {}).get("encoder_levels")
+        if isinstance(levels, int) and not isinstance(levels, bool) and 1 <= levels <= 8:
+            return 2 ** (levels - 1)
+    return 8
 
 
 def check_exported(comp: ExportedComponent) -> None:

@@ -138,6 +138,14 @@ def flow_defaults(family: str, variant: str, scheduler_json: dict, where: str) -
     return {"scheduler": sched, "steps": steps, "guidance": guidance}
 
 
+def latent_factor_of(refs) -> int:
+    """Pixels per latent of the model's VAE: 2 ** (levels - 1) (8 for every released SD / Flux VAE);
+    8 when the checkpoint has no VAE."""
+    import re
+    levels = {int(m.group(1)) for k in refs if (m := re.match(re.escape(VAE) + r"(?:decoder\.up|encoder\.down)\.(\d+)\.", k))}
+    return 2 ** (max(levels)) if levels else 8
+
+
 def check_parts(family: str, configs: dict[str, dict], path: str) -> None:
     """Components of one model must fit each other: a Flux/Chroma transformer packs 2x2 patches of
     the VAE's latent channels (64 = 4 x 16), and reads T5's width."""

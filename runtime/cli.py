@@ -230,14 +230,14 @@ def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, schedule
         if dit:
             from .dit_pipeline import FluxTxt2Img
             pipe = FluxTxt2Img(manifest, backend, params_backend, width=w, height=h, sysroot=sysroot)
-            steps = pipe.defaults["steps"] if steps is None else steps
+            n_steps = pipe.defaults["steps"] if steps is None else steps
             t1 = time.perf_counter()
-            image = pipe(prompt, negative, steps, seed, guidance, progress=not as_json)
+            image = pipe(prompt, negative, n_steps, seed, guidance, progress=not as_json)
         else:
-            steps = 20 if steps is None else steps
+            n_steps = 20 if steps is None else steps
             pipe = Txt2Img(manifest, backend, params_backend, width=w, height=h, sysroot=sysroot)
             t1 = time.perf_counter()
-            image = pipe(prompt, negative, steps, seed, 7.5 if guidance is None else guidance, scheduler or "euler",
+            image = pipe(prompt, negative, n_steps, seed, 7.5 if guidance is None else guidance, scheduler or "euler",
                          progress=not as_json)
         _write_image(out_path, to_uint8(image))
         report = {**pipe.report(), "out": out, "load_seconds": round(t1 - t0, 3),
@@ -248,7 +248,7 @@ def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, schedule
             if pipe.device_warning:
                 click.echo(f"warning: {pipe.device_warning}", err=True)
             describe_where(report, sys.stdout)
-            click.echo(f"wrote {out} ({w}x{h}, {steps} steps, seed {seed}) in "
+            click.echo(f"wrote {out} ({w}x{h}, {n_steps} steps, seed {seed}) in "
                        f"{report['load_seconds']:.1f} s load + {report['generate_seconds']:.1f} s")
     run_cli(go)
 

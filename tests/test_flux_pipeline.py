@@ -1,0 +1,153 @@
+"""Flux.1 dev / schnell and Chroma end to end: the embedded tiny recipes -> bundles (ONNX Runtime,
+OpenVINO CPU, TensorRT-RTX built ahead of time) -> `precast generate`, and the runtime's pipeline
+against diffusers' FluxPipeline / ChromaPipeline on the same weights, tokenizers, scheduler
+settings and starting latents: PSNR >= 40 dB."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import reference_dit as ref
+from conftest import precast
+from precast.compiler.demo_dit import DEMOS, TINY_CLIP_L, TINY_T5, TINY_VAE16, write_demo_dit
+from precast.runtime.dit_pipeline import pack
+
+T5_TOKENS = 32
+
+
+def psnr(a, b):
+    return 10 * np.log10(1.0 / float(np.mean((a.astype(np.float64) - b) ** 2)))
+
+
+def _recipe(tmp, demo, targets, height=64):
+    comps = "[text_encoder, transformer, vae_decoder]" if demo == "tiny-chroma" else \
+        "[text_encoder, text_encoder_2, transformer, vae_decoder]"
+    recipe = tmp / f"{demo}.yaml"
+    recipe.write_text(f"model: {{source: 'demo:{demo}'}}\ncomponents: {comps}\nprecision: fp32\n"
+                      f"profiles: {{batch: 1, height: {height}, width: {height}, t5_tokens: {T5_TOKENS}}}\n"
+                      f"targets: {targets}\n")
+    return recipe
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory):
+    """{demo: (bundle, checkpoint with the same weights)} for dev (every backend), schnell and Chroma."""
+    tmp = tmp_path_factory.mktemp("flux-bundles")
+    out = {}
+    for demo, targets in (("tiny-flux-dev", "[onnxruntime, {openvino: {device: CPU}}, "
+                                            "{tensorrt-rtx: {compute_capabilities: [sm_86, sm_120]}}]"),
+                          ("tiny-flux-schnell", "[{openvino: {device: CPU}}]"),
+                          ("tiny-chroma", "[onnxruntime, {openvino: {device: CPU}}, "
+                                          "{tensorrt-rtx: {compute_capabilities: [sm_89]}}]")):
+        recipe = _recipe(tmp, demo, targets)
+        proc = precast("build", recipe, "--out", tmp / demo, "--json", env={"PRECAST_CACHE": str(tmp / "cache")})
+        assert proc.returncode == 0, proc.stderr
+        if "onnxruntime" in targets:     # the same model with only its ONNX Runtime artifacts (exports: cache hits)
+            only = [a for c in ("text_encoder", "text_encoder_2", "transformer", "vae_decoder")
+                    for a in ("--only", f"{c}.onnxruntime") if demo != "tiny-chroma" or c != "text_encoder_2"]
+            proc = precast("build", recipe, "--out", tmp / f"{demo}-ort", *only, env={"PRECAST_CACHE": str(tmp / "cache")})
+            assert proc.returncode == 0, proc.stderr
+        ckpt = tmp / f"{demo}.safetensors"
+        write_demo_dit(ckpt, demo)              # the same seeded weights the recipe's demo source names
+        out[demo] = (tmp / demo, ckpt)
+    return out
+
+
+def test_bundles_hold_every_backend_and_the_model_settings(bundles):
+    bundle, _ = bundles["tiny-flux-dev"]
+    m = json.loads((bundle / "manifest.json").read_text())
+    model = m["model"]
+    assert (model["family"], model["variant"], model["prediction"]) == ("flux", "dev", "flow")
+    assert model["latent_scale"] == 0.3611 and model["latent_shift"] == 0.1159
+    assert model["scheduler"]["use_dynamic_shifting"] is True and (model["steps"], model["guidance"]) == (28, 3.5)
+    backends = {(a["component"], a["backend"]) for a in m["artifacts"]}
+    for comp in ("text_encoder", "text_encoder_2", "transformer", "vae_decoder"):
+        assert {(comp, b) for b in ("onnxruntime", "openvino", "tensorrt-rtx")} <= backends
+    trt = next(a for a in m["artifacts"] if a["component"] == "transformer" and a["backend"] == "tensorrt-rtx")
+    tokens = (64 // 4) ** 2     # the tiny VAE's factor 2, 2x2 packing: one token per 4x4 px
+    assert trt["shapes"]["hidden_states"] == [[1, tokens, 64]] * 3
+    assert trt["shapes"]["encoder_hidden_states"] == [[1, T5_TOKENS, 32]] * 3
+    assert m["components"]["vae_decoder"]["dtype"] == "fp32"
+    assert {f.split("/")[0] for f in m["files"]} >= {"tokenizer", "tokenizer_2"}
+    assert (bundle / "tokenizer_2" / "spiece.model").is_file()
+    chroma = json.loads((bundles["tiny-chroma"][0] / "manifest.json").read_text())
+    assert chroma["model"]["family"] == "chroma" and "text_encoder_2" not in chroma["components"]
+    assert (bundles["tiny-chroma"][0] / "tokenizer" / "spiece.model").is_file()
+    assert precast("bundle", "verify", bundle).returncode == 0
+
+
+@pytest.mark.parametrize("demo, backend", [("tiny-flux-dev", "onnxruntime"), ("tiny-flux-dev", "openvino"),
+                                           ("tiny-chroma", "onnxruntime"), ("tiny-chroma", "openvino")])
+def test_generate_runs_on_each_cpu_backend(bundles, tmp_path, demo, backend):
+    bundle, _ = bundles[demo]
+    if backend == "onnxruntime":      # a bundle holding only ONNX Runtime artifacts
+        bundle = bundle.with_name(bundle.name + "-ort")
+    out = tmp_path / "img.png"
+    proc = precast("generate", bundle, "--prompt", "a red fox in the snow", "--steps", "3", "--seed", "5",
+                   "--size", "64x64", "--out", out, "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["components"]["transformer"]["backend"] == backend, report["components"]["transformer"]
+    assert out.stat().st_size > 1000
+    doctor = precast("doctor", bundle, "--size", "64x64", "--json")
+    assert doctor.returncode == 0, doctor.stderr
+    assert json.loads(doctor.stdout)["components"]["transformer"]["choice"] is not None
+
+
+def _flux_pipeline(bundle, ckpt, demo):
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+    from transformers import CLIPTokenizer, T5TokenizerFast
+    cfg = DEMOS[demo]
+    tok = CLIPTokenizer(str(bundle / "tokenizer/vocab.json"), str(bundle / "tokenizer/merges.txt"), model_max_length=77)
+    t5_tok = T5TokenizerFast(tokenizer_file=str(bundle / "tokenizer_2/tokenizer.json"))
+    sched = ref.SCHEDULERS["flux-dev" if cfg.guidance_embed else "flux-schnell"]
+    return FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**sched), vae=ref.vae16_reference(ckpt, TINY_VAE16),
+                        text_encoder=ref.clip_l_reference(ckpt, TINY_CLIP_L), tokenizer=tok,
+                        text_encoder_2=ref.t5_reference(ckpt, TINY_T5), tokenizer_2=t5_tok,
+                        transformer=ref.flux_reference(ckpt, cfg))
+
+
+@pytest.mark.parametrize("demo, steps, guidance", [("tiny-flux-dev", 6, 3.5), ("tiny-flux-schnell", 4, 0.0)])
+def test_flux_pipeline_matches_diffusers(bundles, demo, steps, guidance):
+    from precast.runtime.dit_pipeline import FluxTxt2Img
+    bundle, ckpt = bundles[demo]
+    noise = np.random.default_rng(3).standard_normal((1, 16, 32, 32)).astype(np.float32)
+    prompt = "a photo of an astronaut riding a horse on the moon"
+    pipe = FluxTxt2Img(bundle, "cpu", width=64, height=64)
+    assert pipe.schedule.use_dynamic_shifting == (demo == "tiny-flux-dev")
+    ours = pipe(prompt, steps=steps, guidance=guidance, latents=noise, progress=False)
+    with torch.no_grad():
+        want = _flux_pipeline(bundle, ckpt, demo)(
+            prompt, height=64, width=64, num_inference_steps=steps, guidance_scale=guidance,
+            max_sequence_length=T5_TOKENS, latents=torch.from_numpy(pack(noise)), output_type="np").images[0]
+    assert want.std() > 0.05
+    print(f"PSNR {psnr(ours, want):.1f} dB")
+    assert psnr(ours, want) >= 40.0, psnr(ours, want)
+
+
+def test_chroma_pipeline_matches_diffusers(bundles):
+    """ChromaPipeline with its masks made boolean: diffusers 0.42 turns them into float 0/1 and adds
+    them to the attention scores (huggingface/diffusers#12116), which masks nothing; precast masks as
+    lodestones' reference does (the real text tokens and one padding token are attended)."""
+    from diffusers import ChromaPipeline, FlowMatchEulerDiscreteScheduler
+    from transformers import T5TokenizerFast
+    from precast.runtime.dit_pipeline import FluxTxt2Img
+    bundle, ckpt = bundles["tiny-chroma"]
+    noise = np.random.default_rng(4).standard_normal((1, 16, 32, 32)).astype(np.float32)
+    prompt, negative, steps, guidance = "a lighthouse at dusk, oil painting", "blurry, low quality", 5, 4.0
+    ours = FluxTxt2Img(bundle, "cpu", width=64, height=64)(prompt, negative, steps=steps, guidance=guidance,
+                                                          latents=noise, progress=False)
+    pipe = ChromaPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**ref.SCHEDULERS["chroma"]),
+                          vae=ref.vae16_reference(ckpt, TINY_VAE16), text_encoder=ref.t5_reference(ckpt, TINY_T5),
+                          tokenizer=T5TokenizerFast(tokenizer_file=str(bundle / "tokenizer/tokenizer.json")),
+                          transformer=ref.chroma_reference(ckpt, DEMOS["tiny-chroma"]))
+    with torch.no_grad():
+        pe, pm = pipe._get_t5_prompt_embeds(prompt, max_sequence_length=T5_TOKENS)
+        ne, nm = pipe._get_t5_prompt_embeds(negative, max_sequence_length=T5_TOKENS)
+        want = pipe(prompt_embeds=pe, prompt_attention_mask=pm.bool(), negative_prompt_embeds=ne,
+                    negative_prompt_attention_mask=nm.bool(), height=64, width=64, num_inference_steps=steps,
+                    guidance_scale=guidance, latents=torch.from_numpy(pack(noise)), output_type="np").images[0]
+    assert np.isfinite(want).all() and want.std() > 0.05
+    print(f"PSNR {psnr(ours, want):.1f} dB")
+    assert psnr(ours, want) >= 40.0, psnr(ours, want)
