@@ -256,6 +256,16 @@ def _targets(doc: _Doc, value) -> tuple[TargetSpec, ...]:
     return tuple(out)
 
 
+def _detected_family(source: str) -> str | None:
+    """The family of a checkpoint from its header (names and shapes), or None when it cannot tell."""
+    from .sources.checkpoint import open_checkpoint
+    from .sources.detect import detect_family
+    try:
+        return detect_family(open_checkpoint(source)).name
+    except BadInput:
+        return None
+
+
 def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
     """Parse and validate a recipe. `check_files=False` (for `precast plan`, which CI runs before
     the checkpoint is downloaded) skips checking that the model files exist."""
@@ -280,7 +290,10 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
     family = model.get("family")
     if family is not None and (not isinstance(family, str) or family not in DEFAULT_COMPONENTS):
         raise doc.error("model.family", f"{family!r}: allowed: {', '.join(DEFAULT_COMPONENTS)}")
-    comps = data.get("components", list(DEFAULT_COMPONENTS[family or DEMO_SOURCES.get(source, "sd1")]))
+    comps = data.get("components")
+    if comps is None:   # the family's components: named, a demo's, or detected from the checkpoint's header
+        default = family or DEMO_SOURCES.get(source) or (_detected_family(source) if check_files else None) or "sd1"
+        comps = list(DEFAULT_COMPONENTS.get(default, DEFAULT_COMPONENTS["sd1"]))
     if not isinstance(comps, list) or not comps:
         raise doc.error("components", f"expected a list drawn from {', '.join(COMPONENTS)}")
     for i, c in enumerate(comps):

@@ -259,3 +259,74 @@ def test_diffusers_folder_exports_the_same_weights(files, exports, tmp_path):
         gb = onnx.load(str(exports["dev"] / comp / "model.onnx"), load_external_data=False).graph
         assert ga == gb, comp
         assert (out / comp / "model.onnx_data").read_bytes() == (exports["dev"] / comp / "model.onnx_data").read_bytes()
+
+
+def _peft_lora(rng, model, modules, rank=4):
+    """A diffusers/PEFT LoRA over `modules` of a diffusers model: {module: (A [r, in], B [out, r])}."""
+    params = dict(model.named_parameters())
+    out = {}
+    for m in modules:
+        o, i = params[f"{m}.weight"].shape
+        out[m] = (0.5 * rng.standard_normal((rank, i)).astype(np.float32),
+                  0.5 * rng.standard_normal((o, rank)).astype(np.float32))
+    return out
+
+
+def test_flux_lora_matches_diffusers_in_peft_and_kohya_spellings(files, tmp_path):
+    """A diffusers/PEFT LoRA (transformer.transformer_blocks.0.attn.to_q, ...: row blocks of BFL's fused
+    qkv / linear1) merges to what diffusers' own adapter computes; the same LoRA in kohya's BFL
+    spelling (one fused qkv / linear1 module, block-diagonal up) merges to the same weights."""
+    from safetensors.numpy import save_file
+    model = _reference(files, "schnell")
+    rank = 4
+    mods = ["transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k", "transformer_blocks.0.attn.to_v",
+            "transformer_blocks.1.attn.add_v_proj", "transformer_blocks.1.ff.net.0.proj",
+            "single_transformer_blocks.0.attn.to_q", "single_transformer_blocks.0.attn.to_k",
+            "single_transformer_blocks.0.attn.to_v", "single_transformer_blocks.0.proj_mlp",
+            "single_transformer_blocks.1.proj_out", "x_embedder"]
+    lora = _peft_lora(np.random.default_rng(12), model, mods, rank)
+    peft = tmp_path / "peft.safetensors"
+    save_file({f"transformer.{m}.lora_{ab}.weight": t for m, (a, b) in lora.items() for ab, t in (("A", a), ("B", b))},
+              str(peft))
+    # kohya, BFL names: q|k|v (and q|k|v|mlp) as one module of rank 3r (4r), alpha keeping alpha/rank = 1
+    kohya = {}
+
+    def fused(name, parts):
+        down = np.concatenate([lora[p][0] for p in parts])
+        up = np.zeros((sum(lora[p][1].shape[0] for p in parts), rank * len(parts)), np.float32)
+        row = 0
+        for i, p in enumerate(parts):
+            b = lora[p][1]
+            up[row:row + b.shape[0], i * rank:(i + 1) * rank] = b
+            row += b.shape[0]
+        kohya.update({f"lora_unet_{name}.lora_down.weight": down, f"lora_unet_{name}.lora_up.weight": up,
+                      f"lora_unet_{name}.alpha": np.array(float(rank * len(parts)), np.float32)})
+    fused("double_blocks_0_img_attn_qkv", mods[:3])
+    fused("single_blocks_0_linear1", mods[5:9])
+    for name, m in (("double_blocks_1_txt_attn_qkv", None), ("double_blocks_1_img_mlp_0", mods[4]),
+                    ("single_blocks_1_linear2", mods[9]), ("img_in", mods[10])):
+        if m is None:    # add_v_proj alone: the last third of txt_attn.qkv, zeros for q and k
+            h = lora[mods[3]][1].shape[0]
+            up = np.zeros((3 * h, rank), np.float32)
+            up[2 * h:] = lora[mods[3]][1]
+            kohya.update({f"lora_unet_{name}.lora_down.weight": lora[mods[3]][0],
+                          f"lora_unet_{name}.lora_up.weight": up})
+            continue
+        kohya.update({f"lora_unet_{name}.lora_down.weight": lora[m][0], f"lora_unet_{name}.lora_up.weight": lora[m][1]})
+    kohya_file = tmp_path / "kohya.safetensors"
+    save_file(kohya, str(kohya_file))
+    feeds = _dit_inputs("schnell")
+    deps = ("--text-encoder", files["t5"], "--component", "transformer")
+    a = _run(_export(files["schnell"], tmp_path / "a", "--lora", f"{peft}:0.7", *deps), "transformer", feeds)[0]
+    b = _run(_export(files["schnell"], tmp_path / "b", "--lora", f"{kohya_file}:0.7", *deps), "transformer", feeds)[0]
+    model.load_lora_adapter(str(peft), prefix="transformer", adapter_name="x")
+    model.set_adapters(["x"], weights=[0.7])
+    want = _dit_reference(model, feeds)
+    assert rel_err(a, want) <= 1e-4 and rel_err(b, want) <= 1e-4, (rel_err(a, want), rel_err(b, want))
+    assert rel_err(a, _dit_reference(_reference(files, "schnell"), feeds)) > 1e-2     # the LoRA changed something
+    # a LoRA naming a module Flux does not have is one error naming it
+    bad = tmp_path / "bad.safetensors"
+    save_file({"transformer.transformer_blocks.0.attn.to_zz.lora_A.weight": np.zeros((4, 32), np.float32),
+               "transformer.transformer_blocks.0.attn.to_zz.lora_B.weight": np.zeros((32, 4), np.float32)}, str(bad))
+    proc = precast("export", files["schnell"], "--out", tmp_path / "c", "--set", AXES, "--lora", bad, *deps)
+    assert proc.returncode == 2 and "to_zz" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

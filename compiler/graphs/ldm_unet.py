@@ -60,6 +60,22 @@ BLOCK_TYPES = {"down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D"),
                "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D")}
 
 
+def _context_width(g: Graph) -> list[int]:
+    """The text width every cross-attention's to_k / to_v reads ([width] or [] when there are none);
+    a weight that reads another width (a transposed or foreign tensor) is named."""
+    keys = sorted(k for k in g.ckpt.refs if k.startswith(g.prefix) and k.endswith(("attn2.to_k.weight", "attn2.to_v.weight")))
+    widths = {k: g.ckpt.shape(k)[-1] if len(g.ckpt.shape(k)) == 2 else -1 for k in keys}
+    if not widths:
+        return []
+    common = max(set(widths.values()), key=list(widths.values()).count)
+    odd = [k for k, w in widths.items() if w != common]
+    if odd:
+        raise BadInput(f"{g.ckpt.path}: {odd[0]} has shape {list(g.ckpt.shape(odd[0]))} where the other "
+                       f"cross-attention projections read {common}-wide text; the checkpoint is damaged, "
+                       "transposed or merged from different models")
+    return [common]
+
+
 def unet_config(g: Graph, config_json: dict, overrides: dict) -> UNetConfig:
     if not g.has("input_blocks.0.0.weight"):
         raise BadInput(f"{g.ckpt.path}: no {g.prefix}input_blocks.0.0.weight")
@@ -75,8 +91,7 @@ def unet_config(g: Graph, config_json: dict, overrides: dict) -> UNetConfig:
         else:
             raise BadInput(f"{g.ckpt.path}: input_blocks.{i} is neither a ResBlock nor a downsample")
         levels.append(level)
-    ctx = [g.shape(k[len(g.prefix):])[1] for k in g.ckpt.refs
-           if k.startswith(g.prefix) and k.endswith("attn2.to_k.weight")]
+    ctx = _context_width(g)
     proj = [g.shape(k[len(g.prefix):]) for k in g.ckpt.refs if k.startswith(g.prefix) and k.endswith("proj_in.weight")]
     n_levels = level + 1
     where = f"{g.ckpt.path} unet/config.json"

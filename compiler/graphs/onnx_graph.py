@@ -205,8 +205,10 @@ class Graph:
         if self.has(f"{module}.weight"):
             shape = tuple(self.shape(f"{module}.weight"))
             self._check_width(x, module, shape)
-            if bias is not False and self.has(f"{module}.bias"):
-                self.expect(f"{module}.bias", (shape[0],), "one bias per output row")
+            if bias is not False and self.has(f"{module}.bias") and tuple(self.shape(f"{module}.bias")) != shape[:1]:
+                raise BadInput(f"{self.ckpt.path}: {self.prefix}{module}.weight has shape {list(shape)} but "
+                               f"{module}.bias has shape {list(self.shape(module + '.bias'))} (one value per output "
+                               "row); one of them is damaged or transposed")
         w = self.op("Transpose", self.param(f"{module}.weight"), perm=[1, 0])
         y = self.op("MatMul", x, w)
         if bias is None:
