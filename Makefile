@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 DEMO := build/demo
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo demo-flux test bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +25,13 @@ demo: setup
 	$(BIN)/precast bundle verify $(DEMO)/bundle
 	$(BIN)/precast doctor $(DEMO)/bundle
 	$(BIN)/precast generate $(DEMO)/bundle --prompt "a photo of a cat" --steps 20 --size 64x64 --out $(DEMO)/cat.png
+
+# The same for the tiny embedded Flux.1 [dev] (T5 + CLIP-L + transformer + 16-channel VAE; random weights).
+demo-flux: setup
+	mkdir -p $(DEMO)
+	$(BIN)/precast build recipes/tiny-flux.yaml --out $(DEMO)/flux-bundle
+	$(BIN)/precast doctor $(DEMO)/flux-bundle
+	$(BIN)/precast generate $(DEMO)/flux-bundle --prompt "a photo of a cat" --size 64x64 --out $(DEMO)/flux-cat.png
 
 test: setup
 	$(BIN)/python -m pytest -q
