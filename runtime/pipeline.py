@@ -67,7 +67,7 @@ def load_tokenizer(manifest, folder: str):
 
 def is_t5(manifest, comp: str) -> bool:
     """A T5 text encoder (Flux, Chroma): its input_ids run over the T5 length."""
-    return any("t5_sequence" in (i.get("shape") or []) for i in manifest.components[comp]["inputs"])
+    return any("t5_sequence" in (i.get("shape") or []) for i in manifest.components[comp].get("inputs", []))
 
 
 def load_t5_tokenizer(manifest, folder: str):
