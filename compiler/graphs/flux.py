@@ -313,6 +313,8 @@ def chroma_mask(g: Graph, image: str, cfg: FluxConfig) -> str:
 # ---- the model ---------------------------------------------------------------------------------
 
 def build_flux(g: Graph, cfg: FluxConfig) -> None:
+    if g.dtype == FLOAT16:
+        g.notes.append("block outputs clipped to fp16's range (+-65504), as diffusers does")
     img = g.input("hidden_states", g.dtype, ["batch", "image_tokens", cfg.in_channels])
     txt = g.input("encoder_hidden_states", g.dtype, ["batch", "t5_sequence", cfg.context_dim])
     t = g.input("timestep", FLOAT, ["batch"])
