@@ -151,3 +151,18 @@ def test_chroma_pipeline_matches_diffusers(bundles):
     assert np.isfinite(want).all() and want.std() > 0.05
     print(f"PSNR {psnr(ours, want):.1f} dB")
     assert psnr(ours, want) >= 40.0, psnr(ours, want)
+
+
+def test_the_dit_runtime_stays_thin(bundles):
+    """Generating with a Flux bundle loads none of the compiler, onnx, ml_dtypes, torch or the HF /
+    sentencepiece tokenizer libraries (the T5 tokenizer is numpy + the standard library)."""
+    import subprocess
+    import sys
+    bundle, _ = bundles["tiny-flux-dev"]
+    code = ("import sys\nfrom precast.runtime.dit_pipeline import FluxTxt2Img\n"
+            f"FluxTxt2Img({str(bundle)!r}, width=64, height=64)('a cat', steps=1, progress=False)\n"
+            "print(sorted(m for m in ('precast.compiler', 'onnx', 'ml_dtypes', 'torch', 'transformers', 'tokenizers',"
+            " 'sentencepiece', 'safetensors') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
