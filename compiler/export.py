@@ -138,7 +138,8 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
                     "precast.family": family.name, "precast.component": comp.name, "precast.prefix": g.prefix,
                     "precast.source_identity": report["source_identity"],
                     **({"precast.loras": json.dumps(_lora_identity(report["loras"]))} if merge else {})},
-                    transform=merge.transform if merge else None)
+                    transform=merge.transform if merge else None,
+                    exact=frozenset(merge.touched()) if merge else frozenset())
                 graph = g.to_proto()
                 report["components"].append({
                     "name": comp.name, "path": comp.name + "/model.onnx", "config": cfg,

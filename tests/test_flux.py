@@ -330,3 +330,23 @@ def test_flux_lora_matches_diffusers_in_peft_and_kohya_spellings(files, tmp_path
                "transformer.transformer_blocks.0.attn.to_zz.lora_B.weight": np.zeros((32, 4), np.float32)}, str(bad))
     proc = precast("export", files["schnell"], "--out", tmp_path / "c", "--set", AXES, "--lora", bad, *deps)
     assert proc.returncode == 2 and "to_zz" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("kind", ["F8_E4M3", "F8_E5M2"])
+def test_fp8_table_decoding_equals_float32_dequantization(kind):
+    """Every byte pair (both orders, odd lengths, NaN/inf patterns included), plain and scaled, decodes
+    to the bits of float32(fp8) [* scale] cast to bf16 / fp16 / fp32 (ml_dtypes as the reference)."""
+    from precast.compiler.sources.fp8_decode import decode_fp8
+    fp8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}[kind]
+    raw = np.arange(65536, dtype=np.uint16).view(np.uint8)
+    raw = np.concatenate([raw, raw[:1]]).reshape(-1, 1)            # every pair, then an odd tail
+    for target in (ml_dtypes.bfloat16, np.float16, np.float32):
+        for scale in (None, 0.0371, 3.0e4):
+            want = raw.view(fp8).astype(np.float32)
+            if scale is not None:
+                want = want * np.float32(scale)
+            with np.errstate(over="ignore"):
+                want = want.astype(target)
+            got = decode_fp8(raw, kind, target, scale)
+            assert got.shape == raw.shape and got.dtype == np.dtype(target)
+            assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (kind, target, scale)

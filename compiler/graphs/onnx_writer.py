@@ -42,12 +42,14 @@ def _layout(graph: Graph) -> tuple[list[tuple[Weight, int, int]], int]:
 
 
 def _write_weights(graph: Graph, fd: int, placed: list[tuple[Weight, int, int]], transform,
-                   on_weight: Callable[[int], None] | None) -> None:
+                   on_weight: Callable[[int], None] | None, exact: frozenset = frozenset()) -> None:
     """Read, transform, cast and pwrite each weight at its offset, on WRITERS threads (numpy casts
     and the kernel's page-cache copies release the GIL, so the threads share the cores); at most
     two tensors per thread are in flight, so memory stays near a handful of tensors."""
     def write_one(w: Weight, offset: int, size: int) -> int:
-        arr = graph.ckpt.read(w.key, raw=True)     # BF16 -> bf16 (and F16 -> fp16) exports copy the bytes as they are
+        # BF16 -> bf16 (and F16 -> fp16) exports copy the bytes as they are; fp8 decodes straight into the
+        # export's dtype, except where a transform (a LoRA) needs the exact float32 values first
+        arr = graph.ckpt.read(w.key, raw=True, target=None if w.key in exact else NP_OF[w.elem_type])
         if transform is not None:
             arr = transform(w, arr)
         cast = _cast_weight(arr, w.elem_type)
@@ -121,10 +123,12 @@ def _allocate(fd: int, size: int) -> None:
 
 def save_model(graph: Graph, folder: str, on_weight: Callable[[int], None] | None = None,
                metadata: dict[str, str] | None = None,
-               transform: Callable[[Weight, np.ndarray], np.ndarray] | None = None) -> tuple[str, str]:
+               transform: Callable[[Weight, np.ndarray], np.ndarray] | None = None,
+               exact: frozenset = frozenset()) -> tuple[str, str]:
     """Write `folder/model.onnx` and `folder/model.onnx_data`, weights streamed tensor by tensor.
 
-    `transform` may change a weight's values (for example a LoRA merge) before the cast.
+    `transform` may change a weight's values (for example a LoRA merge) before the cast; the keys in
+    `exact` (those it changes) are read as float32, not decoded into the export's dtype first.
     Returns the two paths."""
     os.makedirs(folder, exist_ok=True)
     model_path = os.path.join(folder, "model.onnx")
@@ -132,7 +136,7 @@ def save_model(graph: Graph, folder: str, on_weight: Callable[[int], None] | Non
     placed, total = _layout(graph)
     with open(os.path.join(folder, data_name), "wb") as data:
         _allocate(data.fileno(), total)
-        _write_weights(graph, data.fileno(), placed, transform, on_weight)
+        _write_weights(graph, data.fileno(), placed, transform, on_weight, exact)
         if os.fstat(data.fileno()).st_size != total:
             raise RuntimeError(f"weights file is {os.fstat(data.fileno()).st_size} bytes, expected {total}")
     initializers = []

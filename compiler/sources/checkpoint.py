@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BadInput
-from . import diffusers_names, flux_names
+from . import diffusers_names, flux_names, fp8_decode
 from .safetensors_file import SafetensorsFile
 
 PICKLE_SUFFIXES = {".ckpt", ".pt", ".pth", ".bin", ".pkl"}
@@ -72,17 +72,24 @@ class TensorRef:
     def nbytes(self) -> int:
         return sum(f.tensors[k].end - f.tensors[k].start for f, k in self.stored)
 
-    def read(self, raw: bool = False) -> np.ndarray:
+    def read(self, raw: bool = False, target: np.dtype | None = None) -> np.ndarray:
         """The tensor as float32, or (`raw`) in its stored float type where that is exact (BF16,
-        F16, F32, F8 as ml_dtypes arrays; a fused or scaled tensor is float32 either way)."""
+        F16, F32, F8 as ml_dtypes arrays; a fused or scaled tensor is float32 either way). With
+        `target` (an export's dtype), F8 and scaled F8 decode straight into it, through a byte-pair
+        table: the same values as float32 dequantization then a cast, several times faster."""
         if self.parts:
-            arrs = [p.read(raw) for p in self.parts]
+            arrs = [p.read(raw, target) for p in self.parts]
             if len({a.dtype for a in arrs}) > 1:
                 arrs = [a.astype(np.float32) for a in arrs]
             return np.concatenate(arrs, axis=0).reshape(self.shape)
-        arr = self.file.read(self.key, raw=raw and self.scale is None)
-        if self.scale is not None:
-            arr = arr.astype(np.float32) * self.file.read(self.scale).astype(np.float32).reshape(())
+        stored = self.file.tensors[self.key].dtype
+        if target is not None and stored in fp8_decode.KINDS:
+            scale = float(self.file.read(self.scale).astype(np.float32).reshape(())) if self.scale else None
+            arr = fp8_decode.decode_fp8(self.file.read(self.key, raw=True), stored, target, scale)
+        else:
+            arr = self.file.read(self.key, raw=raw and self.scale is None)
+            if self.scale is not None:
+                arr = arr.astype(np.float32) * self.file.read(self.scale).astype(np.float32).reshape(())
         if self.rows is not None:
             arr = arr[self.rows[0]:self.rows[1]]
         return arr.reshape(self.shape)
@@ -136,8 +143,8 @@ class Checkpoint:
     def dtype(self, key: str) -> str:
         return self.refs[key].dtypes[0]
 
-    def read(self, key: str, raw: bool = False) -> np.ndarray:
-        return self.refs[key].read(raw)
+    def read(self, key: str, raw: bool = False, target: np.dtype | None = None) -> np.ndarray:
+        return self.refs[key].read(raw, target)
 
     def with_prefix(self, prefix: str) -> list[str]:
         return [k for k in self.refs if k.startswith(prefix)]
