@@ -55,7 +55,8 @@ def _write_weights(graph: Graph, fd: int, placed: list[tuple[Weight, int, int]],
         cast = _cast_weight(arr, w.elem_type)
         # the narrower of the two is checked: a widening cast (fp16 -> fp32) cannot make inf
         if _has_non_finite(cast if cast.itemsize <= arr.itemsize else arr):
-            _refuse_non_finite(graph, w, arr, cast)
+            # read in float32 to say which it is: damaged (NaN/inf) or past the export dtype's range
+            _refuse_non_finite(graph, w, arr if arr.dtype != cast.dtype else graph.ckpt.read(w.key), cast)
         arr = cast
         if arr.nbytes != size:
             raise RuntimeError(f"{w.key}: {arr.nbytes} bytes, expected {size}")

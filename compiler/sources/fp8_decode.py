@@ -22,7 +22,8 @@ def _values(kind: str, target: np.dtype, scale: float | None) -> np.ndarray:
     values = np.arange(256, dtype=np.uint8).view(KINDS[kind]).astype(np.float32)
     if scale is not None:
         values = values * np.float32(scale)
-    return values.astype(target)
+    with np.errstate(over="ignore"):        # past the target's range: inf, refused by the writer's check
+        return values.astype(target)
 
 
 def _pair_table(values: np.ndarray) -> np.ndarray:
