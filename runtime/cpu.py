@@ -52,9 +52,18 @@ def cpu_name(root: str = "/") -> str:
     return platform.processor() or platform.machine()
 
 
-def default_precision(device: str, isa: str) -> str:
+# Components that embed a float input with sinusoids (the denoiser's timestep, Flux's guidance, RoPE
+# angles from position ids): under OpenVINO's bf16 hint the CPU plugin rounds t * 1000 and the angles
+# to bf16 before sin/cos (750 -> 752; RoPE 0.18 rad off at 1024 px; measured, benchmarks/flux_step.py),
+# so they compile with the f32 hint. Their matrix multiplies still run in the weights' precision:
+# a bf16 export's run as bf16 GEMMs (AMX where present), with the rest of the graph in f32.
+SINUSOID_COMPONENTS = ("transformer", "unet")
+
+
+def default_precision(device: str, isa: str, component: str | None = None) -> str:
     """OpenVINO inference precision: bf16 only where AMX makes it faster (measured here without
-    AMX: SD1.5 UNet 6.9 s bf16 vs 5.0 s f32); f16 on GPUs."""
+    AMX: SD1.5 UNet 6.9 s bf16 vs 5.0 s f32), and never for SINUSOID_COMPONENTS on the CPU; f16 on
+    GPUs (not verified on hardware)."""
     if device.upper().startswith("CPU"):
-        return "bf16" if isa.endswith("+amx") else "f32"
+        return "bf16" if isa.endswith("+amx") and component not in SINUSOID_COMPONENTS else "f32"
     return "f16"

@@ -170,7 +170,7 @@ def open_candidate(c: Candidate, output_names: list[str], offload: bool = False)
     if c.artifact is None:
         if c.backend == "openvino":
             config = {"PERFORMANCE_HINT": "LATENCY",
-                      "INFERENCE_PRECISION_HINT": default_precision("CPU", c.device.arch)}
+                      "INFERENCE_PRECISION_HINT": default_precision("CPU", c.device.arch, c.component)}
             return sessions.OpenVinoSession(c.entry, "CPU", config, from_onnx=True)
         return sessions.OnnxRuntimeSession(c.entry)
     meta = {"backend": c.backend, "entry": c.artifact.entry, **c.artifact.metadata}

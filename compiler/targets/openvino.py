@@ -50,10 +50,11 @@ class OpenVinoTarget:
         return Fingerprint("openvino", self.toolchain()["openvino"], vendor, "cpu" if device == "CPU" else "gpu",
                            (self.device_arch(device),))
 
-    def compile_config(self, spec: TargetSpec) -> dict[str, str]:
+    def compile_config(self, spec: TargetSpec, component: str | None = None) -> dict[str, str]:
         device = spec.get("device", "CPU")
         cfg = {"PERFORMANCE_HINT": spec.get("performance_hint", "LATENCY"),
-               "INFERENCE_PRECISION_HINT": spec.get("precision") or default_precision(device, self.device_arch(device))}
+               "INFERENCE_PRECISION_HINT": spec.get("precision") or default_precision(device, self.device_arch(device),
+                                                                                      component)}
         if spec.get("num_streams") is not None:
             cfg["NUM_STREAMS"] = str(spec.get("num_streams"))
         if spec.get("threads") is not None:
@@ -72,7 +73,7 @@ class OpenVinoTarget:
                            for name, (mn, _, mx) in job.shapes.items()})
         if spec.get("ir", False):
             ov.save_model(model, str(folder / "model.xml"), compress_to_fp16=bool(spec.get("compress_to_fp16", False)))
-        config = self.compile_config(spec)
+        config = self.compile_config(spec, job.component)
         rewrites = {}
         if device == "CPU" and job.static and config["INFERENCE_PRECISION_HINT"] == "f32" \
                 and spec.get("winograd", True):
