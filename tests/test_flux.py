@@ -376,3 +376,27 @@ def test_openvino_keeps_the_sinusoids_in_f32(files, tmp_path):
                                   from_onnx=True)
         errors[hint] = rel_err(list(session.run(feeds).values())[0], want)
     assert errors["f32"] <= 5e-2 and errors["bf16"] > 0.1, errors    # seen 1.1e-2 and 0.55
+
+
+def test_openvino_fuses_a_half_exports_attention(files, tmp_path):
+    """A bf16 export's attention (fp32 softmax between bf16 MatMuls) is rewritten for OpenVINO's CPU
+    plugin so it fuses into one kernel per attention, with the same error against the reference."""
+    import collections
+    from precast.compiler.targets import BuildJob, parse_target
+    from precast.compiler.targets.openvino import OpenVinoTarget
+    from precast.runtime.sessions import OpenVinoSession
+    out = _export(files["dev"], tmp_path / "bf16", "--component", "transformer", dtype="bf16")
+    inputs = json.loads((out / "precast_export.json").read_text())["components"][0]["inputs"]
+    feeds = _dit_inputs("dev")
+    shapes = {i["name"]: (feeds[i["name"]].shape,) * 3 for i in inputs}
+    (tmp_path / "blob").mkdir()
+    meta = OpenVinoTarget().build(BuildJob(out / "transformer" / "model.onnx", "transformer", inputs, shapes, False),
+                                  parse_target("openvino"), tmp_path / "blob")
+    layers = TINY_FLUX_DEV.depth + TINY_FLUX_DEV.depth_single
+    assert meta["rewrites"]["attention_f32"] == layers
+    session = OpenVinoSession(tmp_path / "blob" / meta["entry"], "CPU", meta["compile_config"])
+    kinds = collections.Counter(op.get_rt_info()["layerType"].astype(str)
+                                for op in session._cm.get_runtime_model().get_ordered_ops())
+    assert kinds["Softmax"] == 0 and kinds["Subgraph"] >= layers, kinds
+    want = _dit_reference(_reference(files, "dev"), feeds)
+    assert rel_err(list(session.run(feeds).values())[0], want) <= 5e-2

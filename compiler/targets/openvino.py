@@ -3,7 +3,8 @@
 Owns: the compile config (performance hint, inference precision chosen from what the CPU
 does fast: f32 unless AMX makes bf16 faster; static shapes when the profile is static), the
 model rewrites applied before compiling (Winograd 3x3 convolutions on CPU in f32 with static
-shapes: openvino_winograd.py; option `winograd: false` turns it off) and recording that config,
+shapes: openvino_winograd.py, option `winograd: false` turns it off; a half-precision export's
+attention made fusable on CPU: openvino_attention.py) and recording that config,
 because an imported blob does not remember it: the runtime must pass the same config to
 import_model.
 """
@@ -16,7 +17,7 @@ from ...runtime.fingerprint import Fingerprint
 from ..errors import BadInput
 from .base import BuildJob, TargetSpec
 
-REWRITES = "winograd-f4x4-1"   # bump when a model rewrite changes: it is part of the cache key
+REWRITES = "winograd-f4x4-1,attention-f32-1"   # bump when a model rewrite changes: it is part of the cache key
 
 
 class OpenVinoTarget:
@@ -75,6 +76,10 @@ class OpenVinoTarget:
             ov.save_model(model, str(folder / "model.xml"), compress_to_fp16=bool(spec.get("compress_to_fp16", False)))
         config = self.compile_config(spec, job.component)
         rewrites = {}
+        if device == "CPU":    # a half export's attention fused (openvino_attention.py)
+            from .openvino_attention import rewrite_attention
+            if count := rewrite_attention(model):
+                rewrites["attention_f32"] = count
         if device == "CPU" and job.static and config["INFERENCE_PRECISION_HINT"] == "f32" \
                 and spec.get("winograd", True):
             from .openvino_winograd import rewrite_convolutions
