@@ -43,6 +43,8 @@ bench: setup
 	$(BIN)/python benchmarks/lora.py
 	$(BIN)/python benchmarks/sdxl.py
 	$(BIN)/python benchmarks/suite.py
+	$(BIN)/python benchmarks/flux_export.py    # needs ~52 GB of free disk (deleted at the end)
+	$(BIN)/python benchmarks/flux_step.py      # the ONNX peers of Flux need onnxscript on PYTHONPATH
 
 clean:
 	rm -rf build $(VENV)
