@@ -218,7 +218,12 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
     profiles = [dataclasses.replace(p, t5_tokens=p.t5_tokens or ((t5, t5, t5) if t5 else None), latent_factor=factor)
                 for p in recipe.profiles]
     for p in profiles:
-        p.check()
+        try:
+            p.check()
+            if family.name in T5_TOKENS:      # a DiT transformer packs 2x2 latents: refused now, not after exporting
+                p.image_tokens()
+        except BadInput as e:
+            raise BadInput(f"{recipe.path}: profiles: {e}") from None
     digest = source_digest(source)
     te_digests = tuple(source_digest(Path(t)) for t in recipe.text_encoders)
     lora_plan = None

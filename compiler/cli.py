@@ -255,7 +255,12 @@ def plan_cmd(recipe, fmt):
     def go():
         from .plan import github_matrix, make_plan
         from .recipe import load_recipe
-        entries = make_plan(load_recipe(recipe, check_files=False))
+        loaded = load_recipe(recipe, check_files=False)
+        if loaded.assumed_components:
+            click.echo(f"warning: {recipe}: no model.family or components, and {loaded.source} is not there to read: "
+                       "SD 1.x's components assumed; give model.family (sd1, sd2, sdxl, sdxl-refiner, flux, chroma)",
+                       err=True)
+        entries = make_plan(loaded)
         if fmt == "github":
             click.echo(json.dumps(github_matrix(entries), separators=(",", ":")))
         elif fmt == "json":

@@ -58,8 +58,13 @@ def export_t5_tokens(folder: str | Path) -> int | None:
 
 
 def export_latent_factor(folder: str | Path) -> int:
-    """Pixels per latent of an export's VAE (2 ** (levels - 1)); 8 when it has none."""
-    for c in _export_report(folder).get("components") or []:
+    """Pixels per latent of an export's VAE (2 ** (levels - 1)): as the export recorded it for its
+    model, else from an exported VAE's config; 8 when neither says."""
+    report = _export_report(folder)
+    recorded = report.get("latent_factor")
+    if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded in (1, 2, 4, 8, 16, 32, 64, 128):
+        return recorded
+    for c in report.get("components") or []:
         cfg = c.get("config") if isinstance(c, dict) else None
         levels = (cfg or {}).get("decoder_levels") or (cfg or {}).get("encoder_levels")
         if isinstance(levels, int) and not isinstance(levels, bool) and 1 <= levels <= 8:

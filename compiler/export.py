@@ -18,7 +18,7 @@ import onnx
 
 from .errors import BadInput
 from .families import (FAMILIES, FP32_VAE_FAMILIES, LATENT_SCALE, LATENT_SHIFT, T5_TOKENS, Component,
-                       check_parts, overrides_for)
+                       check_parts, latent_factor_of, overrides_for)
 from .graphs.onnx_graph import DTYPE_NAMES, NP_OF, Graph
 from .graphs.onnx_writer import save_model
 from .sources.checkpoint import Checkpoint, open_checkpoint
@@ -124,6 +124,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
                                              LATENT_SHIFT[family.name], f"{ckpt.path} vae/config.json"))
     if family.name in T5_TOKENS:
         report["t5_tokens"] = T5_TOKENS[family.name].get(family.variant, 512)
+        report["latent_factor"] = latent_factor_of(ckpt.refs)   # for `precast compile` of a transformer alone
     if vae is not None:
         report["vae"] = str(vae)
     if text_encoders:

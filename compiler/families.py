@@ -112,6 +112,8 @@ DYNAMIC = {"use_dynamic_shifting": True, "shift": 3.0, "base_shift": 0.5, "max_s
            "base_image_seq_len": 256, "max_image_seq_len": 4096}
 FLOW = {("flux", "dev"): (DYNAMIC, 28, 3.5), ("flux", "schnell"): ({"use_dynamic_shifting": False, "shift": 1.0}, 4, 0.0),
         ("chroma", ""): (DYNAMIC, 35, 5.0)}
+UNSUPPORTED_SCHEDULER_FIELDS = ("shift_terminal", "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas",
+                                "invert_sigmas", "stochastic_sampling")
 SCHEDULER_FIELDS = ("use_dynamic_shifting", "shift", "base_shift", "max_shift", "base_image_seq_len",
                     "max_image_seq_len", "time_shift_type")
 
@@ -126,16 +128,20 @@ def flow_defaults(family: str, variant: str, scheduler_json: dict, where: str) -
     for name in SCHEDULER_FIELDS:
         if name not in scheduler_json or scheduler_json[name] is None:
             continue
-        value = scheduler_json[name]
-        ok = {"use_dynamic_shifting": isinstance(value, bool),
-              "time_shift_type": value in ("exponential", "linear")}.get(
-            name, isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e9)
-        if not ok:
-            raise BadInput(f"{where}: {name} = {value!r} is not a valid flow-matching scheduler setting")
-        sched[name] = value
-    if sched.get("time_shift_type", "exponential") != "exponential":
-        raise BadInput(f"{where}: time_shift_type {sched['time_shift_type']!r} is not supported yet (exponential)")
+        sched[name] = scheduler_json[name]
+    for name in UNSUPPORTED_SCHEDULER_FIELDS:      # these change the schedule in ways not sampled here
+        if scheduler_json.get(name):
+            raise BadInput(f"{where}: {name} = {scheduler_json[name]!r} is not supported yet (leave it out)")
+    problem = flow_problem(sched)
+    if problem:
+        raise BadInput(f"{where}: {problem}")
     return {"scheduler": sched, "steps": steps, "guidance": guidance}
+
+
+def flow_problem(sched: dict) -> str | None:
+    """Why a flow-matching schedule cannot be sampled (the runtime checks a manifest's the same way)."""
+    from ..runtime.flow import schedule_problem
+    return schedule_problem(sched)
 
 
 def latent_factor_of(refs) -> int:

@@ -58,6 +58,7 @@ class Recipe:
     profiles: tuple[ShapeProfile, ...]
     targets: tuple[TargetSpec, ...]
     lines: dict = field(default_factory=dict, compare=False)
+    assumed_components: bool = False   # no family, no components, no checkpoint to read: SD 1.x's assumed
 
 
 class _Loader(yaml.SafeLoader):
@@ -291,9 +292,12 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
     if family is not None and (not isinstance(family, str) or family not in DEFAULT_COMPONENTS):
         raise doc.error("model.family", f"{family!r}: allowed: {', '.join(DEFAULT_COMPONENTS)}")
     comps = data.get("components")
+    assumed = False
     if comps is None:   # the family's components: named, a demo's, or detected from the checkpoint's header
-        default = family or DEMO_SOURCES.get(source) or (_detected_family(source) if check_files else None) or "sd1"
-        comps = list(DEFAULT_COMPONENTS.get(default, DEFAULT_COMPONENTS["sd1"]))
+        default = family or DEMO_SOURCES.get(source) or (_detected_family(source) if Path(source).is_file()
+                                                         or Path(source).is_dir() else None)
+        assumed = default is None
+        comps = list(DEFAULT_COMPONENTS.get(default or "sd1", DEFAULT_COMPONENTS["sd1"]))
     if not isinstance(comps, list) or not comps:
         raise doc.error("components", f"expected a list drawn from {', '.join(COMPONENTS)}")
     for i, c in enumerate(comps):
@@ -342,4 +346,4 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
     name = path.stem if data.get("name") is None else _string(doc, "name", data["name"], "a name (a string)")
     return Recipe(str(path), str(name), source, family, overrides, tuple(comps), per_comp, explicit, vae,
                   tuple(text_encoders), tuple(loras), embeddings, _profiles(doc, data.get("profiles")), _targets(doc, data.get("targets")),
-                  lines=doc.lines)
+                  lines=doc.lines, assumed_components=assumed)

@@ -27,12 +27,15 @@ LATENT = {"flux": (0.3611, 0.1159), "chroma": (0.3611, 0.1159)}   # scale, shift
 
 
 def t5_length(manifest: Manifest) -> int:
-    """The T5 length the bundle's transformer was built for: its profiles' value, else the model's."""
-    profiles = manifest.components["transformer"].get("profiles") or []
-    lengths = {p["t5_tokens"][1] for p in profiles if isinstance(p.get("t5_tokens"), list)}
-    if len(lengths) == 1:
-        return int(lengths.pop())
-    return int(manifest.model.get("t5_tokens") or 512)
+    """The T5 length to run with: the model's own (dev 512, schnell 256) where a profile of the
+    transformer covers it, else the longest its profiles were built for (padding to more tokens
+    never loses any; a shorter length cuts the prompt)."""
+    default = int(manifest.model.get("t5_tokens") or 512)
+    ranges = [p["t5_tokens"] for p in manifest.components["transformer"].get("profiles") or []
+              if isinstance(p.get("t5_tokens"), list)]
+    if not ranges or any(lo <= default <= hi for lo, _, hi in ranges):
+        return default
+    return int(max(opt for _, opt, _ in ranges))
 
 
 def packed_grid(manifest: Manifest, height: int, width: int) -> tuple[int, int]:
@@ -41,8 +44,36 @@ def packed_grid(manifest: Manifest, height: int, width: int) -> tuple[int, int]:
     return height // (2 * f), width // (2 * f)
 
 
+REQUIRED = {"flux": ("hidden_states", "encoder_hidden_states", "timestep", "img_ids", "txt_ids", "pooled_projections"),
+            "chroma": ("hidden_states", "encoder_hidden_states", "timestep", "img_ids", "txt_ids", "attention_mask")}
+
+
+def check_transformer_io(manifest: Manifest, family: str) -> None:
+    """The manifest's transformer IO as a `family` transformer has it (names, and the widths the
+    runtime reads from it), else one UserError naming the field."""
+    inputs = {i["name"]: i.get("shape") for i in manifest.components["transformer"]["inputs"]}
+    where = f"{manifest.root}/manifest.json: components.transformer.inputs"
+    missing = [n for n in REQUIRED[family] if n not in inputs]
+    if missing:
+        raise UserError(f"{where} has no {', '.join(missing)}: not a {family} transformer (was the manifest edited?); "
+                        "rebuild or re-download the bundle")
+    for name in ("hidden_states", "encoder_hidden_states", "img_ids", "txt_ids") + \
+            (("pooled_projections",) if family == "flux" else ()):
+        shape = inputs[name]
+        if not isinstance(shape, list) or not shape or type(shape[-1]) is not int or shape[-1] < 1 or \
+                (name == "hidden_states" and (len(shape) != 3 or shape[-1] % 4)):
+            raise UserError(f"{where}: {name} has shape {shape!r}, not the transformer's; rebuild or re-download "
+                            "the bundle")
+    outputs = [o["name"] for o in manifest.components["transformer"]["outputs"]]
+    if "out_hidden_states" not in outputs:
+        raise UserError(f"{manifest.root}/manifest.json: components.transformer.outputs has no out_hidden_states; "
+                        "rebuild or re-download the bundle")
+
+
 def dit_requests(manifest: Manifest, batch: int, height: int, width: int) -> dict:
     """The input shapes each component of a Flux/Chroma bundle is called with."""
+    family = manifest.model.get("family")
+    check_transformer_io(manifest, family if family in REQUIRED else "flux")
     rows, cols = packed_grid(manifest, height, width)
     tokens, t5 = rows * cols, t5_length(manifest)
     inputs = {i["name"]: i["shape"] for i in manifest.components["transformer"]["inputs"]}
@@ -101,6 +132,7 @@ class FluxTxt2Img(BundleModel):
         if width % f or height % f:
             raise UserError(f"--size {width}x{height}: width and height must be multiples of {f} "
                             f"({family} packs 2x2 latents of the VAE's 1/{f // 2} scale)")
+        check_transformer_io(manifest, family)
         self.width, self.height = width, height
         self.rows, self.cols = packed_grid(manifest, height, width)
         self.t5_tokens = t5_length(manifest)
@@ -108,7 +140,7 @@ class FluxTxt2Img(BundleModel):
                          params_backend, sysroot, env, verify)
         inputs = {i["name"]: i["shape"] for i in manifest.components["transformer"]["inputs"]}
         self.channels = int(inputs["hidden_states"][-1]) // 4
-        self.takes_guidance = "guidance" in inputs
+        self.takes_guidance = "guidance" in self.loaded["transformer"].session.input_names
         scale, shift = LATENT[family]
         self.latent_scale = float(manifest.model.get("latent_scale") or scale)
         self.latent_shift = float(manifest.model.get("latent_shift", shift))

@@ -16,6 +16,32 @@ from dataclasses import dataclass
 import numpy as np
 
 
+LIMITS = {"shift": (1e-3, 1e3), "base_shift": (-10.0, 10.0), "max_shift": (-10.0, 10.0),
+          "base_image_seq_len": (1, 1 << 24), "max_image_seq_len": (1, 1 << 24)}
+
+
+def schedule_problem(sched: dict) -> str | None:
+    """Why a scheduler config (diffusers FlowMatchEulerDiscreteScheduler fields) cannot be sampled
+    here, naming the field; None when it can."""
+    for name, value in sched.items():
+        if name == "use_dynamic_shifting":
+            if not isinstance(value, bool):
+                return f"use_dynamic_shifting = {value!r}: expected true or false"
+        elif name == "time_shift_type":
+            if value != "exponential":
+                return f"time_shift_type = {value!r}: only exponential (Flux's) is supported"
+        elif name in LIMITS:
+            low, high = LIMITS[name]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+                return f"{name} = {value!r}: expected a number from {low:g} to {high:g}"
+        else:
+            return f"unknown scheduler field {name!r}"
+    if sched.get("use_dynamic_shifting") and \
+            sched.get("base_image_seq_len", 256) >= sched.get("max_image_seq_len", 4096):
+        return "base_image_seq_len must be below max_image_seq_len (the shift is interpolated between them)"
+    return None
+
+
 @dataclass(frozen=True)
 class FlowSchedule:
     use_dynamic_shifting: bool = False

@@ -175,13 +175,10 @@ def check_manifest(data, where: str) -> dict:
     guidance = check.of(model, "guidance", (int, float), "model", optional=True)
     if guidance is not None and not math.isfinite(guidance):
         check.fail("model.guidance", f"is {_shown(guidance)}, expected a finite number")
-    sched = check.of(model, "scheduler", dict, "model", optional=True) or {}
-    for key, value in sched.items():
-        ok = isinstance(value, bool) if key == "use_dynamic_shifting" else (
-            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0)
-        if not ok and key != "time_shift_type":
-            check.fail(f"model.scheduler.{key}", f"is {_shown(value)}, expected "
-                       + ("true or false" if key == "use_dynamic_shifting" else "a finite number above 0"))
+    from .flow import schedule_problem
+    problem = schedule_problem(check.of(model, "scheduler", dict, "model", optional=True) or {})
+    if problem:
+        check.fail("model.scheduler", f"is unusable ({problem})")
     names = set()
     for i, emb in enumerate(check.of(model, "embeddings", (list, type(None)), "model", optional=True) or []):
         field = f"model.embeddings[{i}]"

@@ -48,7 +48,11 @@ class OpenVinoSession:
         import openvino as ov
         core = ov.Core()
         if from_onnx:
-            self._cm = core.compile_model(core.read_model(str(path)), device, config)
+            model = core.read_model(str(path))
+            if device.upper().startswith("CPU"):     # as the OpenVINO target does: half attention fused
+                from .openvino_attention import rewrite_attention
+                rewrite_attention(model)
+            self._cm = core.compile_model(model, device, config)
         else:  # the blob memory-mapped (copy-on-write), not read into bytes: 5-6x faster for a 3.4 GB
             # UNet. The compiled model keeps using the mapped memory, so the map lives as long as it does.
             self._blob = np.memmap(path, dtype=np.uint8, mode="c")

@@ -102,3 +102,55 @@ def test_unsupported_flux_variants_and_missing_rope_axes_are_named(parts, tmp_pa
     assert "axes_dims_rope" in line and "16" in line, line
     line = _refused(tmp_path, parts["flux"], "--set", "transformer.axes_dims_rope=[4,4,4]", "--component", "transformer")
     assert "summing to the head width 16" in line, line
+
+
+@pytest.mark.parametrize("key, shape", [("encoder.block.1.layer.1.DenseReluDense.wo.weight", (33, 64)),
+                                        ("encoder.block.0.layer.0.SelfAttention.o.weight", (32, 33)),
+                                        ("encoder.block.1.layer.1.layer_norm.weight", (31,))])
+def test_a_damaged_t5_is_named(parts, tmp_path, key, shape):
+    """A T5 weight of the wrong shape (it exported and failed inside the backend) is one line naming it."""
+    bad = _changed(parts["t5"], tmp_path / "t5-bad.safetensors",
+                   lambda t: t.update({key: np.zeros(shape, np.float32)}))
+    line = _refused(tmp_path, parts["flux"], "--set", AXES, "--text-encoder", bad, "--component", "text_encoder_2")
+    assert key in line and str(list(shape)) in line, line
+
+
+def test_a_chroma_approximator_of_odd_width_is_named(tmp_path):
+    from precast.compiler.demo_dit import TINY_CHROMA
+    src = tmp_path / "chroma.safetensors"
+    write_flux_checkpoint(src, TINY_CHROMA, seed=5, layout="bare", dtype="fp32")
+    bad = _changed(src, tmp_path / "bad.safetensors",
+                   lambda t: t.update({"distilled_guidance_layer.in_proj.weight": np.zeros((48, 66), np.float32)}))
+    line = _refused(tmp_path, bad, "--set", AXES, "--component", "transformer")
+    assert "in_proj" in line and "multiple of 4" in line, line
+
+
+def test_recipe_mistakes_are_named_before_anything_is_exported(parts, tmp_path):
+    """A DiT profile whose sides do not pack 2x2 latents, and a scheduler that cannot be sampled, are
+    refused before any component is exported (nothing in the cache, no bundle)."""
+    from precast.compiler.demo_dit import Vae16Config
+    cache, vae8 = tmp_path / "cache", tmp_path / "vae8.safetensors"
+    write_vae16_file(vae8, Vae16Config(ch=32, ch_mult=(1, 1, 2, 2), res_blocks=1))    # 4 levels: 8 px per latent
+    common = (f"model: {{source: {parts['flux']}, family: flux, text_encoders: [{parts['t5']}, {parts['clip']}], "
+              f"vae: {vae8}, set: {{transformer: {{axes_dims_rope: {DEMO_AXES}}}}}}}\n"
+              "targets: [{openvino: {device: CPU}}]\n")
+    recipe = tmp_path / "odd.yaml"      # 40 px: 5 latents, which do not pack 2x2
+    recipe.write_text(common + "profiles: {height: 40, width: 32, t5_tokens: 16}\n")
+    proc = precast("build", recipe, "--out", tmp_path / "b", env={"PRECAST_CACHE": str(cache)})
+    assert proc.returncode == 2 and "odd.yaml" in proc.stderr and "multiples of 16" in proc.stderr, proc.stderr
+    assert not (tmp_path / "b").exists() and not list(cache.rglob("*.onnx_data"))
+    sched = tmp_path / "scheduler_config.json"
+    sched.write_text(json.dumps({"use_dynamic_shifting": True, "base_image_seq_len": 256, "max_image_seq_len": 256}))
+    from precast.compiler.families import flow_defaults
+    from precast.compiler.errors import BadInput
+    with pytest.raises(BadInput, match="base_image_seq_len must be below max_image_seq_len"):
+        flow_defaults("flux", "dev", json.loads(sched.read_text()), str(sched))
+    with pytest.raises(BadInput, match="use_karras_sigmas"):
+        flow_defaults("flux", "dev", {"use_karras_sigmas": True}, str(sched))
+
+
+def test_plan_warns_when_it_must_assume_the_components(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {source: not-downloaded-yet.safetensors}\ntargets: [onnxruntime]\n")
+    proc = precast("plan", recipe)
+    assert proc.returncode == 0 and "warning" in proc.stderr and "model.family" in proc.stderr, proc.stderr

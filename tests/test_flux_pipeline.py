@@ -166,3 +166,41 @@ def test_the_dit_runtime_stays_thin(bundles):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda m: m["components"]["transformer"]["inputs"].__delitem__(
+        [i["name"] for i in m["components"]["transformer"]["inputs"]].index("pooled_projections")), "pooled_projections"),
+    (lambda m: m["components"]["transformer"]["inputs"][0].update(name="latents"), "hidden_states"),
+    (lambda m: m["components"]["transformer"]["inputs"][0].update(shape=["batch", "image_tokens"]), "hidden_states"),
+    (lambda m: m["model"].update(family="chroma"), "attention_mask"),
+    (lambda m: m["model"].update(scheduler={"use_dynamic_shifting": True, "base_image_seq_len": 9,
+                                           "max_image_seq_len": 9}), "model.scheduler"),
+])
+def test_a_hand_edited_manifest_is_one_line(bundles, tmp_path, edit, words):
+    import shutil
+    bundle = tmp_path / "b"
+    shutil.copytree(bundles["tiny-flux-dev"][0], bundle)
+    m = json.loads((bundle / "manifest.json").read_text())
+    edit(m)
+    (bundle / "manifest.json").write_text(json.dumps(m))
+    proc = precast("generate", bundle, "--prompt", "a cat", "--steps", "1", "--size", "64x64", "--out", tmp_path / "x.png")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and words in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_a_bundle_built_for_several_t5_lengths_runs_its_engines(tmp_path):
+    """Static profiles for 16 and 32 T5 tokens (neither the model's 512): the runtime runs the longest
+    one its engines were built for instead of falling back to compiling the ONNX."""
+    from precast.runtime.dit_pipeline import FluxTxt2Img
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {source: 'demo:tiny-flux-dev'}\nprecision: fp32\n"
+                      "profiles: {static: [{height: 64, width: 64, t5_tokens: 16}, {height: 64, width: 64, t5_tokens: 32}]}\n"
+                      "targets: [{openvino: {device: CPU}}]\n")
+    proc = precast("build", recipe, "--out", tmp_path / "b", env={"PRECAST_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stderr
+    pipe = FluxTxt2Img(tmp_path / "b", width=64, height=64)
+    assert pipe.t5_tokens == 32
+    for comp in ("text_encoder_2", "transformer"):
+        assert pipe.report()["components"][comp]["artifact"] != "onnx", pipe.report()["components"][comp]

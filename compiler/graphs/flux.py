@@ -232,6 +232,9 @@ def double_block(g: Graph, img: str, txt: str, i: int, mods: Modulations, rope, 
     out = {}
     for s, x in streams.items():
         shift1, scale1, gate1, shift2, scale2, gate2 = m[s]
+        g.expect(f"{p}.{s}_attn.proj.weight", (cfg.hidden, cfg.hidden))
+        g.expect(f"{p}.{s}_mlp.0.weight", (cfg.mlp_hidden, cfg.hidden), "MLP in [mlp, hidden]")
+        g.expect(f"{p}.{s}_mlp.2.weight", (cfg.hidden, cfg.mlp_hidden), "MLP out [hidden, mlp]")
         g.widths[parts[s]] = cfg.hidden
         x = gated(g, x, gate1, g.linear(parts[s], f"{p}.{s}_attn.proj"))
         h = g.gelu_tanh(g.linear(modulate(g, x, shift2, scale2, cfg), f"{p}.{s}_mlp.0"))
@@ -278,6 +281,9 @@ def sinusoid(values: np.ndarray, dim: int) -> np.ndarray:
 
 def chroma_rows(g: Graph, t: str, cfg: FluxConfig) -> str:
     """The approximator's [B, mod_rows, hidden] modulation rows for timestep t."""
+    if cfg.approximator_in % 4:
+        raise BadInput(f"{g.ckpt.path}: {g.prefix}{APPROX}.in_proj.weight reads {cfg.approximator_in} values; Chroma's "
+                       "approximator reads a multiple of 4 (timestep | guidance | 2 x index embeddings, 64 released)")
     quarter = cfg.approximator_in // 4
     n = cfg.mod_rows
     t_emb = timestep_embedding(g, g.op("Mul", t, g.const(np.array(1000.0, np.float32))), quarter)   # [B, q]
@@ -328,6 +334,9 @@ def build_flux(g: Graph, cfg: FluxConfig) -> None:
         mods = Modulations(g, cfg, vec=flux_vector(g, t, cfg))
         mask = None
     rope = rope_tables(g, g.op("Concat", txt_ids, img_ids, axis=0), cfg)
+    for key, shape in (("img_in.weight", (cfg.hidden, cfg.in_channels)), ("txt_in.weight", (cfg.hidden, cfg.context_dim)),
+                       ("final_layer.linear.weight", (cfg.out_channels, cfg.hidden))):
+        g.expect(key, shape)
     x, c = g.linear(img, "img_in"), g.linear(txt, "txt_in")
     txt_len = g.op("Shape", txt, start=1, end=2)
     for i in range(cfg.depth):

@@ -290,6 +290,8 @@ class Graph:
     def rms_norm(self, x: str, module: str | None, eps: float, weight: str = "weight", fp32_out: bool = False) -> str:
         """x / sqrt(mean(x^2) + eps) [* scale], over the last axis, computed in fp32 (T5, QK norms,
         Chroma's approximator). `module` None: no learned scale; `fp32_out`: leave the result in fp32."""
+        if module is not None and x in self.widths:
+            self.expect(f"{module}.{weight}", (self.widths[x],), "one scale per channel")
         x32 = self.to_fp32(x)
         ms = self.op("ReduceMean", self.op("Pow", x32, self.const(np.array(2.0, np.float32))), self.ints(-1),
                      keepdims=1)

@@ -138,6 +138,11 @@ def build_t5_encoder(g: Graph, cfg: T5Config) -> None:
         a = f"{p}.layer.0.SelfAttention"
         for n in "qkv":
             g.expect(f"{a}.{n}.weight", (inner, cfg.d_model), "T5 attention projection [heads * d_kv, d_model]")
+        g.expect(f"{a}.o.weight", (cfg.d_model, inner), "T5 attention output [d_model, heads * d_kv]")
+        ff = f"{p}.layer.1.DenseReluDense"
+        for n in (("wi_0", "wi_1") if cfg.gated else ("wi",)):
+            g.expect(f"{ff}.{n}.weight", (cfg.d_ff, cfg.d_model), "T5 feed-forward input [d_ff, d_model]")
+        g.expect(f"{ff}.wo.weight", (cfg.d_model, cfg.d_ff), "T5 feed-forward output [d_model, d_ff]")
         h = g.rms_norm(x, f"{p}.layer.0.layer_norm", cfg.eps)
         q, k, v = (g.split_heads(g.linear(h, f"{a}.{n}", bias=False), cfg.heads, cfg.d_kv) for n in "qkv")
         att = g.merge_heads(g.sdpa(q, k, v, None, bias), inner)

@@ -68,10 +68,6 @@ class TensorRef:
     def dtypes(self) -> tuple[str, ...]:
         return tuple(f.tensors[k].dtype for f, k in self.stored if k != self.scale)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(f.tensors[k].end - f.tensors[k].start for f, k in self.stored)
-
     def read(self, raw: bool = False, target: np.dtype | None = None) -> np.ndarray:
         """The tensor as float32, or (`raw`) in its stored float type where that is exact (BF16,
         F16, F32, F8 as ml_dtypes arrays; a fused or scaled tensor is float32 either way). With
@@ -132,7 +128,6 @@ class Checkpoint:
     refs: dict[str, TensorRef]
     configs: dict[str, dict] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
-    sources: dict[str, str] = field(default_factory=dict)   # canonical prefix -> the file it came from, if separate
 
     def keys(self) -> list[str]:
         return list(self.refs)
@@ -453,7 +448,6 @@ def add_text_encoder(ckpt: Checkpoint, path: Path) -> None:
         del ckpt.refs[k]
     for key, name in _encoder_mapping(list(weights), *kind).items():
         ckpt.refs[name] = tensor_ref(weights[key], key, name)
-    ckpt.sources[canon] = str(path)
 
 
 def replace_vae(ckpt: Checkpoint, vae: Path) -> None:
@@ -485,4 +479,3 @@ def replace_vae(ckpt: Checkpoint, vae: Path) -> None:
         del ckpt.refs[k]
     for key, canon in mapping.items():
         ckpt.refs[canon] = tensor_ref(weights[key], key, canon)
-    ckpt.sources[VAE] = str(vae)

@@ -4,7 +4,8 @@ Owns: the compile config (performance hint, inference precision chosen from what
 does fast: f32 unless AMX makes bf16 faster; static shapes when the profile is static), the
 model rewrites applied before compiling (Winograd 3x3 convolutions on CPU in f32 with static
 shapes: openvino_winograd.py, option `winograd: false` turns it off; a half-precision export's
-attention made fusable on CPU: openvino_attention.py) and recording that config,
+attention made fusable on CPU: runtime/openvino_attention.py, which the runtime's compile-on-load
+fallback applies too) and recording that config,
 because an imported blob does not remember it: the runtime must pass the same config to
 import_model.
 """
@@ -77,7 +78,7 @@ class OpenVinoTarget:
         config = self.compile_config(spec, job.component)
         rewrites = {}
         if device == "CPU":    # a half export's attention fused (openvino_attention.py)
-            from .openvino_attention import rewrite_attention
+            from ...runtime.openvino_attention import rewrite_attention
             if count := rewrite_attention(model):
                 rewrites["attention_f32"] = count
         if device == "CPU" and job.static and config["INFERENCE_PRECISION_HINT"] == "f32" \

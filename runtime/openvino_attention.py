@@ -8,6 +8,7 @@ one kernel only when MatMul -> [Multiply] [Add] -> Softmax -> MatMul has no Conv
 there a bf16 export ran two MatMuls and a Softmax per attention, materialising the fp32 scores
 (2 GB per layer for Flux at 1024x1024). Rewritten, the chain reads fp32 q, k, v and is fused; the
 arithmetic is the same the plugin does for an fp32 export (same error against the reference).
+Used by the compiler's OpenVINO target and by the runtime's compile-on-load fallback (openvino only).
 """
 from __future__ import annotations
 
