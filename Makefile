@@ -4,24 +4,32 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO := build/demo
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: setup demo demo-flux test bench clean
+.PHONY: setup test-setup demo demo-flux test bench clean
 
+# The product: the compiler, the CPU runtimes (ONNX Runtime, OpenVINO) and TensorRT-RTX (its AOT builds need no GPU).
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# torch is a test-only reference (diffusers/transformers parity); the CPU build lies on local disk.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[compiler,onnxruntime,openvino,tensorrt-rtx,test]'
+	$(BIN)/pip install -q -e '.[compiler,onnxruntime,openvino,tensorrt-rtx]'
 	touch $(STAMP)
 
+# The tests add their references: torch (CPU build, on local disk), diffusers, transformers, pytest.
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[compiler,onnxruntime,openvino,tensorrt-rtx,test]'
+	touch $(TEST_STAMP)
+
 setup: $(STAMP)
+
+test-setup: $(TEST_STAMP)
 
 # The main job on the embedded default: tiny SD 1.x checkpoint -> bundle for this machine -> image.
 demo: setup
 	mkdir -p $(DEMO)
-	$(BIN)/precast plan recipes/tiny-sd15.yaml
-	$(BIN)/precast build recipes/tiny-sd15.yaml --out $(DEMO)/bundle
+	$(BIN)/precast plan tiny-sd15
+	$(BIN)/precast build tiny-sd15 --out $(DEMO)/bundle
 	$(BIN)/precast bundle verify $(DEMO)/bundle
 	$(BIN)/precast doctor $(DEMO)/bundle
 	$(BIN)/precast generate $(DEMO)/bundle --prompt "a photo of a cat" --steps 20 --size 64x64 --out $(DEMO)/cat.png
@@ -29,15 +37,15 @@ demo: setup
 # The same for the tiny embedded Flux.1 [dev] (T5 + CLIP-L + transformer + 16-channel VAE; random weights).
 demo-flux: setup
 	mkdir -p $(DEMO)
-	$(BIN)/precast build recipes/tiny-flux.yaml --out $(DEMO)/flux-bundle
+	$(BIN)/precast build tiny-flux --out $(DEMO)/flux-bundle
 	$(BIN)/precast doctor $(DEMO)/flux-bundle
 	$(BIN)/precast generate $(DEMO)/flux-bundle --prompt "a photo of a cat" --size 64x64 --out $(DEMO)/flux-cat.png
 
-test: setup
+test: test-setup
 	$(BIN)/python -m pytest -q
 
 # Benchmarks (minutes to an hour; full-size weights are generated into benchmarks/results/work).
-bench: setup
+bench: test-setup
 	$(BIN)/python benchmarks/export_unet.py
 	$(BIN)/python benchmarks/engines.py
 	$(BIN)/python benchmarks/lora.py

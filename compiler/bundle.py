@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from .engines import PRECAST_VERSION, ExportedComponent, compile_component
 from .errors import BadInput
 from .plan import _slug, make_plan, select
 from .recipe import Recipe
+from .targets import check_buildable
 
 DEMO_FILE = "tiny-sd15-seed0.safetensors"
 
@@ -165,6 +167,23 @@ def check_replaceable(out: Path) -> None:
                        f"{MANIFEST}); its contents would be replaced: choose a new or empty folder")
 
 
+def _model_of(folder: Path) -> tuple[str, str] | None:
+    """(source digest, 'recipe (family, source)') of the bundle in `folder`."""
+    try:
+        data = json.loads((folder / MANIFEST).read_bytes())
+        model = data["model"]
+        return str(model.get("source_sha256")), f"{data.get('name')} ({model.get('family')}, {model.get('source')})"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _note_replaced(out: Path, staging: Path) -> None:
+    """Replacing a bundle of another model is allowed (--out names it) but said, on stderr."""
+    before, after = _model_of(out), _model_of(staging)
+    if before and after and before[0] != after[0]:
+        print(f"note: {out} held a bundle of {before[1]}; replaced by {after[1]}", file=sys.stderr)
+
+
 def commit_bundle(staging: Path, out: Path) -> None:
     """Rename the finished staging folder to `out`, replacing an existing bundle there."""
     if out.exists():
@@ -173,6 +192,7 @@ def commit_bundle(staging: Path, out: Path) -> None:
         except BadInput:
             shutil.rmtree(staging, ignore_errors=True)
             raise
+        _note_replaced(out, staging)
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         os.rename(out, old)
         os.rename(staging, out)
@@ -239,10 +259,11 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
         if comp.startswith("vae_") and comp not in recipe.precision_explicit and family.name in FP32_VAE_FAMILIES:
             return "fp32", f"{family.name} VAE overflows in fp16; kept fp32 (set precision.{comp} to override)"
         return recipe.precision[comp], "recipe"
-    for e in entries:   # a precision a backend cannot run is refused before anything is exported
-        if e.target.backend == "onnxruntime" and precision_of(e.component)[0] == "bf16":
-            raise BadInput(f"{recipe.path}: {e.component} is bf16 (precision), which ONNX Runtime's CPU provider "
-                           "cannot run: give it fp32 or fp16 for the onnxruntime target, or drop that target")
+    for e in entries:   # what a target cannot build here (dtype, options, backend, device) before any export
+        try:
+            check_buildable(e.target, precision_of(e.component)[0], e.component)
+        except BadInput as err:
+            raise BadInput(f"{recipe.path}: {err}") from None
     staging = out.parent / f".{out.name}.building-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -311,7 +332,8 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
                     "sha256": entry.files[meta["entry"]]["sha256"], "build_options": e.target.describe(),
                     "toolchain": meta["toolchain"], "metadata": _artifact_metadata(meta)})
                 report.append({**{k: rec[k] for k in ("component", "backend", "target", "cache", "seconds", "key",
-                                                      "fingerprint")}, "entry": e.id})
+                                                      "fingerprint")}, "entry": e.id,
+                               **({"evicted": rec["evicted"]} if rec.get("evicted") else {})})
         for comp, folder in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")):
             if comp not in manifest["components"]:
                 continue

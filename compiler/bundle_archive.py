@@ -30,6 +30,19 @@ SUFFIXES = {".tar": "", ".tar.gz": "gz", ".tgz": "gz", ".tar.zst": "zst", ".tzst
 MEMBERS_BEFORE_MANIFEST = 10_000   # `bundle pack` puts only folders before the manifest
 
 
+def bundle_counts(listed) -> dict:
+    """How `bundle pack`, `unpack` and `inspect` all count a bundle: its files (manifest.json and every
+    file the manifest lists) and, apart, the folders they lie in (an archive holds both as entries)."""
+    names = [MANIFEST, *listed]
+    folders = {str(p) for n in names for p in PurePosixPath(n).parents if str(p) != "."}
+    return {"files": len(names), "folders": len(folders)}
+
+
+def count_words(counts: dict) -> str:
+    """The words every bundle command prints for bundle_counts: `21 files (+18 folders)`."""
+    return f"{counts['files']} files (+{counts['folders']} folders)"
+
+
 def check_out(out: Path, kind: str = "folder") -> None:
     """One-line refusals for an --out path that cannot be written: a file where a folder must be,
     a missing parent folder for an archive, an existing folder where an archive file goes."""
@@ -80,7 +93,7 @@ def pack_bundle(bundle: str | Path, out: str | Path) -> dict:
     finally:
         if tmp.exists():
             tmp.unlink()
-    return {"archive": str(out), "files": len(names), "size": out.stat().st_size}
+    return {"archive": str(out), **bundle_counts(names[1:]), "size": out.stat().st_size}
 
 
 def _write_archive(bundle: Path, names: list[str], kind: str, tmp: Path) -> None:
@@ -263,7 +276,7 @@ def unpack_bundle(archive: str | Path, out: str | Path) -> dict:
         raise BadInput(f"{archive}: not a readable bundle archive ({_one_line(e)}); nothing was kept") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return {"bundle": str(out), "files": len(members)}
+    return {"bundle": str(out), **bundle_counts(files)}
 
 
 def _write_members(archive: Path, staging: Path, files: dict, members: dict[str, tarfile.TarInfo]) -> None:

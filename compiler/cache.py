@@ -1,7 +1,8 @@
 """Content-addressed artifact cache.
 
-Owns: where artifacts live (platformdirs user cache, or $PRECAST_CACHE), the key (sha256 over
-what decides an artifact's bytes), and the guarantees: an entry is complete and verified or
+Owns: where artifacts live (platformdirs user cache, or the folder $PRECAST_CACHE names), the key
+(sha256 over what decides an artifact's bytes), gc (damaged entries and abandoned temp folders
+always; least recently used entries only down to a size the user gives), and the guarantees: an entry is complete and verified or
 absent. Builds go to a private temp folder renamed into place; a file lock makes two builders
 of one key build once; every read re-checks each file's sha256, and a damaged entry is evicted
 and rebuilt, never returned.
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..runtime.manifest import file_record, sha256_file, verify_file
+from ..runtime.progress import heartbeat
 from .errors import BadInput
 
 ENTRY_FILE = "entry.json"
@@ -64,7 +66,8 @@ def input_digest(path: Path, memo_dir: Path | None = None) -> str:
             return value
     except OSError:
         pass
-    value = sha256_file(path)
+    with heartbeat(f"sha256 {path} ({st.st_size / 1e6:.0f} MB)"):
+        value = sha256_file(path)
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
         tmp = memo.with_suffix(f".tmp-{os.getpid()}")
@@ -180,14 +183,16 @@ class Cache:
                 return f"{name} does not match its sha256"
         return None
 
-    def get(self, key: str) -> tuple[Entry | None, str | None]:
-        """(verified entry, None) or (None, why it was evicted / None when absent)."""
+    def get(self, key: str, progress: bool = False) -> tuple[Entry | None, str | None]:
+        """(verified entry, None) or (None, why it was evicted / None when absent). `progress`: a
+        heartbeat on stderr while a big entry's sha256s are checked."""
         path = self._dir(key)
         if not path.exists():
             return None, None
         try:
             entry = parse_entry(path)
-            problem = self.verify(entry)
+            with heartbeat(f"verify cache entry {key[:12]} ({entry.size / 1e6:.0f} MB)", progress):
+                problem = self.verify(entry)
         except DamagedEntry as e:
             problem = str(e)
         except OSError as e:
@@ -199,10 +204,11 @@ class Cache:
         return entry, None
 
     # ---- writing ------------------------------------------------------------------
-    def get_or_build(self, key: str, build: Callable[[Path], dict]) -> tuple[Entry, bool, str | None]:
+    def get_or_build(self, key: str, build: Callable[[Path], dict],
+                     progress: bool = True) -> tuple[Entry, bool, str | None]:
         """(entry, hit, eviction reason). `build(folder)` writes the artifact files and returns metadata."""
         with self._lock(key):
-            entry, evicted = self.get(key)
+            entry, evicted = self.get(key, progress)
             if entry is not None:
                 return entry, True, None
             self._mkdir(self.tmp)
@@ -249,8 +255,9 @@ class Cache:
             shutil.rmtree(entry.path, ignore_errors=True)
 
     def gc(self, max_size: int | None = None) -> dict:
-        """Drop damaged entries and abandoned temp folders; then least recently used entries
-        until the cache holds at most `max_size` bytes."""
+        """Drop damaged entries and abandoned temp folders; then, only when `max_size` is given
+        (no size limit by default), least recently used entries until the cache holds at most
+        `max_size` bytes."""
         removed, reasons = [], {}
         for e in self.list():
             entry, why = self.get(e.key)
@@ -274,8 +281,32 @@ class Cache:
                 total -= e.size
                 removed.append(e.key)
                 reasons[e.key] = "least recently used"
-        return {"removed": removed, "reasons": reasons, "stale_temp_folders": stale,
-                "size": sum(e.size for e in self.list())}
+        left = self.list()
+        return {"removed": removed, "reasons": reasons, "stale_temp_folders": stale, "max_size": max_size,
+                "stale_locks": self._drop_stale_locks({e.key for e in left}),
+                "entries": len(left), "size": sum(e.size for e in left)}
+
+    def _drop_stale_locks(self, keys: set[str], min_age_s: float = 60.0) -> int:
+        """Lock files of entries that are gone (removed, or a build that failed), idle for a minute
+        and free now: each is taken without waiting, then unlinked while held."""
+        from filelock import FileLock, Timeout
+        if not self.locks.is_dir():
+            return 0
+        dropped = 0
+        for path in self.locks.glob("*.lock"):
+            try:
+                if path.stem in keys or time.time() - path.stat().st_mtime < min_age_s:
+                    continue
+                lock = FileLock(str(path))
+                lock.acquire(timeout=0)
+            except (Timeout, OSError):
+                continue
+            try:
+                path.unlink(missing_ok=True)
+                dropped += 1
+            finally:
+                lock.release()
+        return dropped
 
 
 def _alive(pid: int) -> bool:

@@ -7,11 +7,13 @@ runtime's commands work without the compiler's dependencies.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
 
 from ..runtime.cli import run_cli
+from .cache_cli import cache_group
 from .errors import BadInput
 
 
@@ -45,7 +47,8 @@ def _parse_lora(item: str) -> tuple[str, float]:
         try:
             return path, float(tail)
         except ValueError:
-            pass
+            if not os.path.lexists(item) and os.path.isfile(path):
+                raise BadInput(f"--lora {item}: strength {tail!r} is not a number; write PATH:0.8") from None
     return item, 1.0
 
 
@@ -59,7 +62,8 @@ def main() -> None:
 @click.argument("checkpoint", type=click.Path())
 @click.option("--out", "out", required=True, type=click.Path(), help="Output folder (optimum-onnx layout).")
 @click.option("--component", "components", multiple=True,
-              help="Component to export (repeatable): text_encoder, unet, vae_encoder, vae_decoder. Default: all present.")
+              help="Component to export (repeatable): text_encoder, text_encoder_2, unet (SD) or transformer (Flux, "
+                   "Chroma), vae_encoder, vae_decoder. Default: all present.")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True,
               help="Weights and activations; norms, softmax and RoPE stay fp32 inside the graph.")
 @click.option("--set", "sets", multiple=True, metavar="COMPONENT.FIELD=VALUE",
@@ -84,7 +88,7 @@ def export_cmd(checkpoint, out, components, dtype, sets, vae_dtype, vae, text_en
     def go():
         from .export import export
         specs = [(*_parse_lora(item), lora_te_strength) for item in loras]
-        report = export(checkpoint, out, list(components) or None, dtype, _parse_sets(sets), progress=not as_json,
+        report = export(checkpoint, out, list(components) or None, dtype, _parse_sets(sets), progress=True,
                         vae_dtype=vae_dtype, loras=specs, allow_unmatched=allow_unmatched,
                         warn=lambda msg: click.echo(f"warning: {msg}", err=True), vae=vae,
                         text_encoders=text_encoders)
@@ -96,7 +100,7 @@ def export_cmd(checkpoint, out, components, dtype, sets, vae_dtype, vae, text_en
                 click.echo(f"{c['name']:<13} {size / 1e6:9.1f} MB  "
                            f"{', '.join(i['name'] for i in c['inputs'])} -> {', '.join(o['name'] for o in c['outputs'])}")
             click.echo(f"{report['family']} {report['dtype']} -> {report['out']} in {report['seconds']:.1f} s")
-    _run(go)
+    _run(go, as_json=as_json)
 
 
 @main.command("demo-model")
@@ -105,8 +109,9 @@ def export_cmd(checkpoint, out, components, dtype, sets, vae_dtype, vae, text_en
 def demo_model_cmd(out, seed):
     """Write the embedded default: a tiny SD 1.x checkpoint with seeded random weights."""
     def go():
-        import os
         from .demo_model import write_demo_model
+        if os.path.isdir(out):
+            raise BadInput(f"--out {out}: is a folder; give a file path such as {os.path.join(out, 'tiny.safetensors')}")
         write_demo_model(out, seed=seed)
         click.echo(f"wrote {out} ({os.path.getsize(out) / 1e6:.1f} MB, tiny SD 1.x, seed {seed})")
     _run(go)
@@ -126,10 +131,16 @@ def _options(values: tuple[str, ...]) -> dict:
     return out
 
 
+COMPILE_JSON_HELP = ("Print one JSON document on stdout: {\"artifacts\": [one record per artifact: component, "
+                     "backend, target, cache (hit|miss), seconds, key, fingerprint, path (cache entry folder), "
+                     "artifact (its main file), entry, size], \"cache\": FOLDER}. Progress stays on stderr.")
+
+
 @main.command("compile")
 @click.argument("export_dir", type=click.Path())
 @click.option("--target", "targets", multiple=True, required=True, metavar="BACKEND[:ARG]",
-              help="onnxruntime | openvino[:CPU|GPU] | tensorrt-rtx[:sm_86,sm_89] | migraphx:GFX (repeatable).")
+              help="onnxruntime | openvino[:CPU|GPU] | tensorrt-rtx[:sm_86,sm_89] | migraphx:GFX (repeatable). "
+                   "Compute capabilities may be spelled sm_86, sm86, 86 or 8.6 (one cache entry).")
 @click.option("--component", "components", multiple=True, help="Components to compile (default: all exported).")
 @click.option("--batch", default="1", show_default=True, help="N or MIN:OPT:MAX (images per prompt).")
 @click.option("--height", default="512", show_default=True, help="Pixels: N or MIN:OPT:MAX.")
@@ -139,12 +150,16 @@ def _options(values: tuple[str, ...]) -> dict:
               "(default: the export's, e.g. 512 for Flux dev, 256 for schnell).")
 @click.option("--option", "options", multiple=True, metavar="KEY=VALUE",
               help="Target option, e.g. precision=f32, weight_streaming=true, ir=true.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON record per artifact (hit/miss, time).")
+@click.option("--json", "as_json", is_flag=True, help=COMPILE_JSON_HELP)
 def compile_cmd(export_dir, targets, components, batch, height, width, tokens, t5_tokens, options, as_json):
-    """Build engines for an export folder, through the cache."""
+    """Build engines for an export folder, through the cache.
+
+    Every target x component is checked first (files, dtype, options, backend installed, device
+    present, shapes): a combination that cannot be built stops the command in one line before
+    anything is built."""
     def go():
         from .cache import Cache
-        from .engines import compile_component, export_latent_factor, export_t5_tokens, read_export
+        from .engines import compile_component, export_latent_factor, export_t5_tokens, preflight, read_export
         from .profiles import ShapeProfile, parse_range
         from .targets import parse_target
         comps = read_export(export_dir)
@@ -157,94 +172,39 @@ def compile_cmd(export_dir, targets, components, batch, height, width, tokens, t
             t5_range = (t5, t5, t5) if t5 else None
         else:
             t5_range = parse_range(t5_tokens, "--t5-tokens")
+            if not any("t5_sequence" in i["shape"] for n in names for i in comps[n].inputs):
+                raise BadInput(f"--t5-tokens {t5_tokens}: none of {', '.join(names)} reads T5 tokens "
+                               "(only Flux / Chroma's T5 and transformer do): drop it")
         profile = ShapeProfile(parse_range(batch, "--batch"), parse_range(height, "--height"),
                                parse_range(width, "--width"), parse_range(tokens, "--tokens"), t5_range,
                                latent_factor=export_latent_factor(export_dir))
         specs = [parse_target(t, _options(options)) for t in targets]
         cache = Cache()
+        for spec in specs:          # every combination refused now, before the first build
+            for n in names:
+                preflight(comps[n], spec, profile)
         records = []
         for spec in specs:
             for n in names:
-                rec, _ = compile_component(comps[n], spec, profile, cache, progress=not as_json)
+                rec, _ = compile_component(comps[n], spec, profile, cache, progress=True)
                 records.append(rec)
                 if not as_json:
                     click.echo(f"{rec['cache']:<4} {rec['component']:<13} {rec['target']:<28} "
                                f"{rec['size'] / 1e6:8.1f} MB {rec['seconds']:7.2f} s  {rec['key'][:12]}")
+                    _note_evicted(rec)
         if as_json:
             click.echo(json.dumps({"artifacts": records, "cache": str(cache.root)}, indent=2))
-    _run(go)
+    _run(go, as_json=as_json)
 
 
-@main.group("cache")
-def cache_group():
-    """Inspect and manage the engine cache ($PRECAST_CACHE or the user cache folder)."""
+def _note_evicted(record: dict) -> None:
+    """A cache entry found damaged is rebuilt: said on stderr, with why."""
+    if record.get("evicted"):
+        click.echo(f"note: cache entry {record['key'][:12]} ({record['component']}) was damaged "
+                   f"({record['evicted']}); rebuilt", err=True)
 
 
-@cache_group.command("ls")
-@click.option("--json", "as_json", is_flag=True)
-def cache_ls(as_json):
-    def go():
-        from .cache import Cache
-        cache = Cache()
-        entries = [e.summary() for e in cache.list()]
-        if as_json:
-            click.echo(json.dumps({"root": str(cache.root), "entries": entries}, indent=2))
-            return
-        for e in entries:
-            m = e["metadata"]
-            if e["damaged"]:
-                click.echo(f"{e['key'][:12]}  DAMAGED: {e['damaged']}; `precast cache gc` removes it")
-                continue
-            click.echo(f"{e['key'][:12]}  {m.get('component', '?'):<13} {m.get('backend', '?'):<13} "
-                       f"{e['size'] / 1e6:8.1f} MB  {m.get('fingerprint', '')}")
-        click.echo(f"{len(entries)} entries, {sum(e['size'] for e in entries) / 1e6:.1f} MB in {cache.root}")
-    _run(go)
-
-
-@cache_group.command("show")
-@click.argument("key")
-@click.option("--json", "as_json", is_flag=True)
-def cache_show(key, as_json):
-    def go():
-        from .cache import Cache
-        cache = Cache()
-        entry = cache.find(key)
-        problem = cache.verify(entry)
-        info = {**entry.summary(), "verified": problem is None, "problem": problem}
-        click.echo(json.dumps(info, indent=2) if as_json else "\n".join(
-            [f"key       {entry.key}", f"path      {entry.path}", f"verified  {problem or 'ok'}"] +
-            [f"{k:<9} {v}" for k, v in sorted(entry.metadata.items()) if not isinstance(v, (dict, list))] +
-            [f"file      {n}  {f['size']} B  sha256 {f['sha256'][:16]}" for n, f in entry.files.items()]))
-    _run(go)
-
-
-@cache_group.command("rm")
-@click.argument("keys", nargs=-1, required=True)
-@click.option("--json", "as_json", is_flag=True)
-def cache_rm(keys, as_json):
-    def go():
-        from .cache import Cache
-        cache = Cache()
-        removed = []
-        for k in keys:
-            entry = cache.find(k)
-            cache.remove(entry)
-            removed.append(entry.key)
-        click.echo(json.dumps({"removed": removed}) if as_json else f"removed {len(removed)} entries")
-    _run(go)
-
-
-@cache_group.command("gc")
-@click.option("--max-size", default=None, help="Keep at most this much (e.g. 20G), least recently used first out.")
-@click.option("--json", "as_json", is_flag=True)
-def cache_gc(max_size, as_json):
-    def go():
-        from .cache import Cache, parse_size
-        result = Cache().gc(parse_size(max_size) if max_size else None)
-        click.echo(json.dumps(result, indent=2) if as_json else
-                   f"removed {len(result['removed'])} entries, {result['stale_temp_folders']} stale temp folders; "
-                   f"{result['size'] / 1e6:.1f} MB left")
-    _run(go)
+main.add_command(cache_group)   # `precast cache ...`: compiler/cache_cli.py
 
 
 @main.command("plan")
@@ -276,20 +236,24 @@ def plan_cmd(recipe, fmt):
 @click.option("--out", required=True, type=click.Path(), help="Bundle folder to write.")
 @click.option("--only", multiple=True, help="Build only this plan entry (repeatable).")
 @click.option("--shard", default=None, help="Build shard i of n of the plan, e.g. 2/3.")
-@click.option("--json", "as_json", is_flag=True, help="Report each artifact (cache hit/miss, time) as JSON.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON document on stdout: {\"bundle\": FOLDER, \"seconds\": S, \"artifacts\": [one record "
+                   "per artifact: component, backend (onnx for the export), target, cache (hit|miss), seconds, key, "
+                   "fingerprint, entry (plan entry)]}. Progress stays on stderr.")
 def build_cmd(recipe, out, only, shard, as_json):
     """Build RECIPE's engines through the cache into a bundle."""
     def go():
         from .bundle import build_bundle
         from .recipe import load_recipe
-        report = build_bundle(load_recipe(recipe), out, tuple(only), shard, progress=not as_json)
+        report = build_bundle(load_recipe(recipe), out, tuple(only), shard, progress=True)
         if as_json:
             click.echo(json.dumps(report, indent=2))
             return
         for r in report["artifacts"]:
             click.echo(f"{r['cache']:<4} {r['component']:<13} {r.get('target', r['backend']):<30} {r['seconds']:7.2f} s")
+            _note_evicted(r)
         click.echo(f"bundle {report['bundle']} in {report['seconds']:.1f} s")
-    _run(go)
+    _run(go, as_json=as_json)
 
 
 @main.group("bundle")
@@ -317,9 +281,9 @@ def bundle_merge(bundles, out, as_json):
 def bundle_pack(bundle, out, as_json):
     """Verify BUNDLE and pack it into one archive."""
     def go():
-        from .bundle_archive import pack_bundle
+        from .bundle_archive import count_words, pack_bundle
         r = pack_bundle(bundle, out)
-        click.echo(json.dumps(r) if as_json else f"packed {r['files']} files -> {out} ({r['size'] / 1e6:.1f} MB)")
+        click.echo(json.dumps(r) if as_json else f"packed {count_words(r)} -> {out} ({r['size'] / 1e6:.1f} MB)")
     _run(go)
 
 
@@ -330,9 +294,9 @@ def bundle_pack(bundle, out, as_json):
 def bundle_unpack(archive, out, as_json):
     """Unpack ARCHIVE safely (no absolute paths, '..', links or devices) and verify it."""
     def go():
-        from .bundle_archive import unpack_bundle
+        from .bundle_archive import count_words, unpack_bundle
         r = unpack_bundle(archive, out)
-        click.echo(json.dumps(r) if as_json else f"unpacked {r['files']} entries -> {out}; verified")
+        click.echo(json.dumps(r) if as_json else f"unpacked {count_words(r)} -> {out}; verified")
     _run(go)
 
 
@@ -375,7 +339,9 @@ def bundle_inspect(bundle, as_json):
         for a in m.artifacts():
             size = sum(m.files[f]["size"] for f in a.files) / 1e6
             click.echo(f"artifact   {a.component:<13} {a.backend:<13} {size:8.1f} MB  {a.fingerprint}")
-        click.echo(f"files      {len(m.files)}, {sum(f['size'] for f in m.files.values()) / 1e6:.1f} MB")
+        from .bundle_archive import bundle_counts, count_words
+        click.echo(f"total      {count_words(bundle_counts(m.files))}, "
+                   f"{sum(f['size'] for f in m.files.values()) / 1e6:.1f} MB")
     _run(go)
 
 

@@ -1,8 +1,10 @@
 """Component ONNX -> engine artifact for one target, through the content-addressed cache.
 
 Owns: the cache key of an artifact (sha256 over the graph, the weights, the component's input
-shapes, target and build options, the fingerprint class and toolchain versions) and the
-compile step that reports, per artifact, cache hit or miss and time.
+shapes, target and build options, the fingerprint class and toolchain versions), the checks made
+before any build (`preflight`: files present, dtype and options buildable, backend installed,
+shapes) and the compile step that reports, per artifact, cache hit or miss and time, with a
+heartbeat on stderr while a backend builds (runtime/progress.py).
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from pathlib import Path
 from .cache import Cache, Entry, cache_key, input_digest
 from .errors import BadInput
 from .profiles import ShapeProfile
-from .targets import BuildJob, TargetSpec, get_target
+from ..runtime.progress import heartbeat
+from .targets import BuildJob, TargetSpec, check_buildable, get_target, io_dtype
 
 PRECAST_VERSION = "0.1.0"
 
@@ -26,21 +29,35 @@ class ExportedComponent:
     inputs: list[dict]
     outputs: list[dict]
     sizes: dict | None = None   # file name -> bytes, as the export recorded them
+    dtype: str | None = None    # fp32 / fp16 / bf16 as the export recorded it (else read from the IO)
+    max_positions: int | None = None   # a CLIP text encoder's learned positions (77): the most tokens it takes
+
+    @property
+    def export_dtype(self) -> str:
+        return self.dtype if self.dtype in ("fp32", "fp16", "bf16") else io_dtype(self.inputs + self.outputs)
 
 
 def read_export(folder: str | Path) -> dict[str, ExportedComponent]:
     """The components of a `precast export` folder (its precast_export.json)."""
     folder = Path(folder)
     index = folder / "precast_export.json"
+    if not folder.exists():
+        raise BadInput(f"{folder}: no such folder; give the --out folder of `precast export`")
     if not index.is_file():
         raise BadInput(f"{folder}: not a precast export folder (no precast_export.json); run `precast export` first")
     try:
         report = json.loads(index.read_text())
         comps = {c["name"]: ExportedComponent(c["name"], folder / c["path"], c["inputs"], c["outputs"],
-                                              dict(c.get("files") or {})) for c in report["components"]}
+                                              dict(c.get("files") or {}), c.get("dtype"),
+                                              _positive_int((c.get("config") or {}).get("max_positions")))
+                 for c in report["components"]}
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise BadInput(f"{index}: damaged ({e}); export again") from None
     return comps
+
+
+def _positive_int(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _export_report(folder: str | Path) -> dict:
@@ -118,16 +135,30 @@ def artifact_key(comp: ExportedComponent, spec: TargetSpec, shapes: dict, toolch
     })
 
 
+def preflight(comp: ExportedComponent, spec: TargetSpec, profile: ShapeProfile) -> None:
+    """Everything that can be refused before any work, in one line (BadInput): the export's files,
+    the dtype and options this target cannot build (fp32 for Turing, bf16 for ONNX Runtime,
+    refittable without a driver), a backend not installed, a device not present, the shapes."""
+    check_exported(comp)
+    check_buildable(spec, comp.export_dtype, comp.name)
+    get_target(spec.backend).fingerprint(spec)      # a device that is not here; MIGraphX without a gfx name
+    profile.input_shapes(comp.name, comp.inputs)
+    reads_tokens = any("sequence" in i["shape"] for i in comp.inputs)
+    if comp.max_positions and reads_tokens and profile.tokens[2] > comp.max_positions:
+        raise BadInput(f"{comp.name}: --tokens {':'.join(map(str, profile.tokens))}: this CLIP text encoder has "
+                       f"{comp.max_positions} positions; give at most {comp.max_positions} (e.g. --tokens "
+                       f"{comp.max_positions})")
+
+
 def compile_component(comp: ExportedComponent, spec: TargetSpec, profile: ShapeProfile, cache: Cache,
                       progress: bool = True) -> tuple[dict, Entry]:
-    """Build (or fetch) one artifact; returns (report record, verified cache entry)."""
+    """Build (or fetch) one artifact; returns (report record, verified cache entry). The record:
+    component, backend, target, cache (hit | miss), seconds, key, fingerprint, path (the cache
+    entry folder), artifact (its main file), entry (that file's name), size."""
     target = get_target(spec.backend)
-    check_exported(comp)
-    why = target.unsupported(comp.inputs + comp.outputs, spec) if hasattr(target, "unsupported") else None
-    if why:
-        raise BadInput(f"{comp.name} for {spec.label()}: {why}")
+    preflight(comp, spec, profile)
     t0 = time.perf_counter()
-    toolchain = target.toolchain()            # BadInput here when the backend is not installed
+    toolchain = target.toolchain()
     fingerprint = target.fingerprint(spec).to_string()
     shapes = profile.input_shapes(comp.name, comp.inputs)
     key = artifact_key(comp, spec, shapes, toolchain, fingerprint, cache.root)
@@ -136,17 +167,22 @@ def compile_component(comp: ExportedComponent, spec: TargetSpec, profile: ShapeP
     def build(folder: Path) -> dict:
         b0 = time.perf_counter()
         check_exported_graph(comp)
-        meta = target.build(job, spec, folder)
+        # TensorRT-RTX draws its own phase bars on a terminal; elsewhere its phases are the beat's note
+        with heartbeat(f"compile {comp.name} for {spec.label()}", progress,
+                       plain_only=spec.backend == "tensorrt-rtx") as beat:
+            job.extra["heartbeat"] = beat
+            meta = target.build(job, spec, folder)
         return {**meta, "component": comp.name, "backend": spec.backend, "target": spec.describe(),
                 "fingerprint": fingerprint, "toolchain": {**toolchain, "precast": PRECAST_VERSION},
                 "shapes": {k: [list(s) for s in v] for k, v in shapes.items()}, "static": job.static,
                 "inputs": comp.inputs, "outputs": comp.outputs, "build_seconds": round(time.perf_counter() - b0, 3)}
 
-    entry, hit, evicted = cache.get_or_build(key, build)
-    record = {"component": comp.name, "backend": spec.backend, "target": spec.label(), "key": key,
-              "cache": "hit" if hit else "miss", "seconds": round(time.perf_counter() - t0, 3),
-              "fingerprint": fingerprint, "path": str(entry.path), "entry": entry.metadata.get("entry"),
-              "size": entry.size}
+    entry, hit, evicted = cache.get_or_build(key, build, progress=progress)
+    main = entry.metadata.get("entry")
+    record = {"component": comp.name, "backend": spec.backend, "target": spec.label(),
+              "cache": "hit" if hit else "miss", "seconds": round(time.perf_counter() - t0, 3), "key": key,
+              "fingerprint": fingerprint, "path": str(entry.path),
+              "artifact": str(entry.path / main) if main else None, "entry": main, "size": entry.size}
     if evicted:
         record["evicted"] = evicted
     return record, entry

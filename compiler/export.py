@@ -80,14 +80,15 @@ def plan_graphs(ckpt: Checkpoint, names: list[str], dtype: str, overrides: dict,
                            "the checkpoint may be damaged or of another architecture") from None
         g.check_coverage(list(comp.scopes or (prefix,)), ignore=lambda k: k.endswith(IGNORED_SUFFIXES))
         planned.append((comp, g, cfg.describe()))
-    check_parts(family.name, {c.name: cfg for c, _, cfg in planned}, ckpt.path)
+    check_parts(family.name, {c.name: cfg for c, _, cfg in planned}, ckpt.path, ckpt.vae_file)
     return planned
 
 
 def _progress(total: int, enabled: bool):
-    from tqdm import tqdm
-    return tqdm(total=total, unit="B", unit_scale=True, desc="export", disable=None if enabled else True,
-                leave=False)
+    """Bytes of weights written, on stderr (runtime/progress.py: a bar on a terminal, else a plain
+    `export: 1.2/3.4 GB (35%)` line every PRECAST_PROGRESS_INTERVAL seconds)."""
+    from ..runtime.progress import bar
+    return bar(total, "export", unit="B", enabled=enabled)
 
 
 def export(source: str | os.PathLike, out: str | os.PathLike, components: list[str] | None = None,
@@ -104,9 +105,13 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
     if out.is_dir() and any(out.iterdir()) and not (out / "precast_export.json").is_file():
         raise BadInput(f"--out {out}: exists, is not empty and is not a precast export (no precast_export.json); "
                        "its folders would be replaced: choose a new or empty folder")
+    earlier = _earlier(out)
     ckpt = open_checkpoint(source, vae=vae, text_encoders=text_encoders)
     family = detect_family(ckpt)
     require_supported(ckpt, family)
+    if text_encoders and family.name not in T5_TOKENS:
+        raise BadInput(f"--text-encoder {text_encoders[0]}: separate text-encoder files are read for Flux and Chroma; "
+                       f"a {family.name} export takes its text encoders from {ckpt.path}: drop the flag")
     names = list(components) if components else present_components(ckpt, family)
     planned = plan_graphs(ckpt, names, dtype, overrides or {}, vae_dtype)
     merge = _lora_plan(ckpt, loras, allow_unmatched, warn) if loras else None
@@ -147,8 +152,11 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
                     "dtype": DTYPE_NAMES[g.dtype], **({"precision_notes": g.notes} if g.notes else {}),
                     "inputs": _io(graph.input), "outputs": _io(graph.output),
                     "files": {os.path.basename(p): os.path.getsize(p) for p in (model_path, data_path)}})
+        written = [c.name for c, _, _ in planned]
+        report["components"] += _keep_earlier(report, earlier)
         (staging / "precast_export.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-        _commit(staging, out, [c.name for c, _, _ in planned])
+        _commit(staging, out, written)
+        _remove_stale(out, report, earlier)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     report["out"] = str(out)
@@ -193,6 +201,35 @@ def prediction_type(ckpt: Checkpoint, family: Family, overrides: dict) -> str:
         if biases and float(np.std(ckpt.read(biases[-1]).astype(np.float32))) > 0.09:
             return "v_prediction"
     return "epsilon"
+
+
+def _earlier(out: Path) -> dict:
+    """The report of an earlier export in `out` ({} if none or unreadable)."""
+    try:
+        report = json.loads((out / "precast_export.json").read_text())
+        return report if isinstance(report, dict) and isinstance(report.get("components"), list) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _keep_earlier(report: dict, earlier: dict) -> list[dict]:
+    """An export into an earlier one of the same source (same file, weights, LoRAs, VAE and text
+    encoders) keeps that export's other components, so `--component vae_decoder --dtype fp32`
+    re-exports one part; an earlier export of anything else goes whole."""
+    same = ("source", "source_identity", "loras", "vae", "text_encoders", "family")
+    if not earlier or any(earlier.get(k) != report.get(k) for k in same):
+        return []
+    names = {c["name"] for c in report["components"]}
+    return [c for c in earlier["components"] if isinstance(c, dict) and c.get("name") not in names]
+
+
+def _remove_stale(out: Path, report: dict, earlier: dict) -> None:
+    """Earlier component folders the new report does not list go, so `compile` never meets them."""
+    listed = {c["name"] for c in report["components"]}
+    for c in earlier.get("components", []):
+        name = c.get("name") if isinstance(c, dict) else None
+        if isinstance(name, str) and name not in listed and name.isidentifier() and (out / name).is_dir():
+            shutil.rmtree(out / name)
 
 
 def _commit(staging: Path, out: Path, names: list[str]) -> None:

@@ -152,15 +152,18 @@ def latent_factor_of(refs) -> int:
     return 2 ** (max(levels)) if levels else 8
 
 
-def check_parts(family: str, configs: dict[str, dict], path: str) -> None:
+def check_parts(family: str, configs: dict[str, dict], path: str, vae_file: str | None = None) -> None:
     """Components of one model must fit each other: a Flux/Chroma transformer packs 2x2 patches of
-    the VAE's latent channels (64 = 4 x 16), and reads T5's width."""
+    the VAE's latent channels (64 = 4 x 16), and reads T5's width; an SD UNet predicts the VAE's
+    latent channels and reads the text encoders' widths side by side."""
+    if "unet" in configs:
+        _check_sd_parts(family, configs, path, vae_file)
     if family not in ("flux", "chroma") or "transformer" not in configs:
         return
     dit = configs["transformer"]
     vae = configs.get("vae_decoder") or configs.get("vae_encoder")
     if vae and dit["out_channels"] != 4 * vae["latent_channels"]:
-        raise BadInput(f"{path}: the VAE has {vae['latent_channels']} latent channels; the {family} transformer "
+        raise BadInput(f"{f'--vae {vae_file}' if vae_file else path}: the VAE has {vae['latent_channels']} latent channels; the {family} transformer "
                        f"predicts {dit['out_channels']} = 4 x {dit['out_channels'] // 4}: give the model's own VAE "
                        "(Flux's ae.safetensors, 16 channels) with --vae")
     t5 = configs.get("text_encoder_2" if family == "flux" else "text_encoder")
@@ -171,6 +174,22 @@ def check_parts(family: str, configs: dict[str, dict], path: str) -> None:
     if clip and dit["vec_dim"] and clip.get("hidden") != dit["vec_dim"]:
         raise BadInput(f"{path}: the CLIP text encoder is {clip.get('hidden')} wide; the transformer's vector_in "
                        f"reads {dit['vec_dim']} (CLIP-L: 768)")
+
+
+def _check_sd_parts(family: str, configs: dict[str, dict], path: str, vae_file: str | None) -> None:
+    unet = configs["unet"]
+    vae = configs.get("vae_decoder") or configs.get("vae_encoder")
+    if vae and unet["out_channels"] != vae["latent_channels"]:
+        raise BadInput(f"{f'--vae {vae_file}' if vae_file else path}: the VAE has {vae['latent_channels']} latent channels; the UNet predicts "
+                       f"{unet['out_channels']}: give a VAE made for this model with --vae (SD 1.x/2.x/XL: 4 channels)")
+    names = [n for n in FAMILIES.get(family, {}) if n.startswith("text_encoder")]
+    if not names or any(n not in configs for n in names):   # the widths add up only when all are here
+        return
+    widths = [configs[n]["hidden"] for n in names]
+    if unet["context_dim"] and sum(widths) != unet["context_dim"]:
+        raise BadInput(f"{path}: the text encoder output is {' + '.join(map(str, widths))} wide; the UNet's "
+                       f"cross-attention reads {unet['context_dim']}: the text encoder and UNet come from "
+                       "different models")
 
 
 def overrides_for(family: str, component: Component, user: dict) -> dict:

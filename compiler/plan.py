@@ -1,7 +1,7 @@
 """Build plans: a recipe as a matrix of jobs, one per component x target.
 
-Owns: the stable id of each job, what machine it needs (TensorRT-RTX AOT: any; MIGraphX: that
-AMD GPU; OpenVINO GPU: that device), selecting jobs (`--only`, `--shard i/n`) and the GitHub
+Owns: the stable id of each job, what machine it needs (TensorRT-RTX AOT: any; ONNX Runtime and
+OpenVINO CPU: any of the ISA level it serves; MIGraphX: that AMD GPU; OpenVINO GPU: that device), selecting jobs (`--only`, `--shard i/n`) and the GitHub
 Actions `strategy.matrix` form.
 """
 from __future__ import annotations
@@ -55,6 +55,9 @@ def _needs(spec: TargetSpec) -> tuple[str, tuple[str, ...]]:
         return "any x86-64 machine (the blob is keyed to the build machine's CPU ISA level)", ("ubuntu-latest",)
     if spec.backend == "tensorrt-rtx":
         return "any machine (ahead-of-time build, no GPU needed)", ("ubuntu-latest",)
+    if spec.backend == "onnxruntime" and spec.get("optimize", True) is not False:
+        return ("any x86-64 machine (the optimized graph is keyed to the build machine's CPU ISA level; "
+                "optimize: false runs anywhere)"), ("ubuntu-latest",)
     return "any machine", ("ubuntu-latest",)
 
 

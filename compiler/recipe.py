@@ -7,6 +7,7 @@ folder; `demo:tiny-sd15` names the embedded default checkpoint (written on deman
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -267,10 +268,35 @@ def _detected_family(source: str) -> str | None:
         return None
 
 
+SHIPPED = Path(__file__).parent / "recipes"   # package data; the repository's recipes/ links here
+
+
+def shipped_recipes() -> list[str]:
+    """The names of the recipes that come with precast (`precast build tiny-sd15`)."""
+    return sorted(p.stem for p in SHIPPED.glob("*.yaml"))
+
+
+def find_recipe(spec: str | Path) -> tuple[Path, Path]:
+    """(the recipe file, the folder its relative paths start from) for a path or a shipped name.
+    A path that exists is read as it is, relative to its own folder; otherwise a name such as
+    `tiny-sd15` (or `tiny-sd15.yaml`) is a shipped recipe, whose relative paths (your checkpoint for
+    `sd15`) start from the current folder, since the recipe itself lies inside the installed package."""
+    path = Path(spec)
+    if os.path.lexists(path):
+        return path, path.parent
+    text = str(spec)
+    stem = text[:-5] if text.endswith(".yaml") else text
+    if stem and "/" not in text and os.sep not in text and (SHIPPED / f"{stem}.yaml").is_file():
+        return SHIPPED / f"{stem}.yaml", Path.cwd()
+    raise BadInput(f"{spec}: no such recipe file, and not the name of a recipe precast ships "
+                   f"({', '.join(shipped_recipes())}); give a recipe .yaml path or one of those names")
+
+
 def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
-    """Parse and validate a recipe. `check_files=False` (for `precast plan`, which CI runs before
-    the checkpoint is downloaded) skips checking that the model files exist."""
-    path = Path(path)
+    """Parse and validate a recipe, given as a path or a shipped recipe's name (see find_recipe).
+    `check_files=False` (for `precast plan`, which CI runs before the checkpoint is downloaded)
+    skips checking that the model files exist."""
+    path, base = find_recipe(path)
     doc = _Doc(path)
     data = _check_keys(doc, "", doc.data, TOP_FIELDS)
     model = _check_keys(doc, "model", data.get("model"), MODEL_FIELDS)
@@ -282,7 +308,7 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
         if source not in DEMO_SOURCES:
             raise doc.error("model.source", f"unknown demo model {source!r}; known: {', '.join(sorted(DEMO_SOURCES))}")
     else:
-        resolved = (path.parent / source).resolve()
+        resolved = (base / source).resolve()
         if check_files and not resolved.exists():
             raise doc.error("model.source", f"{resolved} does not exist")
         if check_files and not (resolved.is_file() or resolved.is_dir()):
@@ -315,7 +341,7 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
     explicit = frozenset(c for c in comps if c in precision)
     vae = model.get("vae")
     if vae is not None:
-        vae_path = (path.parent / _string(doc, "model.vae", vae, "a VAE file or folder")).resolve()
+        vae_path = (base / _string(doc, "model.vae", vae, "a VAE file or folder")).resolve()
         if check_files and not vae_path.exists():
             raise doc.error("model.vae", f"{vae_path} does not exist")
         if check_files and not (vae_path.is_file() or vae_path.is_dir()):
@@ -323,7 +349,7 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
         vae = str(vae_path)
     text_encoders = []
     for i, te in enumerate(_list(doc, "model.text_encoders", model.get("text_encoders"), "text-encoder files")):
-        te_path = (path.parent / _string(doc, f"model.text_encoders[{i}]", te, "a T5 / CLIP file")).resolve()
+        te_path = (base / _string(doc, f"model.text_encoders[{i}]", te, "a T5 / CLIP file")).resolve()
         if check_files and not te_path.exists():
             raise doc.error(f"model.text_encoders[{i}]", f"{te_path} does not exist")
         text_encoders.append(str(te_path))
@@ -337,13 +363,31 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
         lora_path = _string(doc, f"{w}.path" if "path" in item else w, item.get("path"), "{path: FILE, strength: S}")
         strength = _number(doc, f"{w}.strength", item["strength"]) if "strength" in item else 1.0
         te = None if item.get("te_strength") is None else _number(doc, f"{w}.te_strength", item["te_strength"])
-        loras.append(Lora(str((path.parent / lora_path).resolve()), strength, te))
-    embeddings = tuple(str((path.parent / _string(doc, f"embeddings[{i}]", e, "an embedding file")).resolve())
+        loras.append(Lora(str((base / lora_path).resolve()), strength, te))
+    embeddings = tuple(str((base / _string(doc, f"embeddings[{i}]", e, "an embedding file")).resolve())
                        for i, e in enumerate(_list(doc, "embeddings", data.get("embeddings"), "embedding files")))
     overrides = _overrides(doc, model.get("set"))
     if prediction:
         overrides["model"] = {**overrides.get("model", {}), "prediction": prediction}
     name = path.stem if data.get("name") is None else _string(doc, "name", data["name"], "a name (a string)")
+    targets = _targets(doc, data.get("targets"))
+    _check_target_dtypes(doc, targets, per_comp, explicit, family or DEMO_SOURCES.get(source))
     return Recipe(str(path), str(name), source, family, overrides, tuple(comps), per_comp, explicit, vae,
-                  tuple(text_encoders), tuple(loras), embeddings, _profiles(doc, data.get("profiles")), _targets(doc, data.get("targets")),
+                  tuple(text_encoders), tuple(loras), embeddings, _profiles(doc, data.get("profiles")), targets,
                   lines=doc.lines, assumed_components=assumed)
+
+
+def _check_target_dtypes(doc: _Doc, targets, precision: dict, explicit: frozenset, family: str | None) -> None:
+    """A precision a target cannot build (fp32 / bf16 for TensorRT-RTX sm_75, bf16 for ONNX Runtime)
+    is refused when the recipe is read, so `plan` and `build` stop before any work."""
+    from .families import FP32_VAE_FAMILIES
+    from .targets import dtype_problem
+    for i, spec in enumerate(targets):
+        for comp, dtype in precision.items():
+            source = "precision"
+            if comp.startswith("vae_") and comp not in explicit and family in FP32_VAE_FAMILIES:
+                dtype, source = "fp32", f"{family}'s VAE is kept fp32 unless precision.{comp} says otherwise"
+            why = dtype_problem(spec, dtype)
+            if why:
+                raise doc.error(f"targets[{i}]", f"{comp} is {dtype} ({source}), which {spec.label()} cannot "
+                                                 f"build: {why}")

@@ -25,7 +25,7 @@ def zstd_module():
     try:
         import zstandard
     except ImportError:
-        raise BadInput("zstd archives need the zstandard package (pip install zstandard); "
+        raise BadInput("zstd archives need the zstandard package (pip install 'precast[zstd]'); "
                        "or use a .tar / .tar.gz name") from None
     return zstandard
 

@@ -1,12 +1,17 @@
 """The `precast` command: runtime commands here, build commands loaded from the compiler on demand.
 
 Owns: the top-level command group (`doctor`, `generate` need only the runtime's dependencies;
-`export`, `build`, `bundle`, ... are imported from precast.compiler.cli only when invoked) and
-the exit codes: 0 ok, 1 failure, 2 bad input (one line, no traceback).
+`export`, `build`, `bundle`, ... are imported from precast.compiler.cli only when invoked, and a
+build command on a runtime-only install is one line naming the extra to install), every option's
+check before anything is loaded (fixed sets are click choices; sizes, assignments, seeds, text and
+--out are checked before a session is created), the exit codes: 0 ok, 1 failure, 2 bad input (one
+line, no traceback), and the JSON the runtime commands print (`--json`; errors too, as
+{"error", "exit"} on stdout).
 """
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -20,51 +25,124 @@ import click
 from .errors import UserError
 
 BUILD_COMMANDS = ("bundle", "build", "cache", "compile", "demo-model", "export", "plan")
+# Modules the build side imports, and the pyproject extra that installs each.
+EXTRA_OF = {"onnx": "compiler", "safetensors": "compiler", "yaml": "compiler", "platformdirs": "compiler",
+            "filelock": "compiler", "ml_dtypes": "compiler", "onnxsim": "compiler", "onnxruntime": "onnxruntime",
+            "openvino": "openvino", "tensorrt_rtx": "tensorrt-rtx", "zstandard": "zstd"}
+# checked before any build command starts (onnxsim only where an ONNX Runtime target needs it)
+COMPILER_MODULES = tuple(m for m, extra in EXTRA_OF.items() if extra == "compiler" and m != "onnxsim")
 
 
-def run_cli(fn):
-    """Run a command body: user mistakes and paths the OS refuses -> one line + exit 2; bugs ->
-    trace + exit 1; a closed stdout -> exit 141, silently."""
+def fail(message: str, code: int = 2, as_json: bool = False):
+    """Report an error and exit: one line on stderr; with `as_json` also {"error", "exit"} on stdout."""
+    click.echo(f"error: {message}", err=True)
+    if as_json:
+        click.echo(json.dumps({"error": message, "exit": code}))
+    sys.exit(code)
+
+
+def _command_path(ctx: click.Context | None = None) -> str:
+    """'precast bundle merge': the command as a user types it (whatever the program was started as)."""
+    ctx = ctx or click.get_current_context(silent=True)
+    names = []
+    while ctx is not None and ctx.parent is not None:
+        names.append(ctx.info_name)
+        ctx = ctx.parent
+    return " ".join(["precast", *reversed(names)])
+
+
+def missing_dependency(e: ModuleNotFoundError, command: str | None = None) -> str | None:
+    """The one-line fix for a module the build side needs and this install lacks, or None."""
+    top = (e.name or "").split(".")[0]
+    extra = EXTRA_OF.get(top)
+    if extra is None:
+        return None
+    what = "the build side's dependencies" if extra == "compiler" else f"the {extra} extra"
+    return (f"`{command or _command_path()}` needs {what}, not installed here (no module {top!r}): "
+            f"pip install 'precast[{extra}]'")
+
+
+def run_cli(fn, as_json=False):
+    """Run a command body: user mistakes and paths the OS refuses -> one line + exit 2; a missing
+    build-side module -> one line naming the extra to install + exit 2; bugs -> trace + exit 1; a
+    closed stdout -> exit 141, silently. With `as_json` (or `--json` on the command line of a command
+    started through `precast`), errors are also one JSON object on stdout: {"error": "<message>", "exit": <code>}."""
+    ctx = click.get_current_context(silent=True)
+    as_json = bool(as_json or (ctx is not None and ctx.meta.get("precast.json")))
     try:
         return fn()
     except UserError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
+        fail(str(e), 2, as_json)
     except KeyboardInterrupt:
-        click.echo("interrupted", err=True)
-        sys.exit(130)
+        fail("interrupted", 130, as_json)
     except BrokenPipeError:  # the reader went away (`precast cache ls | head -1`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         sys.exit(141)  # 128 + SIGPIPE, as other tools in a pipe report it
     except OSError as e:     # the file system refused a path the user chose (permissions, space, name, /proc)
         where = f"{e.filename}: " if e.filename else ""
-        click.echo(f"error: {where}{e.strerror or e}; check the path, its permissions and the free space", err=True)
-        sys.exit(2)
-    except Exception:
-        traceback.print_exc()
-        click.echo("error: internal failure (a bug in precast); please report it with the trace above", err=True)
-        sys.exit(1)
+        fail(f"{where}{e.strerror or e}; check the path, its permissions and the free space", 2, as_json)
+    except ModuleNotFoundError as e:
+        hint = missing_dependency(e)
+        if hint is None:
+            _internal(e, as_json)
+        fail(hint, 2, as_json)
+    except Exception as e:
+        _internal(e, as_json)
+
+
+def _internal(e: BaseException, as_json: bool):
+    traceback.print_exc()
+    click.echo("error: internal failure (a bug in precast); please report it with the trace above", err=True)
+    if as_json:
+        click.echo(json.dumps({"error": f"internal failure (a bug in precast): {type(e).__name__}: {e}", "exit": 1}))
+    sys.exit(1)
 
 
 class PrecastGroup(click.Group):
     def list_commands(self, ctx):
         return sorted(set(super().list_commands(ctx)) | set(BUILD_COMMANDS))
 
+    def parse_args(self, ctx, args):
+        ctx.meta["precast.json"] = "--json" in args
+        return super().parse_args(ctx, args)
+
+    def invoke(self, ctx):
+        """Usage errors (a value outside an option's choices, a missing option) as one line, exit 2."""
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as e:
+            if isinstance(e, getattr(click.exceptions, "NoArgsIsHelpError", ())):
+                raise
+            where = _command_path(e.ctx or ctx)
+            fail(f"{e.format_message()} (see `{where} --help`)", e.exit_code, ctx.meta.get("precast.json", False))
+
     def get_command(self, ctx, name):
         if name in self.commands or name not in BUILD_COMMANDS:
             return super().get_command(ctx, name)
-        try:
-            compiler_cli = importlib.import_module("precast.compiler.cli")
-        except ImportError as e:
-            why = str(e)
+        # A runtime-only install (pip install precast onnxruntime) lacks the build side's modules:
+        # say which extra to install before the command starts (`bundle` verify/inspect/pack/unpack
+        # need none; its other subcommands are caught by run_cli when they import one).
+        missing = [] if name == "bundle" else [m for m in COMPILER_MODULES if importlib.util.find_spec(m) is None]
+        why = None
+        if missing:
+            why = missing_dependency(ModuleNotFoundError(name=missing[0]), f"precast {name}")
+        else:
+            try:
+                compiler_cli = importlib.import_module("precast.compiler.cli")
+            except ModuleNotFoundError as e:
+                why = missing_dependency(e, f"precast {name}") or f"`precast {name}` cannot load the build side ({e})"
+            except ImportError as e:
+                why = (f"`precast {name}` is a build command and needs the compiler's dependencies "
+                       f"(pip install 'precast[compiler]'): {e}")
+        if why is None:
+            return compiler_cli.main.get_command(ctx, name)
 
-            @click.command(name, context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-            def missing():
-                click.echo(f"error: `precast {name}` is a build command and needs the compiler's dependencies "
-                           f"(pip install 'precast[compiler]'): {why}", err=True)
-                sys.exit(2)
-            return missing
-        return compiler_cli.main.get_command(ctx, name)
+        @click.command(name, context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                               "help_option_names": []}, add_help_option=False)
+        @click.pass_context
+        def missing_cmd(c):
+            fail(why, 2, "--json" in c.args)
+        return missing_cmd
 
 
 @click.group(cls=PrecastGroup)
@@ -115,6 +193,9 @@ def _check_out(out: str) -> Path:
         raise UserError(f"--out {out}: folder {path.parent} does not exist; create it first")
     if not os.access(path.parent, os.W_OK):
         raise UserError(f"--out {out}: folder {path.parent} is not writable; choose another path")
+    if path.suffix.lower() != ".png":   # never a PNG written over a checkpoint or under a .jpg name
+        raise UserError(f"--out {out}: precast writes PNG images; give a path ending in .png, "
+                        f"such as {path.with_suffix('.png')}")
     return path
 
 
@@ -128,40 +209,63 @@ def _write_image(path: Path, image) -> None:
         raise UserError(f"--out {path}: cannot write ({e.strerror or e})") from None
 
 
+def _scheduler_names() -> list[str]:
+    from .dit_pipeline import SCHEDULER
+    from .schedulers import SAMPLERS
+    return [*SAMPLERS, SCHEDULER]
+
+
+BACKEND_HELP = ("Where each module runs: DEVICE, BACKEND or DEVICE:BACKEND, per module or for all, e.g. "
+                "te=cpu,unet=gpu0 | all=openvino | unet=onnxruntime | te=cpu:onnxruntime. A device that is not here "
+                "falls back with the reason (see --strict).")
+STRICT_HELP = "Run every module where --backend puts it (device and backend) or exit 2: no fallback."
+
+
+def _size(size: str | None, manifest) -> tuple[int, int]:
+    from .pipeline import optimal_size
+    return parse_size(size, manifest) if size else optimal_size(manifest)
+
+
 @main.command("doctor")
 @click.argument("bundle", required=False, type=click.Path())
-@click.option("--backend", default=None, help="Module assignment, e.g. te=cpu,vae=gpu0,unet=gpu0.")
+@click.option("--backend", default=None, help=BACKEND_HELP)
 @click.option("--params-backend", default=None, help="Where weights live, e.g. cpu (offload).")
-@click.option("--size", default=None, help="WIDTHxHEIGHT to check engines against (default: the bundle's profile).")
+@click.option("--size", default=None, help="WIDTHxHEIGHT to check engines against (default: the bundle's optimal "
+                                           "size, its denoiser profile's opt).")
+@click.option("--strict", is_flag=True, help=STRICT_HELP)
 @click.option("--sysroot", default="/", hidden=True, help="Read devices from a recorded tree (tests).")
-@click.option("--json", "as_json", is_flag=True)
-def doctor_cmd(bundle, backend, params_backend, size, sysroot, as_json):
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (errors too).")
+def doctor_cmd(bundle, backend, params_backend, size, strict, sysroot, as_json):
     """Show devices, installed backends, and what in BUNDLE would load where, and why."""
     def go():
-        import os
-        from .assign import COMPONENT_MODULE, assign_modules
+        from .assign import assign_modules
         from .devices import apply_device_override, discover_devices
-        from .select import installed_backends, select_all
-        devices, warning = apply_device_override(discover_devices(sysroot, os.environ), os.environ)
-        placements = assign_modules(devices, backend, params_backend)
-        installed = installed_backends()
-        out = {"devices": [d.describe() for d in devices], "installed_backends": installed,
-               "device_warning": warning,
-               "assignment": {m: {"device": p.device.id, "params": p.params.id} for m, p in placements.items()}}
+        from .pipeline import describe_where
+        from .select import component_report, installed_backends, nothing_runs, select_all
+        m = None
         if bundle:
             from .manifest import read_manifest
-            from .pipeline import requests
             m = read_manifest(bundle)
-            if size:
-                w, h = parse_size(size, m)
-            else:
-                prof = next(iter(m.components.values()))["profiles"][0]
-                w, h = prof["width"][1], prof["height"][1]
+            w, h = _size(size, m)
+        elif size:
+            raise UserError("--size: checks a bundle's engines; give the BUNDLE too")
+        devices, warning = apply_device_override(discover_devices(sysroot, os.environ), os.environ)
+        placements = assign_modules(devices, backend, params_backend, strict=strict)
+        installed = installed_backends()
+        out = {"bundle": bundle, "devices": [d.describe() for d in devices], "device_warning": warning,
+               "installed_backends": installed, "strict": strict,
+               "assignment": {mod: p.describe() for mod, p in placements.items()}}
+        if m is not None:
+            from .pipeline import requests
+            out["size"] = f"{w}x{h}"
             sels = select_all(m, placements, devices, requests(m, 1, h, w), installed)
-            out["components"] = {c: {"module": COMPONENT_MODULE.get(c, "diffusion"),
-                                     "choice": s.choice.describe() if s.choice else None,
-                                     "then": [v.describe() for v in s.viable[1:]], "passed_over": s.refused}
-                                 for c, s in sels.items()}
+            if strict:
+                stuck = next((s for s in sels.values() if s.choice is None), None)
+                if stuck:
+                    raise UserError(nothing_runs(stuck.component, stuck.target, stuck.refused))
+            out["components"] = {c: {**component_report(c, s.choice, s.refused),
+                                     "then": [v.describe() for v in s.viable[1:]]} for c, s in sels.items()}
+            out["missing_for_generate"] = _missing_for_generate(m)
         if as_json:
             click.echo(json.dumps(out, indent=2))
             return
@@ -173,14 +277,25 @@ def doctor_cmd(bundle, backend, params_backend, size, sysroot, as_json):
                        + (f"  driver {d.driver}" if d.driver else ""))
         click.echo("backends  " + (", ".join(f"{k} {v}" for k, v in sorted(installed.items())) or "none"))
         for m_, p in placements.items():
-            click.echo(f"assign    {m_:<10} -> {p.device.id}" + (f" (weights on {p.params.id})" if p.offload else ""))
-        for c, info in out.get("components", {}).items():
-            ch = info["choice"]
-            click.echo(f"{c:<13} -> " + (f"{ch['device']} via {ch['backend']}: {ch['artifact']}"
-                                         + (f"  [{ch['note']}]" if ch['note'] else "") if ch else "NOTHING CAN RUN"))
-            for r in info["passed_over"]:
-                click.echo(f"{'':16}passed over: {r.split(': ', 1)[1]}")
-    run_cli(go)
+            click.echo(f"assign    {m_:<10} -> {p.target}" + (f" (weights on {p.params.id})" if p.offload else "")
+                       + (f"  (asked: {p.asked}; fell back, see below)" if p.fallback else ""))
+        if m is not None:
+            click.echo(f"size      {out['size']}")
+            describe_where(out, sys.stdout)
+            if out["missing_for_generate"]:
+                click.echo(f"warning: `precast generate` needs {', '.join(out['missing_for_generate'])}, which this "
+                           "bundle lacks (built with --only / --shard?): build them too, or merge the shards' bundles "
+                           "with `precast bundle merge`", err=True)
+    run_cli(go, as_json)
+
+
+def _missing_for_generate(manifest) -> list[str]:
+    """Components `generate` needs for this bundle's family that the bundle does not have."""
+    from .dit_pipeline import FAMILIES as DIT_NEEDS
+    from .pipeline import NEEDED
+    family = manifest.model.get("family")
+    needed = NEEDED.get(family) or DIT_NEEDS.get(family) or ()
+    return [c for c in needed if c not in manifest.components]
 
 
 @main.command("generate")
@@ -190,67 +305,88 @@ def doctor_cmd(bundle, backend, params_backend, size, sysroot, as_json):
 @click.option("--steps", default=None, type=int, help="Denoising steps (default: SD 20; Flux dev 28, schnell 4; Chroma 35).")
 @click.option("--seed", default=0, show_default=True, type=int,
               help="Noise seed: 0 or more (negative seeds are refused, not wrapped).")
-@click.option("--size", default="512x512", show_default=True,
-              help=f"WIDTHxHEIGHT in pixels: multiples of the VAE factor (8), at most {MAX_SIDE} per side "
-                   "(or the bundle's largest profile).")
+@click.option("--size", default=None,
+              help=f"WIDTHxHEIGHT in pixels (default: the bundle's optimal size, its denoiser profile's opt): "
+                   f"multiples of the VAE factor (8), at most {MAX_SIDE} per side (or the bundle's largest profile).")
 @click.option("--guidance", default=None, type=float,
               help="Guidance scale (finite): classifier-free for SD (default 7.5) and Chroma (5.0); Flux dev's "
                    "distilled guidance (3.5); unused by schnell.")
-@click.option("--scheduler", default=None, help="euler | dpm++2m (SD; default euler). Flux/Chroma: flow-matching Euler.")
+@click.option("--scheduler", default=None, type=click.Choice(_scheduler_names(), case_sensitive=False),
+              help="SD: euler (default) or dpm++2m. Flux / Chroma: flow-euler (the only one; euler means it too).")
 @click.option("--out", required=True, type=click.Path(), help="PNG file to write.")
-@click.option("--backend", default=None, help="Module assignment, e.g. te=cpu,vae=gpu0,unet=gpu0.")
+@click.option("--backend", default=None, help=BACKEND_HELP)
 @click.option("--params-backend", default=None, help="Where weights live, e.g. cpu (offload).")
+@click.option("--strict", is_flag=True, help=STRICT_HELP)
 @click.option("--sysroot", default="/", hidden=True)
-@click.option("--json", "as_json", is_flag=True, help="Print what ran where as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print what ran where, and the settings, as JSON (errors too).")
 def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, scheduler, out, backend, params_backend,
-                 sysroot, as_json):
+                 strict, sysroot, as_json):
     """Text to image with BUNDLE, each module on its device; prints what ran where."""
     def go():
         import time
+        from .assign import parse_assignment
+        from .dit_pipeline import SCHEDULER
         from .manifest import read_manifest
         from .pipeline import Txt2Img, check_steps, describe_where, to_uint8
+        t_start = time.perf_counter()
+        # Every option is checked here, before any engine is verified or loaded.
         if steps is not None:
             check_steps(steps)
-        manifest = read_manifest(bundle)
-        dit = "transformer" in manifest.components
-        w, h = parse_size(size, manifest)
         if seed < 0:
             raise UserError(f"--seed {seed}: must be 0 or more (negative seeds are refused)")
         if guidance is not None and not math.isfinite(guidance):
             raise UserError(f"--guidance {guidance}: must be a finite number, e.g. 7.5")
-        if dit and scheduler not in (None, "euler", "flow-euler"):
-            raise UserError(f"--scheduler {scheduler}: {manifest.model.get('family')} samples with flow-matching Euler "
-                            "(the scheduler it was trained for); leave --scheduler out")
+        parse_assignment(backend, "--backend")
+        parse_assignment(params_backend, "--params-backend")
         _check_text("--prompt", prompt)
         _check_text("--negative", negative)
-        if dit and negative and manifest.model.get("family") == "flux":
+        manifest = read_manifest(bundle)
+        dit = "transformer" in manifest.components
+        w, h = _size(size, manifest)
+        sched = (scheduler or "").lower() or None
+        family = manifest.model.get("family")
+        if dit and sched not in (None, "euler", SCHEDULER):
+            raise UserError(f"--scheduler {scheduler}: {family} samples with flow-matching Euler "
+                            "(the scheduler it was trained for); leave --scheduler out")
+        if not dit and sched == SCHEDULER:
+            raise UserError(f"--scheduler {scheduler}: is Flux / Chroma's; {family} bundles take euler or dpm++2m")
+        if dit and negative and family == "flux":
             click.echo("warning: --negative is not used by Flux (distilled guidance, no negative prompt)", err=True)
         out_path = _check_out(out)
         t0 = time.perf_counter()
         if dit:
             from .dit_pipeline import FluxTxt2Img
-            pipe = FluxTxt2Img(manifest, backend, params_backend, width=w, height=h, sysroot=sysroot)
+            pipe = FluxTxt2Img(manifest, backend, params_backend, width=w, height=h, sysroot=sysroot, strict=strict)
             n_steps = pipe.defaults["steps"] if steps is None else steps
+            used_guidance = pipe.defaults["guidance"] if guidance is None else guidance
+            used_scheduler = SCHEDULER
             t1 = time.perf_counter()
-            image = pipe(prompt, negative, n_steps, seed, guidance, progress=not as_json)
+            image = pipe(prompt, negative, n_steps, seed, used_guidance, progress=not as_json)
         else:
             n_steps = 20 if steps is None else steps
-            pipe = Txt2Img(manifest, backend, params_backend, width=w, height=h, sysroot=sysroot)
+            used_guidance = 7.5 if guidance is None else guidance
+            used_scheduler = sched or "euler"
+            pipe = Txt2Img(manifest, backend, params_backend, width=w, height=h, sysroot=sysroot, strict=strict)
             t1 = time.perf_counter()
-            image = pipe(prompt, negative, n_steps, seed, 7.5 if guidance is None else guidance, scheduler or "euler",
-                         progress=not as_json)
+            image = pipe(prompt, negative, n_steps, seed, used_guidance, used_scheduler, progress=not as_json)
         _write_image(out_path, to_uint8(image))
-        report = {**pipe.report(), "out": out, "load_seconds": round(t1 - t0, 3),
-                  "generate_seconds": round(time.perf_counter() - t1, 3)}
+        t2 = time.perf_counter()
+        warnings = pipe.prompt_warnings(prompt, negative)
+        report = {"bundle": bundle, "out": out, "prompt": prompt, "negative": negative, "size": f"{w}x{h}",
+                  "steps": n_steps, "seed": seed, "scheduler": used_scheduler, "guidance": used_guidance,
+                  "strict": strict, "warnings": warnings, **pipe.report(),
+                  "seconds": {"check": round(t0 - t_start, 3), "load": round(t1 - t0, 3),
+                              "generate": round(t2 - t1, 3), "total": round(t2 - t_start, 3)}}
         if as_json:
             click.echo(json.dumps(report, indent=2))
         else:
-            if pipe.device_warning:
-                click.echo(f"warning: {pipe.device_warning}", err=True)
+            for line in ([pipe.device_warning] if pipe.device_warning else []) + warnings:
+                click.echo(f"warning: {line}", err=True)
             describe_where(report, sys.stdout)
-            click.echo(f"wrote {out} ({w}x{h}, {n_steps} steps, seed {seed}) in "
-                       f"{report['load_seconds']:.1f} s load + {report['generate_seconds']:.1f} s")
-    run_cli(go)
+            click.echo(f"wrote {out} ({w}x{h}, {n_steps} steps, seed {seed}, {used_scheduler}, guidance "
+                       f"{used_guidance:g}) in {report['seconds']['load']:.1f} s load + "
+                       f"{report['seconds']['generate']:.1f} s")
+    run_cli(go, as_json)
 
 
 if __name__ == "__main__":

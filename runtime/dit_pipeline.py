@@ -18,11 +18,12 @@ import numpy as np
 from .errors import UserError
 from .flow import FlowEuler, FlowSchedule
 from .manifest import Manifest, read_manifest
-from .pipeline import BundleModel, _progress, check_steps, latent_factor
+from .pipeline import BundleModel, _progress, check_steps, latent_factor, optimal_size
 
 FAMILIES = {"flux": ("text_encoder", "text_encoder_2", "transformer", "vae_decoder"),
             "chroma": ("text_encoder", "transformer", "vae_decoder")}
 T5_OF = {"flux": "text_encoder_2", "chroma": "text_encoder"}
+SCHEDULER = "flow-euler"      # the only sampler Flux / Chroma run (flow-matching Euler, flow.py)
 LATENT = {"flux": (0.3611, 0.1159), "chroma": (0.3611, 0.1159)}   # scale, shift (BFL AutoEncoderParams)
 
 
@@ -122,12 +123,17 @@ class FluxTxt2Img(BundleModel):
     """Text-to-image over a Flux or Chroma bundle."""
 
     def __init__(self, bundle: str | Path | Manifest, backend: str | None = None, params_backend: str | None = None,
-                 width: int = 1024, height: int = 1024, sysroot: str = "/", env=None, verify: bool = True):
+                 width: int | None = None, height: int | None = None, sysroot: str = "/", env=None,
+                 verify: bool = True, strict: bool = False):
+        """`width`/`height` default to the bundle's optimal size (its transformer profile's opt);
+        `strict`: every module runs where `backend` assigns it, or a UserError (no fallback)."""
         env = os.environ if env is None else env
         manifest = bundle if isinstance(bundle, Manifest) else read_manifest(bundle)
         family = self.family = manifest.model.get("family")
         if family not in FAMILIES:
             raise UserError(f"{manifest.root}: the DiT pipeline runs Flux and Chroma bundles; this one is {family}")
+        opt_w, opt_h = optimal_size(manifest)
+        width, height = width or opt_w, height or opt_h
         f = 2 * latent_factor(manifest)
         if width % f or height % f:
             raise UserError(f"--size {width}x{height}: width and height must be multiples of {f} "
@@ -137,7 +143,7 @@ class FluxTxt2Img(BundleModel):
         self.rows, self.cols = packed_grid(manifest, height, width)
         self.t5_tokens = t5_length(manifest)
         super().__init__(manifest, FAMILIES[family], dit_requests(manifest, 1, height, width), backend,
-                         params_backend, sysroot, env, verify)
+                         params_backend, sysroot, env, verify, strict)
         inputs = {i["name"]: i["shape"] for i in manifest.components["transformer"]["inputs"]}
         self.channels = int(inputs["hidden_states"][-1]) // 4
         self.takes_guidance = "guidance" in self.loaded["transformer"].session.input_names
@@ -147,6 +153,9 @@ class FluxTxt2Img(BundleModel):
         self.schedule = FlowSchedule.from_config(manifest.model.get("scheduler") or {})
         self.defaults = {"steps": int(manifest.model.get("steps") or 28),
                          "guidance": float(manifest.model.get("guidance", 3.5))}
+
+    def text_limits(self) -> dict[str, int]:
+        return {**super().text_limits(), T5_OF[self.family]: self.t5_tokens - 1}   # T5: less `</s>`
 
     # ---- conditioning ---------------------------------------------------------------------------
     def _t5(self, prompt: str) -> tuple[np.ndarray, np.ndarray]:
@@ -200,16 +209,15 @@ class FluxTxt2Img(BundleModel):
         if self.takes_guidance:
             fixed["guidance"] = np.full((1,), guidance, np.float32)
         transformer = self.loaded["transformer"].session
-        bar = _progress(steps, progress)
-        for i, t in enumerate(sampler.timesteps):
-            step = {"hidden_states": x, "timestep": np.full((1,), t, np.float32), **fixed}
-            v = transformer.run({**step, **cond})["out_hidden_states"].astype(np.float32)
-            if cfg:
-                v_neg = transformer.run({**step, **uncond})["out_hidden_states"].astype(np.float32)
-                v = v_neg + np.float32(guidance) * (v - v_neg)
-            x = sampler.step(v, i, x)
-            bar.update(1)
-        bar.close()
+        with _progress(steps, progress) as bar:   # closed on an error too
+            for i, t in enumerate(sampler.timesteps):
+                step = {"hidden_states": x, "timestep": np.full((1,), t, np.float32), **fixed}
+                v = transformer.run({**step, **cond})["out_hidden_states"].astype(np.float32)
+                if cfg:
+                    v_neg = transformer.run({**step, **uncond})["out_hidden_states"].astype(np.float32)
+                    v = v_neg + np.float32(guidance) * (v - v_neg)
+                x = sampler.step(v, i, x)
+                bar.update(1)
         z = unpack(x, self.rows, self.cols) / np.float32(self.latent_scale) + np.float32(self.latent_shift)
         decoded = self.loaded["vae_decoder"].session.run({"latent_sample": z.astype(np.float32)})
         image = decoded["sample"].astype(np.float32)[0].transpose(1, 2, 0)

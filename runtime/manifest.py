@@ -130,13 +130,24 @@ class Manifest:
         return out
 
 
+_NOT_A_FOLDER = ("{root}: not a precast bundle: it is a file, not a folder (a bundle is a folder holding "
+                 f"{MANIFEST}; unpack an archive with `precast bundle unpack`)")
+
+
 def read_manifest(bundle: str | Path) -> Manifest:
     root = Path(bundle)
     path = root / MANIFEST
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
+        if not os.path.lexists(root):
+            raise ManifestError(f"{root}: not a precast bundle: the path does not exist (check it; a bundle is "
+                                "the folder `precast build` or `precast bundle unpack` wrote)") from None
+        if not root.is_dir():
+            raise ManifestError(_NOT_A_FOLDER.format(root=root)) from None
         raise ManifestError(f"{root}: not a precast bundle (no {MANIFEST})") from None
+    except NotADirectoryError:
+        raise ManifestError(_NOT_A_FOLDER.format(root=root)) from None
     except RecursionError:
         raise ManifestError(f"{path}: unreadable (nested too deeply)") from None
     except (OSError, ValueError) as e:

@@ -21,7 +21,7 @@ from .devices import apply_device_override, discover_devices
 from .errors import UserError
 from .manifest import Manifest, read_manifest
 from .schedulers import NoiseSchedule, make_sampler
-from .select import installed_backends, load_component, select_all
+from .select import component_report, installed_backends, load_component, passed_text, select_all
 
 LATENT_SCALE = {"sd1": 0.18215, "sd2": 0.18215, "sdxl": 0.13025, "sdxl-refiner": 0.13025}
 NEEDED = {"sd1": ("text_encoder", "unet", "vae_decoder"), "sd2": ("text_encoder", "unet", "vae_decoder"),
@@ -33,6 +33,19 @@ TOKENIZER_FOLDER = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2"
 def latent_factor(manifest) -> int:
     cfg = manifest.components.get("vae_decoder", {}).get("config", {})
     return 2 ** (int(cfg.get("decoder_levels", 4)) - 1)
+
+
+DENOISERS = ("unet", "transformer")
+
+
+def optimal_size(manifest) -> tuple[int, int]:
+    """(width, height) in pixels when none is given: the 'opt' of the denoiser's first shape profile,
+    the size its engines were built for (64x64 for the tiny demo bundle). `generate` and `doctor`
+    both default to it."""
+    comp = next((manifest.components[c] for c in DENOISERS if c in manifest.components),
+                next(iter(manifest.components.values())))
+    prof = comp["profiles"][0]
+    return int(prof["width"][1]), int(prof["height"][1])
 
 
 def requests(manifest, batch: int, height: int, width: int, tokens: int = 77, cfg: bool = True) -> dict:
@@ -97,17 +110,10 @@ def bundle_tokenizers(manifest, needed) -> tuple[dict, dict]:
 
 
 def _progress(total: int, enabled: bool):
-    try:
-        from tqdm import tqdm
-        return tqdm(total=total, desc="denoise", unit="step", disable=None if enabled else True, leave=False)
-    except ImportError:  # tqdm is optional for the runtime
-        class _Plain:
-            def update(self, n=1):
-                pass
-
-            def close(self):
-                pass
-        return _Plain()
+    """The denoise loop's progress on stderr (runtime/progress.py: a tqdm bar on a terminal when
+    tqdm is installed, else a plain line every PRECAST_PROGRESS_INTERVAL seconds)."""
+    from .progress import bar
+    return bar(total, "denoise", unit="steps", enabled=enabled)
 
 
 @dataclass
@@ -131,14 +137,14 @@ class BundleModel:
     selected (fingerprint, profile, sha256) and loaded, with the reasons for every fallback."""
 
     def __init__(self, manifest: Manifest, needed: tuple[str, ...], reqs: dict, backend: str | None,
-                 params_backend: str | None, sysroot: str, env, verify: bool):
+                 params_backend: str | None, sysroot: str, env, verify: bool, strict: bool = False):
         self.manifest, self.needed = manifest, needed
         missing = [c for c in needed if c not in manifest.components]
         if missing:
             raise UserError(f"{manifest.root}: txt2img needs {', '.join(needed)}; the bundle lacks {', '.join(missing)}")
         devices = discover_devices(sysroot, env)
         self.devices, self.device_warning = apply_device_override(devices, env)
-        self.placements = assign_modules(self.devices, backend, params_backend)
+        self.placements = assign_modules(self.devices, backend, params_backend, strict=strict)
         self.installed = installed_backends()
         self.tokenizers, self.embeddings = bundle_tokenizers(manifest, needed)
         self.selections = select_all(manifest, self.placements, self.devices, reqs, self.installed, verify)
@@ -147,30 +153,53 @@ class BundleModel:
             outputs = [o["name"] for o in manifest.components[comp]["outputs"]]
             placement = self.placements[COMPONENT_MODULE[comp]]
             session, cand, reasons = load_component(self.selections[comp], outputs, placement.offload)
-            self.loaded[comp] = Loaded(session, cand.describe(), reasons)
+            self.loaded[comp] = Loaded(session, component_report(comp, cand, reasons), reasons)
+
+    def text_limits(self) -> dict[str, int]:
+        """Prompt tokens each text encoder reads (CLIP: 77 positions less BOS and EOS)."""
+        return {comp: 75 for comp in self.tokenizers}
+
+    def prompt_warnings(self, *prompts: str | None) -> list[str]:
+        """What a text encoder will cut off, as diffusers warns: one line per prompt and encoder."""
+        out = []
+        for which, prompt in zip(("prompt", "negative prompt"), prompts):
+            for comp, limit in self.text_limits().items() if prompt else ():
+                n = len(self.tokenizers[comp].encode(prompt))
+                if n > limit:
+                    out.append(f"the {which} is {n} tokens for {comp}, which reads the first {limit}; "
+                               "the rest is ignored")
+        return out
 
     def report(self) -> dict:
+        """What ran where, in the schema `doctor --json` shares (see README, "JSON output")."""
         return {"devices": [d.describe() for d in self.devices], "device_warning": self.device_warning,
-                "components": {c: {**l.where, "reasons": l.reasons} for c, l in self.loaded.items()}}
+                "installed_backends": self.installed,
+                "assignment": {m: p.describe() for m, p in self.placements.items()},
+                "components": {c: l.where for c, l in self.loaded.items()}}
 
 
 class Txt2Img(BundleModel):
     """Text-to-image over an SD 1.x/2.x/XL bundle, each component on the device it is assigned to."""
 
     def __init__(self, bundle: str | Path | Manifest, backend: str | None = None, params_backend: str | None = None,
-                 width: int = 512, height: int = 512, sysroot: str = "/", env=None, verify: bool = True):
-        """`bundle`: a bundle folder, or its manifest already read (and so checked) by read_manifest."""
+                 width: int | None = None, height: int | None = None, sysroot: str = "/", env=None,
+                 verify: bool = True, strict: bool = False):
+        """`bundle`: a bundle folder, or its manifest already read (and so checked) by read_manifest.
+        `width`/`height` default to the bundle's optimal size (optimal_size). `strict`: every module
+        runs where `backend` assigns it, or a UserError (no fallback)."""
         env = os.environ if env is None else env
         manifest = bundle if isinstance(bundle, Manifest) else read_manifest(bundle)
         family = self.family = manifest.model.get("family")
         if family not in LATENT_SCALE:
             raise UserError(f"{manifest.root}: the SD pipeline runs SD 1.x/2.x/XL bundles; this one is {family}")
+        opt_w, opt_h = optimal_size(manifest)
+        width, height = width or opt_w, height or opt_h
         f = latent_factor(manifest)
         if width % f or height % f:
             raise UserError(f"--size {width}x{height}: width and height must be multiples of {f}")
         self.width, self.height = width, height
         super().__init__(manifest, NEEDED[family], requests(manifest, 1, height, width), backend, params_backend,
-                         sysroot, env, verify)
+                         sysroot, env, verify, strict)
         self.tokenizer = self.tokenizers.get("text_encoder") or self.tokenizers["text_encoder_2"]
         self.latent_scale = float(manifest.model.get("latent_scale") or LATENT_SCALE[family])
         self.prediction = manifest.model.get("prediction") or "epsilon"
@@ -231,15 +260,14 @@ class Txt2Img(BundleModel):
                                                 self.time_ids(aesthetic_score, original_size, crop)], axis=0)
         context = np.concatenate([neg_ctx, ctx], axis=0)
         unet = self.loaded["unet"].session
-        bar = _progress(steps, progress)
-        for i, t in enumerate(sampler.timesteps):
-            model_in = np.concatenate([sampler.scale_model_input(x, i)] * 2, axis=0)
-            eps = unet.run({"sample": model_in, "timestep": np.full((2,), t, np.float32),
-                            "encoder_hidden_states": context, **extra})["out_sample"].astype(np.float32)
-            uncond, cond = eps[:1], eps[1:]
-            x = sampler.step(uncond + np.float32(guidance) * (cond - uncond), i, x)
-            bar.update(1)
-        bar.close()
+        with _progress(steps, progress) as bar:   # closed on an error too
+            for i, t in enumerate(sampler.timesteps):
+                model_in = np.concatenate([sampler.scale_model_input(x, i)] * 2, axis=0)
+                eps = unet.run({"sample": model_in, "timestep": np.full((2,), t, np.float32),
+                                "encoder_hidden_states": context, **extra})["out_sample"].astype(np.float32)
+                uncond, cond = eps[:1], eps[1:]
+                x = sampler.step(uncond + np.float32(guidance) * (cond - uncond), i, x)
+                bar.update(1)
         decoded = self.loaded["vae_decoder"].session.run({"latent_sample": x / np.float32(self.latent_scale)})
         image = decoded["sample"].astype(np.float32)[0].transpose(1, 2, 0)
         return np.clip(image / 2 + 0.5, 0.0, 1.0)
@@ -249,8 +277,12 @@ def to_uint8(image: np.ndarray) -> np.ndarray:
 
 
 def describe_where(report: dict, stream=sys.stderr) -> None:
+    """The components of a report (generate's or doctor's) as text: where each runs, what was passed over."""
     for comp, w in report["components"].items():
-        print(f"{comp:<13} -> {w['device']} ({w['device_name']}) via {w['backend']}: {w['artifact']}"
-              + (f"  [{w['note']}]" if w.get("note") else ""), file=stream)
-        for r in w["reasons"]:
-            print(f"{'':16}passed over: {r.split(': ', 1)[1]}", file=stream)
+        if w["device"] is None:
+            print(f"{comp:<13} -> NOTHING CAN RUN", file=stream)
+        else:
+            print(f"{comp:<13} -> {w['device']} ({w['device_name']}) via {w['backend']}: {w['artifact']}"
+                  + (f"  [{w['note']}]" if w.get("note") else ""), file=stream)
+        for r in w["passed_over"]:
+            print(f"{'':16}passed over: {passed_text(r)}", file=stream)

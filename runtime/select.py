@@ -5,6 +5,12 @@ finally the bundle's ONNX on the CPU through OpenVINO or ONNX Runtime), the chec
 anything is loaded (backend installed, fingerprint serves the device, shape profile covers the
 request, every file's sha256), and the reasons recorded for each refusal, so `precast doctor`
 and `precast generate` can say what runs where and why. A mismatched artifact is never loaded.
+A backend pinned by --backend (`unet=onnxruntime`, `te=cpu:openvino`) puts its candidates on the
+assigned device first (the bundle's ONNX through that backend when it has no engine); the rest
+follow as fallbacks, or are left out under --strict. Reasons are `passed` records {artifact,
+backend, device, reason}, including engines for devices this machine does not have (a
+TensorRT-RTX engine without an NVIDIA GPU); `component_report` is the per-component record
+doctor and generate both print.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from pathlib import Path
 
 from .assign import COMPONENT_MODULE, Placement
 from .devices import Device
+from .errors import UserError
 from .fingerprint import Fingerprint, why_not_serves
 from .manifest import Artifact, Manifest, verify_file
 
@@ -80,27 +87,57 @@ class Candidate:
                 "note": self.note}
 
 
+def passed(reason: str, artifact: str | None = None, backend: str | None = None, device: str | None = None) -> dict:
+    """One entry of a component's `passed_over`: what was not used (an artifact id, "onnx" for the
+    bundle's ONNX, or null for an assignment), with which backend, on which device, and why."""
+    return {"artifact": artifact, "backend": backend, "device": device, "reason": reason}
+
+
+def passed_text(r: dict) -> str:
+    """A `passed_over` entry as one line of text."""
+    what = r["artifact"] or (f"{r['backend']} artifacts" if r["backend"] else "")
+    where = f" on {r['device']}" if r["device"] else ""
+    return f"{what}{where}: {r['reason']}" if what else r["reason"]
+
+
 @dataclass
 class Selection:
     component: str
     viable: list[Candidate] = field(default_factory=list)    # in the order to try
-    refused: list[str] = field(default_factory=list)          # why other artifacts were passed over
+    refused: list[dict] = field(default_factory=list)        # `passed` entries: what was passed over, and why
+    target: str = ""                                          # under --strict: where it must run ("cpu:onnxruntime")
 
     @property
     def choice(self) -> Candidate | None:
         return self.viable[0] if self.viable else None
 
 
+def component_report(component: str, candidate: Candidate | None, passed_over: list[dict]) -> dict:
+    """The per-component record `doctor --json` and `generate --json` share: module, where it runs
+    (device, device_name, backend, artifact, how, note; nulls when nothing can run) and passed_over."""
+    where = candidate.describe() if candidate else {
+        "component": component, "device": None, "device_name": None, "backend": None, "artifact": None,
+        "how": "nothing in the bundle can run here", "note": ""}
+    return {"module": COMPONENT_MODULE.get(component, "diffusion"), **where, "passed_over": list(passed_over)}
+
+
+RUNS_ON_WORDS = {"tensorrt-rtx": ("nvidia", "an NVIDIA GPU"), "migraphx": ("amd", "an AMD GPU")}
+
+
 def select_component(manifest: Manifest, component: str, placement: Placement, devices: list[Device],
                      request: dict[str, tuple[int, ...]], installed: dict[str, str],
                      verify: bool = True) -> Selection:
     sel = Selection(component)
-    if placement.device.kind == "cpu":  # pinned to the CPU: stay there (engines, then the ONNX)
+    pin = placement.backend
+    if placement.fallback:
+        sel.refused.append(passed(placement.fallback, None, pin, None))
+    if placement.device.kind == "cpu" or placement.strict:  # pinned to the CPU (or --strict): stay there
         order = [placement.device]
     else:  # the assigned GPU, the other devices in rank order (CPU last), then the ONNX on the CPU
         order = [placement.device] + [d for d in devices if d.id != placement.device.id]
     artifacts = manifest.artifacts(component)
     checked: dict[str, str | None] = {}
+    examined: set[str] = set()
 
     def files_ok(a: Artifact) -> str | None:
         if not verify:
@@ -110,44 +147,77 @@ def select_component(manifest: Manifest, component: str, placement: Placement, d
                                  None)
         return checked[a.id]
 
+    if pin and pin not in installed:
+        how = "install ROCm, which ships it" if pin == "migraphx" else f"pip install 'precast[{pin}]'"
+        sel.refused.append(passed(f"{pin} is not installed ({how})", None, pin, placement.device.id))
     for dev in order:
         for backend in BACKENDS_FOR[dev.vendor if dev.kind != "cpu" else "cpu"]:
             mine = [a for a in artifacts if a.backend == backend]
             if not mine:
                 continue
+            examined.update(a.id for a in mine)
             if backend not in installed:
-                sel.refused.append(f"{component}: {backend} artifacts skipped on {dev.id}: {backend} is not installed")
+                if backend != pin:
+                    sel.refused.append(passed(f"{backend} is not installed", None, backend, dev.id))
                 continue
             fp = device_fingerprint(dev, backend, installed[backend])
             for a in mine:
                 why = why_not_serves(Fingerprint.from_string(a.fingerprint), fp) or covers(a, request) or files_ok(a)
                 if why:
-                    sel.refused.append(f"{component}: {a.id} not used on {dev.id}: {why}")
+                    sel.refused.append(passed(why, a.id, backend, dev.id))
                     continue
                 note = ""
                 if placement.offload and dev.id == placement.device.id:
                     note = ("weights streamed from host memory" if a.metadata.get("weight_streaming")
                             else "params offload asked, but this engine was not built with weight_streaming")
                 sel.viable.append(Candidate(component, dev, backend, a, manifest.root / a.entry, note))
+    for a in artifacts:          # engines for devices this machine lacks, or that the assignment left out
+        if a.id in examined:
+            continue
+        vendor, words = RUNS_ON_WORDS.get(a.backend, (None, f"a device {a.backend} runs on"))
+        if vendor and not any(d.vendor == vendor and d.kind != "cpu" for d in devices):
+            why = f"needs {words}; none here (devices: {', '.join(d.id for d in devices)})"
+        else:
+            why = f"not tried: {COMPONENT_MODULE.get(component, 'diffusion')} is assigned to {placement.target}"
+            why += " (--strict)" if placement.strict else " (--backend)"
+        sel.refused.append(passed(why, a.id, a.backend, None))
     cpu = next(d for d in devices if d.kind == "cpu")
     comp = manifest.components.get(component)
-    if comp is not None:
+    if comp is not None and (not placement.strict or placement.device.kind == "cpu"):
         onnx_files = [f for f in comp["files"]]
         # With an engine ahead of it, the fallback ONNX (GBs for a UNet) is hashed only if it gets loaded.
         lazy = verify and bool(sel.viable)
         problem = next((p for rel in onnx_files if (p := verify_file(manifest.root, rel, manifest.files[rel]))),
                        None) if verify and not lazy else None
         if problem:
-            sel.refused.append(f"{component}: the bundle's ONNX is damaged: {problem}")
+            sel.refused.append(passed(f"the bundle's ONNX is damaged: {problem}", "onnx", None, cpu.id))
         else:
             pending = tuple((manifest.root, rel, manifest.files[rel]) for rel in onnx_files) if lazy else ()
-            for backend in ("openvino", "onnxruntime"):
-                if backend in installed:
-                    sel.viable.append(Candidate(component, cpu, backend, None, manifest.root / comp["onnx"],
-                                                "fallback: no prebuilt engine fits", pending))
-                    break
-            else:
-                sel.refused.append(f"{component}: no CPU fallback: neither openvino nor onnxruntime is installed")
+            cpu_backends = ("openvino", "onnxruntime")
+            if pin in cpu_backends and placement.device.kind == "cpu":
+                cpu_backends = (pin,) + tuple(b for b in cpu_backends if b != pin)
+            usable = [b for b in cpu_backends if b in installed]
+            for backend in usable[:2 if pin in cpu_backends else 1]:
+                sel.viable.append(Candidate(component, cpu, backend, None, manifest.root / comp["onnx"],
+                                            "fallback: no prebuilt engine fits", pending))
+            if not usable:
+                sel.refused.append(passed("no CPU fallback: neither openvino nor onnxruntime is installed",
+                                          "onnx", None, cpu.id))
+    if pin or placement.strict:
+        def asked(c: Candidate) -> bool:
+            return c.device.id == placement.device.id and (pin is None or c.backend == pin)
+        first = [c for c in sel.viable if asked(c)]
+        rest = [c for c in sel.viable if not asked(c)]
+        if placement.strict:
+            sel.target = placement.target
+            for c in rest:
+                sel.refused.append(passed(f"not used: --strict keeps {COMPONENT_MODULE.get(component, 'diffusion')} "
+                                          f"on {placement.target}", c.artifact.id if c.artifact else "onnx",
+                                          c.backend, c.device.id))
+            rest = []
+        for c in rest:
+            c.note = f"fallback: nothing for {placement.target} fits" + (f"; {c.note}" if c.note else "")
+        sel.viable = first + rest
     return sel
 
 
@@ -188,18 +258,22 @@ def _bundle_root(c: Candidate) -> Path:
 
 
 def load_component(sel: Selection, output_names: list[str], offload: bool = False):
-    """(session, candidate, reasons): the first viable candidate that loads; load failures
-    are recorded and the next candidate is tried."""
+    """(session, candidate, passed_over): the first viable candidate that loads; load failures
+    are recorded (as `passed` entries) and the next candidate is tried."""
     reasons = list(sel.refused)
     for c in sel.viable:
         problem = next((p for root, rel, rec in c.pending if (p := verify_file(root, rel, rec))), None)
         if problem:
-            reasons.append(f"{sel.component}: the bundle's ONNX is damaged: {problem}")
+            reasons.append(passed(f"the bundle's ONNX is damaged: {problem}", "onnx", None, c.device.id))
             continue
         try:
             return open_candidate(c, output_names, offload), c, reasons
         except Exception as e:  # a backend refusing this machine is a reason to fall back, not a crash
-            reasons.append(f"{sel.component}: {c.artifact.id if c.artifact else 'onnx'} via {c.backend} on "
-                           f"{c.device.id} failed to load: {type(e).__name__}: {e}")
-    from .errors import UserError
-    raise UserError(f"{sel.component}: nothing in the bundle can run here:\n  " + "\n  ".join(reasons))
+            reasons.append(passed(f"failed to load: {type(e).__name__}: {e}", c.artifact.id if c.artifact else "onnx",
+                                  c.backend, c.device.id))
+    raise UserError(nothing_runs(sel.component, sel.target, reasons))
+
+
+def nothing_runs(component: str, target: str, reasons: list[dict]) -> str:
+    where = f"on {target} (--strict)" if target else "here"
+    return f"{component}: nothing in the bundle can run {where}:\n  " + "\n  ".join(passed_text(r) for r in reasons)

@@ -126,7 +126,7 @@ def test_damaged_entry_json_is_shown_evicted_and_collected(export_dir, tmp_path,
     spoil()
     ls = precast("cache", "ls", env=env)
     assert ls.returncode == 0 and "Traceback" not in ls.stderr
-    assert f"{first['key'][:12]}  DAMAGED: entry.json" in ls.stdout and "1 entries" in ls.stdout
+    assert f"{first['key'][:12]}  DAMAGED: entry.json" in ls.stdout and "1 entry," in ls.stdout
     (listed,) = json.loads(precast("cache", "ls", "--json", env=env, check=True).stdout)["entries"]
     assert listed["damaged"]
     show = precast("cache", "show", first["key"][:12], env=env)
@@ -163,3 +163,59 @@ def test_closed_stdout_ends_quietly(tmp_path):
         p.stdout.close()                      # the pipe's reader exits before precast has started
         err = p.stderr.read()
         assert p.wait(timeout=60) == 141 and err == "", err
+
+
+def _export_entry(cache_root):
+    """A cache entry as `precast build` leaves for a component's ONNX export (kind: export)."""
+    def build(folder):
+        (folder / "model.onnx").write_bytes(b"graph")
+        return {"kind": "export", "component": "unet", "dtype": "fp16", "family": "sd1", "entry": "model.onnx"}
+    entry, hit, _ = Cache(cache_root).get_or_build("ab" * 32, build, progress=False)
+    return entry
+
+
+def test_ls_names_the_stage_of_export_entries(export_dir, tmp_path):
+    env = {"PRECAST_CACHE": str(tmp_path / "cache")}
+    _export_entry(tmp_path / "cache")
+    engine = _compile_unet(export_dir, env)
+    ls = precast("cache", "ls", env=env, check=True)
+    rows = {line.split()[0]: line.split() for line in ls.stdout.splitlines()[:-1]}
+    assert rows["ab" * 6][1:3] == ["unet", "export"] and "?" not in ls.stdout
+    assert rows[engine["key"][:12]][1:3] == ["unet", "onnxruntime"]
+    listed = json.loads(precast("cache", "ls", "--json", env=env, check=True).stdout)["entries"]
+    assert sorted((e["stage"], e["component"]) for e in listed) == [("export", "unet"), ("onnxruntime", "unet")]
+    show = json.loads(precast("cache", "show", "abab", "--json", env=env, check=True).stdout)
+    assert show["stage"] == "export" and show["verified"] is True
+
+
+def test_gc_without_max_size_says_its_default_and_keeps_verified_entries(export_dir, tmp_path):
+    env = {"PRECAST_CACHE": str(tmp_path / "cache")}
+    _export_entry(tmp_path / "cache")
+    (tmp_path / "cache" / "tmp" / "dead-999999999-x").mkdir(parents=True)     # a killed builder's folder
+    stale_lock = tmp_path / "cache" / "locks" / ("0" * 64 + ".lock")           # an entry that is gone
+    stale_lock.parent.mkdir(parents=True, exist_ok=True)
+    stale_lock.touch()
+    os.utime(stale_lock, (0, 0))
+    gc = precast("cache", "gc", env=env, check=True)
+    (line,) = gc.stdout.splitlines()
+    assert line == ("removed 0 damaged entries, 1 stale temp folder, 1 stale lock file; no size limit (the default; "
+                    "--max-size 20G also removes least recently used entries); 1 entry, 0.0 MB left"), line
+    assert not stale_lock.exists()
+    result = json.loads(precast("cache", "gc", "--json", env=env, check=True).stdout)
+    assert result["max_size"] is None and result["removed"] == [] and result["entries"] == 1
+    gc = precast("cache", "gc", "--max-size", "0", env=env, check=True)
+    assert "1 least recently used to stay under --max-size 0; 0 entries" in gc.stdout, gc.stdout
+
+
+def test_every_cache_command_has_help():
+    from click.testing import CliRunner
+
+    from precast.compiler.cli import main
+    listing = CliRunner().invoke(main, ["cache", "--help"]).output
+    assert "PRECAST_CACHE" in listing
+    for name in ("ls", "show", "rm", "gc"):
+        row = next(line for line in listing.splitlines() if line.strip().startswith(name + " "))
+        assert len(row.split(None, 1)[1]) > 10, row
+        text = CliRunner().invoke(main, ["cache", name, "--help"]).output
+        assert "--json" in text and "Print" in text
+    assert "Default: no size limit" in CliRunner().invoke(main, ["cache", "gc", "--help"]).output

@@ -92,7 +92,7 @@ def test_generate_runs_on_each_cpu_backend(bundles, tmp_path, demo, backend):
     assert out.stat().st_size > 1000
     doctor = precast("doctor", bundle, "--size", "64x64", "--json")
     assert doctor.returncode == 0, doctor.stderr
-    assert json.loads(doctor.stdout)["components"]["transformer"]["choice"] is not None
+    assert json.loads(doctor.stdout)["components"]["transformer"]["backend"] == backend
 
 
 def _flux_pipeline(bundle, ckpt, demo):

@@ -2,6 +2,7 @@
 (same weights, scheduler, seed latents and token ids): PSNR >= 40 dB on the decoded image. And the
 runtime's commands work with none of the build side importable."""
 import json
+import os
 import subprocess
 import sys
 
@@ -67,7 +68,8 @@ def test_generate_bad_input(bundle, tmp_path):
     path, _ = bundle
     for args, words in ((["--size", "60x64"], "multiples of 8"), (["--size", "big"], "WIDTHxHEIGHT"),
                         (["--backend", "te=tpu0"], "unknown device 'tpu0'"),
-                        (["--scheduler", "ddim9"], "--scheduler 'ddim9'")):
+                        (["--scheduler", "ddim9"], "'--scheduler': 'ddim9' is not one of 'euler', 'dpm++2m'"),
+                        (["--scheduler", "flow-euler"], "--scheduler flow-euler: is Flux / Chroma's")):
         proc = precast("generate", path, "--prompt", "x", "--steps", "1", "--out", tmp_path / "x.png", *args)
         assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     proc = precast("generate", tmp_path, "--prompt", "x", "--out", tmp_path / "x.png")
@@ -92,6 +94,38 @@ def test_runtime_commands_need_no_build_side(bundle, tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, "export", "x.safetensors", "--out", "y"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "precast[compiler]" in proc.stderr
+
+
+# What `pip install precast onnxruntime` lacks: the `compiler` extra's modules (and onnxsim, torch, ...).
+# precast.compiler itself ships in the wheel, so it stays importable here.
+RUNTIME_ONLY = ["onnx", "onnxsim", "safetensors", "yaml", "platformdirs", "filelock", "ml_dtypes", "torch",
+                "diffusers", "transformers", "tensorrt_rtx"]
+
+
+@pytest.mark.parametrize("args", [
+    ["export", "x.safetensors", "--out", "y"], ["build", "recipe.yaml", "--out", "b"], ["plan", "recipe.yaml"],
+    ["compile", "export", "--target", "onnxruntime"], ["bundle", "merge", "a", "b", "--out", "c"],
+    ["cache", "ls"], ["cache", "gc"], ["cache", "show", "abc"], ["cache", "rm", "abc"],
+    ["demo-model", "--out", "tiny.safetensors"]])
+def test_build_commands_on_a_runtime_only_install_name_the_extra(tmp_path, args):
+    """Every build command printed a traceback for a missing module (onnx, yaml, platformdirs); now one
+    line naming the command and the extra to install, exit 2, nothing written."""
+    code = (f"import sys\nfor m in {RUNTIME_ONLY!r}: sys.modules[m] = None\n"
+            "from precast.runtime.cli import main\nmain()")
+    (tmp_path / "recipe.yaml").write_text("model: {source: demo:tiny-sd15}\n")
+    command = " ".join(args[:2] if args[0] in ("bundle", "cache") else args[:1])
+    for extra in ([], ["--json"]):
+        proc = subprocess.run([sys.executable, "-c", code, *args, *extra], capture_output=True, text=True,
+                              cwd=tmp_path, env={**os.environ, "PRECAST_CACHE": str(tmp_path / "cache")})
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        (line,) = proc.stderr.strip().splitlines()
+        assert line.startswith(f"error: `precast {command.split()[0]}") and "needs the build side's dependencies" in line
+        assert line.endswith("pip install 'precast[compiler]'"), line
+        if extra:
+            assert json.loads(proc.stdout) == {"error": line[len("error: "):], "exit": 2}
+        else:
+            assert proc.stdout == ""
+    assert sorted(os.listdir(tmp_path)) == ["recipe.yaml"]
 
 
 @pytest.mark.parametrize("damage, words", [

@@ -41,22 +41,65 @@ def test_sm89_engine_on_an_sm86_machine_falls_back_with_the_reason(bundles):
     assert report["devices"][0]["id"] == "cuda0" and report["devices"][0]["arch"] == "sm_86"
     vae = report["components"]["vae_decoder"]
     assert vae["module"] == "vae"
-    reasons = " | ".join(vae["passed_over"])
-    assert "engine built for sm_89; device is sm_86" in reasons
+    trt = next(r for r in vae["passed_over"] if r["backend"] == "tensorrt-rtx")
+    assert trt["device"] == "cuda0" and trt["artifact"].startswith("vae_decoder.tensorrt-rtx")
+    assert "engine built for sm_89; device is sm_86" in trt["reason"]
     # the recorded desktop's CPU is x86-64-v3; our OpenVINO blob was compiled for this machine's ISA
-    assert "blob compiled for" in reasons
-    assert vae["choice"]["device"] == "cpu" and vae["choice"]["artifact"] == "onnx"
+    assert any("blob compiled for" in r["reason"] for r in vae["passed_over"] if r["backend"] == "openvino")
+    assert vae["device"] == "cpu" and vae["artifact"] == "onnx"
 
 
 def test_matching_engine_is_chosen_for_the_gpu(bundles):
     vae = doctor(bundles["sm_86"], "rtx3060-desktop")["components"]["vae_decoder"]
-    assert vae["choice"]["device"] == "cuda0" and vae["choice"]["backend"] == "tensorrt-rtx"
+    assert vae["device"] == "cuda0" and vae["backend"] == "tensorrt-rtx"
     assert vae["then"][-1]["artifact"] == "onnx"  # the CPU fallback stays in line behind it
 
 
 def test_assignment_moves_a_module_to_the_cpu(bundles):
     vae = doctor(bundles["sm_86"], "rtx3060-desktop", "--backend", "vae=cpu")["components"]["vae_decoder"]
-    assert vae["choice"]["device"] == "cpu"
+    assert vae["device"] == "cpu"
+    (trt,) = [r for r in vae["passed_over"] if r["backend"] == "tensorrt-rtx"]   # there, but not on the CPU
+    assert trt["reason"] == "not tried: vae is assigned to cpu (--backend)"
+
+
+def test_doctor_lists_the_tensorrt_rtx_engines_it_passes_over_without_a_gpu(bundles):
+    """On this machine (no NVIDIA GPU) doctor said `passed_over: []` for a bundle holding a TensorRT-RTX
+    engine: it never looked at engines for devices that are not here. Now each is named with the reason,
+    in the JSON and the text."""
+    vae = doctor(bundles["sm_86"])["components"]["vae_decoder"]
+    (trt,) = [r for r in vae["passed_over"] if r["backend"] == "tensorrt-rtx"]
+    assert trt["artifact"].startswith("vae_decoder.tensorrt-rtx-sm_86") and trt["device"] is None
+    assert trt["reason"] == "needs an NVIDIA GPU; none here (devices: cpu)"
+    text = precast("doctor", bundles["sm_86"])
+    assert f"passed over: {trt['artifact']}: needs an NVIDIA GPU; none here" in text.stdout, text.stdout
+
+
+def test_strict_refuses_to_fall_back_from_the_gpu(bundles):
+    """The sm_89 engine cannot serve the recorded RTX 3060 (sm_86): by default the VAE falls back to the
+    CPU with the reason; with --strict doctor exits 2 naming where it had to run and why not."""
+    assert doctor(bundles["sm_89"], "rtx3060-desktop", "--backend", "vae=cuda0")["components"]["vae_decoder"][
+        "device"] == "cpu"
+    proc = precast("doctor", bundles["sm_89"], "--sysroot", f"{MACHINES}/rtx3060-desktop", "--backend", "vae=cuda0",
+                   "--strict", "--json")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    error = json.loads(proc.stdout)
+    assert error["exit"] == 2 and error["error"].startswith(
+        "vae_decoder: nothing in the bundle can run on cuda0 (--strict):"), error
+    assert "engine built for sm_89; device is sm_86" in error["error"]
+    assert proc.stderr.startswith("error: vae_decoder: nothing in the bundle can run on cuda0 (--strict):")
+    ok = doctor(bundles["sm_86"], "rtx3060-desktop", "--backend", "vae=cuda0", "--strict")
+    assert ok["components"]["vae_decoder"]["backend"] == "tensorrt-rtx" and ok["strict"] is True
+
+
+def test_a_pinned_backend_runs_the_bundles_onnx_when_it_has_no_engine(bundles):
+    """This bundle has no ONNX Runtime engine: `vae=cpu:onnxruntime` runs its ONNX through ONNX Runtime,
+    ahead of the OpenVINO blob; --strict leaves the blob out."""
+    vae = doctor(bundles["sm_86"], None, "--backend", "vae=cpu:onnxruntime")["components"]["vae_decoder"]
+    assert (vae["device"], vae["backend"], vae["artifact"]) == ("cpu", "onnxruntime", "onnx")
+    assert vae["then"][0]["backend"] == "openvino" and vae["then"][0]["note"].startswith(
+        "fallback: nothing for cpu:onnxruntime fits")
+    strict = doctor(bundles["sm_86"], None, "--backend", "vae=cpu:onnxruntime", "--strict")["components"]["vae_decoder"]
+    assert strict["backend"] == "onnxruntime" and strict["then"] == []
 
 
 def test_engine_that_cannot_load_here_falls_back_at_load_time(bundles):
@@ -70,7 +113,8 @@ def test_engine_that_cannot_load_here_falls_back_at_load_time(bundles):
     assert sel.choice.backend == "tensorrt-rtx"
     session, cand, reasons = load_component(sel, ["sample"])
     assert cand.backend == "openvino" and cand.device.id == "cpu"
-    assert any("tensorrt-rtx on cuda0 failed to load" in r for r in reasons)
+    assert any(r["backend"] == "tensorrt-rtx" and r["device"] == "cuda0" and r["reason"].startswith("failed to load")
+               for r in reasons)
     out = session.run({"latent_sample": __import__("numpy").zeros((1, 4, 8, 8), "float32")})
     assert out["sample"].shape == (1, 3, 64, 64)
 
@@ -81,16 +125,16 @@ def test_corrupted_artifact_is_refused(bundles, tmp_path):
     blob = next(copy.rglob("model.blob"))
     flip_byte(blob, 100)
     vae = doctor(copy)["components"]["vae_decoder"]   # this machine: the blob would otherwise be chosen
-    assert any("sha256 differs" in r for r in vae["passed_over"])
-    assert vae["choice"]["artifact"] == "onnx" and vae["choice"]["backend"] == "openvino"
+    assert any("sha256 differs" in r["reason"] for r in vae["passed_over"])
+    assert vae["artifact"] == "onnx" and vae["backend"] == "openvino"
     intact = doctor(bundles["sm_89"])["components"]["vae_decoder"]
-    assert intact["choice"]["artifact"] != "onnx"
+    assert intact["artifact"] != "onnx"
 
 
 def test_profile_that_does_not_cover_the_request(bundles):
     vae = doctor(bundles["sm_86"], "rtx3060-desktop", "--size", "128x128")["components"]["vae_decoder"]
-    assert any("outside the engine's profile" in r for r in vae["passed_over"])
-    assert vae["choice"]["artifact"] == "onnx"
+    assert any("outside the engine's profile" in r["reason"] for r in vae["passed_over"])
+    assert vae["artifact"] == "onnx"
 
 
 def test_device_override_warning(bundles):
@@ -112,7 +156,7 @@ def test_fallback_onnx_is_hashed_only_when_it_is_loaded(bundles, tmp_path):
     devices = discover_devices(f"{MACHINES}/rtx3060-desktop", {})
     sel = select_component(m, "vae_decoder", assign_modules(devices)["vae"], devices,
                            {"latent_sample": (1, 4, 8, 8)}, installed_backends())
-    assert sel.viable[-1].artifact is None and not any("damaged" in r for r in sel.refused)
+    assert sel.viable[-1].artifact is None and not any("damaged" in r["reason"] for r in sel.refused)
     only_onnx = type(sel)(sel.component, [sel.viable[-1]], list(sel.refused))
     with pytest.raises(Exception, match="the bundle's ONNX is damaged"):
         load_component(only_onnx, ["sample"])

@@ -128,6 +128,7 @@ class Checkpoint:
     refs: dict[str, TensorRef]
     configs: dict[str, dict] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
+    vae_file: str | None = None                   # --vae: where the VAE tensors came from
 
     def keys(self) -> list[str]:
         return list(self.refs)
@@ -477,5 +478,6 @@ def replace_vae(ckpt: Checkpoint, vae: Path) -> None:
         raise BadInput(f"--vae {vae}: no VAE decoder tensors found (looked for decoder.* / first_stage_model.decoder.*)")
     for k in [k for k in ckpt.refs if k.startswith(VAE)]:
         del ckpt.refs[k]
+    ckpt.vae_file = str(vae)
     for key, canon in mapping.items():
         ckpt.refs[canon] = tensor_ref(weights[key], key, canon)

@@ -366,6 +366,10 @@ def read_lora(path: str | Path, sha256: str | None = None) -> LoraFile:
     peft_cfg = peft_config(p, f.metadata.get("lora_adapter_metadata"))
     if not modules and not stray:
         raise BadInput(f"--lora {p}: holds no tensors")
+    if not modules:
+        raise BadInput(f"--lora {p}: none of its {len(stray)} tensors is a LoRA factor (lora_down/lora_up, lora_A/lora_B, "
+                       f"hada_*, lokr_*, diff; e.g. it has {stray[0]}): this looks like a model checkpoint, not a "
+                       "LoRA; export it as the model instead")
     if sha256 is None:
         from ...runtime.manifest import sha256_file
         sha256 = sha256_file(p)

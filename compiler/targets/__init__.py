@@ -1,4 +1,11 @@
-"""Backend targets, one module each, one interface (see base.py)."""
+"""Backend targets, one module each, one interface (see base.py).
+
+Owns: the target names and aliases, the options each takes (OPTIONS, OPTION_TYPES), parsing
+`backend[:arg,...]` + options into a `TargetSpec` in one spelling (compute capabilities `sm_86`,
+sorted and de-duplicated; gfx names lowercase; OpenVINO device names uppercase), so that equal
+targets have equal cache keys, and `check_buildable`: what a target cannot build for an export's
+dtype or on this machine, refused in one line before any work.
+"""
 from __future__ import annotations
 
 from ..errors import BadInput
@@ -6,7 +13,7 @@ from .base import POSITIONAL, BuildJob, Target, TargetSpec
 from .migraphx import MigraphxTarget
 from .onnxruntime import OnnxRuntimeTarget
 from .openvino import OpenVinoTarget
-from .tensorrt_rtx import TensorRtRtxTarget, requested_ccs
+from .tensorrt_rtx import TensorRtRtxTarget, normalize_ccs
 
 TARGETS: dict[str, Target] = {t.name: t for t in (OnnxRuntimeTarget(), OpenVinoTarget(), TensorRtRtxTarget(),
                                                    MigraphxTarget())}
@@ -15,6 +22,7 @@ ALIASES = {"ort": "onnxruntime", "ov": "openvino", "trt": "tensorrt-rtx", "tenso
 
 
 BOOL = (True, False)
+OV_PRECISION_ALIASES = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}   # recipe `precision` words -> OpenVINO's
 OPTIONS: dict[str, dict[str, tuple]] = {   # option -> allowed values (empty: free-form)
     "onnxruntime": {"simplify": BOOL, "optimize": BOOL},
     "openvino": {"device": (), "precision": ("f32", "bf16", "f16"), "performance_hint": ("LATENCY", "THROUGHPUT"),
@@ -32,7 +40,8 @@ OPTION_TYPES: dict[str, tuple[str, object]] = {   # free-form option -> (what it
     "threads": (f"an integer from 0 to {MAX_COUNT} (0: OpenVINO decides)", lambda v: _count(v, 0)),
     "num_streams": (f"an integer from 1 to {MAX_COUNT} or AUTO", lambda v: _count(v, 1) or v == "AUTO"),
     "compute_capabilities": ("a list such as [sm_86, sm_89]",
-                             lambda v: _text(v) or (isinstance(v, list) and all(_text(c) or _count(c, 0) for c in v))),
+                             lambda v: _text(v) or (isinstance(v, list) and all(
+                                 _text(c) or _count(c, 0) or type(c) is float for c in v))),
 }
 
 
@@ -53,6 +62,8 @@ def parse_target(text: str, options: dict | None = None) -> TargetSpec:
         if field is None:
             raise BadInput(f"target {text!r}: {target.name} takes no argument")
         opts[field] = arg.split(",") if field == "compute_capabilities" else arg
+    if target.name == "openvino" and opts.get("precision") in OV_PRECISION_ALIASES:   # the recipe's spelling
+        opts["precision"] = OV_PRECISION_ALIASES[opts["precision"]]
     allowed = OPTIONS[target.name]
     for k, v in opts.items():
         if k not in allowed:
@@ -62,13 +73,63 @@ def parse_target(text: str, options: dict | None = None) -> TargetSpec:
             raise BadInput(f"target {target.name}: {k}={v!r}; allowed: {shown}")
         if k in OPTION_TYPES and not OPTION_TYPES[k][1](v):
             raise BadInput(f"target {target.name}: {k}={v!r}; expected {OPTION_TYPES[k][0]}")
+    opts = _normalized(target.name, opts)
     frozen = {k: tuple(v) if isinstance(v, list) else v for k, v in opts.items()}
-    spec = TargetSpec(target.name, tuple(sorted(frozen.items())))
-    if target.name == "tensorrt-rtx":
-        requested_ccs(spec)  # names each unknown compute capability
-    if target.name == "migraphx" and spec.get("gfx") and not str(spec.get("gfx")).startswith("gfx"):
-        raise BadInput(f"target migraphx: gfx {spec.get('gfx')!r}: expected a gfx name such as gfx1100 or gfx90a:sramecc+:xnack-")
-    return spec
+    return TargetSpec(target.name, tuple(sorted(frozen.items())))
 
 
-__all__ = ["BuildJob", "TargetSpec", "TARGETS", "get_target", "parse_target"]
+def _normalized(backend: str, opts: dict) -> dict:
+    """One spelling per value, so equal targets key equal: CCs 'sm86' / '86' / '8.6' -> 'sm_86'
+    (sorted, once each; an empty list is the default set, as if not given); gfx names lowercase;
+    OpenVINO device names uppercase (CPU, GPU.1)."""
+    out = dict(opts)
+    if backend == "tensorrt-rtx" and "compute_capabilities" in out:
+        ccs = normalize_ccs(out["compute_capabilities"])   # names each unknown compute capability
+        if ccs:
+            out["compute_capabilities"] = list(ccs)
+        else:
+            del out["compute_capabilities"]
+    if backend == "migraphx" and out.get("gfx"):
+        gfx = str(out["gfx"]).strip().lower()
+        if not gfx.startswith("gfx"):
+            raise BadInput(f"target migraphx: gfx {out['gfx']!r}: expected a gfx name such as gfx1100 or "
+                           "gfx90a:sramecc+:xnack-")
+        out["gfx"] = gfx
+    if backend == "openvino" and isinstance(out.get("device"), str):
+        out["device"] = out["device"].strip().upper()
+    if backend == "openvino" and out.get("compress_to_fp16") and not out.get("ir"):
+        raise BadInput("target openvino: compress_to_fp16 applies to the saved IR only; add ir=true, "
+                       "or drop compress_to_fp16 (the compiled blob's precision is the precision option)")
+    return out
+
+
+DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def io_dtype(io: list[dict]) -> str:
+    """An exported component's dtype from its inputs and outputs (bf16 > fp16 > fp32: half exports
+    keep some fp32 inputs, such as the timestep)."""
+    found = {DTYPES.get(v.get("dtype")) for v in io}
+    return next((d for d in ("bf16", "fp16") if d in found), "fp32")
+
+
+def dtype_problem(spec: TargetSpec, dtype: str) -> str | None:
+    """Why `spec` cannot build a component exported in `dtype` (fp32 / fp16 / bf16); None if it can."""
+    check = getattr(TARGETS[spec.backend], "dtype_problem", None)
+    return check(dtype, spec) if check else None
+
+
+def check_buildable(spec: TargetSpec, dtype: str, component: str) -> None:
+    """Everything about (target, dtype) that can be refused before any work: the backend is
+    installed, the dtype buildable, the options possible on this machine. BadInput otherwise."""
+    target = TARGETS[spec.backend]
+    why = dtype_problem(spec, dtype)
+    if why:
+        raise BadInput(f"{component} for {spec.label()}: {why}")
+    target.toolchain()                      # BadInput when the backend is not installed
+    if hasattr(target, "preflight"):
+        target.preflight(spec)
+
+
+__all__ = ["BuildJob", "TargetSpec", "TARGETS", "check_buildable", "dtype_problem", "get_target", "io_dtype",
+           "parse_target"]

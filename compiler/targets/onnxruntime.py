@@ -46,12 +46,12 @@ class OnnxRuntimeTarget:
             out["onnxsim"] = "absent"
         return out
 
-    def unsupported(self, io: list[dict], spec: TargetSpec) -> str | None:
-        """Why this component cannot be an ONNX Runtime (CPU) artifact, before any work: its CPU
+    def dtype_problem(self, dtype: str, spec: TargetSpec) -> str | None:
+        """Why a component in `dtype` cannot be an ONNX Runtime (CPU) artifact, before any work: its CPU
         provider has no bf16 kernels (MatMul, Sigmoid, ... refuse to load)."""
-        if any(v.get("dtype") == "bfloat16" for v in io):
+        if dtype == "bf16":
             return ("the export is bf16, which ONNX Runtime's CPU provider cannot run; export it with --dtype fp32 "
-                    "or fp16 for onnxruntime (bf16 serves openvino and tensorrt-rtx)")
+                    "or fp16 for onnxruntime (recipe precision: fp32 or fp16; bf16 serves openvino and tensorrt-rtx)")
         return None
 
     def fingerprint(self, spec: TargetSpec) -> Fingerprint:
@@ -66,9 +66,11 @@ class OnnxRuntimeTarget:
         with tempfile.TemporaryDirectory(dir=folder, prefix=".simplified-") as tmp:
             source = job.onnx_path
             if spec.get("simplify", True) and not note and self.toolchain()["onnxsim"] != "absent":
+                _note(job, "onnxsim")
                 source = _simplified(job.onnx_path, Path(tmp), job.shapes if optimize else {}) or source
             rewrites = {}
             if optimize:
+                _note(job, "optimize")
                 rewrites = _optimized(source, folder / "model.onnx", job.shapes)
             else:    # the graph as it is (byte-identical to the export when onnxsim changed nothing)
                 for name in ("model.onnx", "model.onnx_data"):
@@ -77,6 +79,13 @@ class OnnxRuntimeTarget:
         return {"entry": "model.onnx", "simplified": source != job.onnx_path, "note": note,
                 "optimized": OPTIMIZED if optimize else "none", "static": optimize and job.static,
                 "rewrites": rewrites}
+
+
+def _note(job: BuildJob, phase: str) -> None:
+    """The phase in the compile step's heartbeat lines (runtime/progress.py)."""
+    beat = job.extra.get("heartbeat")
+    if beat is not None:
+        beat.note = phase
 
 
 def pin_input_dims(model, shapes: dict) -> None:

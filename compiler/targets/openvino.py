@@ -67,6 +67,7 @@ class OpenVinoTarget:
         ov = self._ov()
         device = spec.get("device", "CPU")
         core = ov.Core()
+        _note(job, "read_model")
         model = core.read_model(str(job.onnx_path))
         if job.static:
             model.reshape({name: ov.PartialShape(list(opt)) for name, (_, opt, _) in job.shapes.items()})
@@ -74,6 +75,7 @@ class OpenVinoTarget:
             model.reshape({name: ov.PartialShape([ov.Dimension(a, b) for a, b in zip(mn, mx)])
                            for name, (mn, _, mx) in job.shapes.items()})
         if spec.get("ir", False):
+            _note(job, "save_model")
             ov.save_model(model, str(folder / "model.xml"), compress_to_fp16=bool(spec.get("compress_to_fp16", False)))
         config = self.compile_config(spec, job.component)
         rewrites = {}
@@ -85,11 +87,20 @@ class OpenVinoTarget:
                 and spec.get("winograd", True):
             from .openvino_winograd import rewrite_convolutions
             rewrites["winograd"] = rewrite_convolutions(model)
+        _note(job, "compile_model")
         compiled = core.compile_model(model, device, config)
         del model
+        _note(job, "export_model")
         blob = compiled.export_model()
         (folder / "model.blob").write_bytes(blob.getvalue() if hasattr(blob, "getvalue") else bytes(blob))
         del blob
         return {"entry": "model.blob", "device": device, "compile_config": config, "static": job.static,
                 "precision": compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name(),
                 "rewrites": rewrites}
+
+
+def _note(job: BuildJob, phase: str) -> None:
+    """The phase in the compile step's heartbeat lines (runtime/progress.py)."""
+    beat = job.extra.get("heartbeat")
+    if beat is not None:
+        beat.note = phase

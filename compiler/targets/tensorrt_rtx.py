@@ -1,8 +1,11 @@
 """TensorRT-RTX target: ahead-of-time engine builds, on a machine with or without a GPU.
 
-Owns: the builder config (compute capabilities from the spec, default Ampere and newer;
-optimization profiles from the shape profile; optional weight streaming), the builder's
-progress as bars, and the cross-check of the engine header against our own metadata.
+Owns: the builder config (compute capabilities from the spec in one spelling, `sm_86`, default
+Ampere and newer; optimization profiles from the shape profile; optional weight streaming), what
+cannot be built, refused before any work (fp32 / bf16 for Turing sm_75; refittable builds without
+a driver), the builder's progress (bars on a terminal, heartbeat notes otherwise), its log (the
+first error named in a failed build) and the cross-check of the engine header against our own
+metadata.
 Networks are strongly typed: precision comes from the ONNX dtypes (export fp16 for fp16).
 Refittable / weight-stripped builds need a GPU driver at build time.
 """
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import ctypes.util
 import importlib.metadata
+import sys
 from pathlib import Path
 
 from ...runtime.fingerprint import Fingerprint
@@ -34,46 +38,117 @@ def _has_driver() -> bool:
     return ctypes.util.find_library("cuda") is not None
 
 
-def requested_ccs(spec: TargetSpec) -> tuple[str, ...]:
-    ccs = spec.get("compute_capabilities") or ()
+def normalize_cc(cc) -> str:
+    """One spelling for a compute capability: 'sm86', 'sm_86', 'SM_86', '86', 86, '8.6', 8.6 -> 'sm_86'."""
+    c = str(cc).strip().lower().replace(".", "").replace("_", "")
+    c = "sm_" + c.removeprefix("sm")
+    if c not in KNOWN_CCS:
+        raise BadInput(f"tensorrt-rtx compute capability {cc!r}: TensorRT-RTX builds for {', '.join(KNOWN_CCS)} "
+                       "(also spelled sm86, 86 or 8.6)")
+    return c
+
+
+def normalize_ccs(ccs) -> tuple[str, ...]:
+    """A CC list in any spelling -> sm_XX names, de-duplicated, in KNOWN_CCS (ascending) order."""
     if isinstance(ccs, str):
-        ccs = [c for c in ccs.split(",") if c]
-    norm = []
-    for cc in ccs:
-        c = str(cc).lower().replace(".", "")
-        c = c if c.startswith("sm_") else "sm_" + c.removeprefix("sm")
-        if c not in KNOWN_CCS:
-            raise BadInput(f"tensorrt-rtx compute capability {cc!r}: TensorRT-RTX builds for {', '.join(KNOWN_CCS)}")
-        norm.append(c)
-    return tuple(sorted(set(norm), key=KNOWN_CCS.index))
+        ccs = [c for c in ccs.split(",") if c.strip()]
+    return tuple(sorted({normalize_cc(c) for c in ccs or ()}, key=KNOWN_CCS.index))
+
+
+def requested_ccs(spec: TargetSpec) -> tuple[str, ...]:
+    return normalize_ccs(spec.get("compute_capabilities") or ())
+
+
+# what Turing (sm_75) cannot build, found by building: TensorRT-RTX 1.x refuses with
+# "FP32 GEMM is not supported" (fp32) / "model contains HW-specific datatypes: b16" (bf16)
+TURING_DTYPES = ("fp32", "bf16")
+
+
+def dtype_problem(dtype: str, spec: TargetSpec) -> str | None:
+    """Why a component exported in `dtype` cannot become this engine, before anything is built."""
+    ccs = requested_ccs(spec)
+    if "sm_75" in ccs and dtype in TURING_DTYPES:
+        rest = [c for c in ccs if c != "sm_75"]
+        drop = (f"drop sm_75 (tensorrt-rtx:{','.join(rest)})" if rest else
+                "build for another compute capability (e.g. tensorrt-rtx:sm_86)")
+        return (f"the export is {dtype}, and TensorRT-RTX builds no {dtype} engines for Turing (sm_75: "
+                + ("no FP32 GEMM" if dtype == "fp32" else "no bf16") +
+                f"); export with --dtype fp16 (recipe precision: fp16) for sm_75, or {drop}")
+    return None
+
+
+def preflight(spec: TargetSpec) -> None:
+    """Option combinations this machine cannot build, refused before any work."""
+    refit = bool(spec.get("refittable", False)) or bool(spec.get("strip_weights", False))
+    if refit and not _has_driver():
+        raise BadInput("tensorrt-rtx refittable / weight-stripped builds need an NVIDIA GPU driver at build "
+                       "time (no libcuda here); build them on a machine with a GPU, or drop the option")
+    if refit and len(requested_ccs(spec)) != 1:
+        raise BadInput("tensorrt-rtx refittable builds serve one compute capability; list exactly one")
 
 
 class _Progress:
-    """IProgressMonitor -> one tqdm bar per builder phase."""
+    """IProgressMonitor -> one tqdm bar per builder phase on a terminal; without one, the phase
+    (and its step) as the note of the compile step's heartbeat lines (runtime/progress.py)."""
 
-    def __new__(cls, trt, enabled: bool):
-        from tqdm import tqdm
+    def __new__(cls, trt, enabled: bool, beat=None):
+        from ...runtime.progress import _tty, bar
+        tty = _tty()
 
         class Monitor(trt.IProgressMonitor):
             def __init__(self):
                 trt.IProgressMonitor.__init__(self)
                 self.bars = {}
+                self.steps = {}
 
             def phase_start(self, phase_name, parent_phase, num_steps):
-                self.bars[phase_name] = tqdm(total=num_steps, desc=f"tensorrt-rtx {phase_name}", leave=False,
-                                             disable=None if enabled else True)
+                self.steps[phase_name] = (0, num_steps)
+                if beat is not None:
+                    beat.note = phase_name
+                if tty:
+                    self.bars[phase_name] = bar(num_steps, f"tensorrt-rtx {phase_name}", "step", enabled)
 
             def step_complete(self, phase_name, step):
-                bar = self.bars.get(phase_name)
-                if bar is not None:
-                    bar.update(1)
+                done, total = self.steps.get(phase_name, (0, 0))
+                self.steps[phase_name] = (done + 1, total)
+                if beat is not None:
+                    beat.note = f"{phase_name} {done + 1}/{total}"
+                b = self.bars.get(phase_name)
+                if b is not None:
+                    b.update(1)
                 return True
 
             def phase_finish(self, phase_name):
-                bar = self.bars.pop(phase_name, None)
-                if bar is not None:
-                    bar.close()
+                self.steps.pop(phase_name, None)
+                b = self.bars.pop(phase_name, None)
+                if b is not None:
+                    b.close()
+                if beat is not None:
+                    beat.note = next(reversed(self.steps), "")
         return Monitor()
+
+
+class _Logger:
+    """TensorRT's log at ERROR level, kept: a failed build names its first error. Without a GPU
+    driver every build also logs 'CUDA driver version is insufficient' -- expected for an AOT
+    build here, and misleading beside the real error, so it is dropped then."""
+
+    def __new__(cls, trt):
+        no_driver = not _has_driver()
+
+        class Logger(trt.ILogger):
+            def __init__(self):
+                trt.ILogger.__init__(self)
+                self.errors: list[str] = []
+
+            def log(self, severity, msg):
+                if severity > trt.ILogger.Severity.ERROR:
+                    return
+                if no_driver and "driver version is insufficient" in msg:
+                    return
+                self.errors.append(msg)
+                print(f"[TensorRT-RTX] {msg}", file=sys.stderr)
+        return Logger()
 
 
 def _FileWriter(trt, f):
@@ -110,16 +185,18 @@ class TensorRtRtxTarget:
         return Fingerprint("tensorrt-rtx", self.toolchain()["tensorrt-rtx"], "nvidia", "gpu",
                            requested_ccs(spec) or DEFAULT_CCS, DRIVER_FLOOR.get(_cuda_major(), ""))
 
+    def dtype_problem(self, dtype: str, spec: TargetSpec) -> str | None:
+        return dtype_problem(dtype, spec)
+
+    def preflight(self, spec: TargetSpec) -> None:
+        preflight(spec)
+
     def build(self, job: BuildJob, spec: TargetSpec, folder: Path) -> dict:
         trt = self._trt()
+        preflight(spec)
         refit = bool(spec.get("refittable", False)) or bool(spec.get("strip_weights", False))
-        if refit and not _has_driver():
-            raise BadInput("tensorrt-rtx refittable / weight-stripped builds need an NVIDIA GPU driver at build "
-                           "time (no libcuda here); build them on a machine with a GPU, or drop the option")
         ccs = requested_ccs(spec)
-        if refit and len(ccs) != 1:
-            raise BadInput("tensorrt-rtx refittable builds serve one compute capability; list exactly one")
-        logger = trt.Logger(trt.Logger.ERROR)
+        logger = _Logger(trt)
         builder = trt.Builder(logger)
         network = builder.create_network(0)
         parser = trt.OnnxParser(network, logger)
@@ -139,7 +216,7 @@ class TensorRtRtxTarget:
             config.set_flag(trt.BuilderFlag.WEIGHT_STREAMING)
         if refit:
             config.set_flag(trt.BuilderFlag.STRIP_PLAN if spec.get("strip_weights") else trt.BuilderFlag.REFIT)
-        config.progress_monitor = _Progress(trt, job.progress)
+        config.progress_monitor = _Progress(trt, job.progress, job.extra.get("heartbeat"))
         engine = folder / "model.engine"
         with open(engine, "wb") as f:
             # streamed to the file chunk by chunk: no whole serialized engine held in memory
@@ -149,7 +226,9 @@ class TensorRtRtxTarget:
         if writer.error is not None:
             raise OSError(f"writing the TensorRT-RTX engine {engine}: {writer.error}") from writer.error
         if not built:
-            raise RuntimeError(f"TensorRT-RTX failed to build an engine for {job.component}")
+            why = logger.errors[0] if logger.errors else "no error logged"
+            raise RuntimeError(f"TensorRT-RTX failed to build an engine for {job.component} "
+                               f"({', '.join(ccs or DEFAULT_CCS)}): {why}")
         del parser, network
         size = engine.stat().st_size
         with open(engine, "rb") as f:
