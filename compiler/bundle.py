@@ -316,8 +316,9 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
                 "inputs": meta["inputs"], "outputs": meta["outputs"], "config": meta["config"],
                 "profiles": [p.describe() for p in profiles],
                 **({"precision_notes": meta["precision_notes"]} if meta.get("precision_notes") else {})}
-            report.append({"entry": f"{comp}.onnx", "component": comp, "backend": "onnx", "cache": "hit" if hit else "miss",
-                           "seconds": round(time.perf_counter() - c0, 3)})
+            report.append({"entry": f"{comp}.onnx", "component": comp, "backend": "onnx", "target": "onnx",
+                           "cache": "hit" if hit else "miss", "seconds": round(time.perf_counter() - c0, 3),
+                           "key": entry.key, "fingerprint": None})
         for e in entries:
             for profile in profiles:
                 rec, entry = compile_component(exported[e.component], e.target, profile, cache, progress)

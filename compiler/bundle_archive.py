@@ -239,10 +239,12 @@ def _copy_checked(src, dst: Path, rel: str, rec: dict) -> None:
 
 def unpack_bundle(archive: str | Path, out: str | Path) -> dict:
     archive, out = Path(archive), Path(out)
+    if archive.is_dir():
+        raise BadInput(f"{archive}: is a folder (an unpacked bundle?); give an archive file (.tar, .tar.gz, .tar.zst)")
     if not archive.is_file():
         raise BadInput(f"{archive}: no such archive file")
-    if os.path.lexists(out):
-        raise BadInput(f"--out {out}: already exists; unpack into a new folder")
+    if os.path.lexists(out) and not (out.is_dir() and not out.is_symlink() and not any(out.iterdir())):
+        raise BadInput(f"--out {out}: already exists and is not an empty folder; unpack into a new or empty folder")
     check_out(out)
     errors = archive_errors()
     try:

@@ -96,7 +96,8 @@ def cache_rm(keys, as_json):
 @cache_group.command("gc")
 @click.option("--max-size", default=None,
               help="Also remove least recently used entries until the cache holds at most this much "
-                   "(e.g. 500M, 20G). Default: no size limit.")
+                   "(e.g. 500M, 20G; K, M, G, T are powers of 1024, so 100M = 104.9 MB as sizes are shown). "
+                   "Default: no size limit.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print {removed, reasons, stale_temp_folders, stale_locks, max_size, entries, size}.")
 def cache_gc(max_size, as_json):

@@ -13,7 +13,7 @@ import sys
 import click
 
 from ..runtime.cli import run_cli
-from .cache_cli import cache_group
+from .cache_cli import _count, cache_group
 from .errors import BadInput
 
 
@@ -105,13 +105,15 @@ def export_cmd(checkpoint, out, components, dtype, sets, vae_dtype, vae, text_en
 
 @main.command("demo-model")
 @click.option("--out", "out", required=True, type=click.Path(), help="Where to write the .safetensors file.")
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1), help="0 or more.")
 def demo_model_cmd(out, seed):
     """Write the embedded default: a tiny SD 1.x checkpoint with seeded random weights."""
     def go():
         from .demo_model import write_demo_model
         if os.path.isdir(out):
             raise BadInput(f"--out {out}: is a folder; give a file path such as {os.path.join(out, 'tiny.safetensors')}")
+        if not out.endswith(".safetensors"):
+            raise BadInput(f"--out {out}: the demo model is a .safetensors file; give a name ending in .safetensors")
         write_demo_model(out, seed=seed)
         click.echo(f"wrote {out} ({os.path.getsize(out) / 1e6:.1f} MB, tiny SD 1.x, seed {seed})")
     _run(go)
@@ -211,7 +213,8 @@ main.add_command(cache_group)   # `precast cache ...`: compiler/cache_cli.py
 @click.argument("recipe", type=click.Path())
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "github"]), default="table", show_default=True)
 def plan_cmd(recipe, fmt):
-    """Print RECIPE's build matrix: one entry per component x target, with what each job needs."""
+    """Print RECIPE's build matrix: one entry per component x target, with what each job needs.
+    With --format json or github an error is also printed as {"error", "exit"} on stdout."""
     def go():
         from .plan import github_matrix, make_plan
         from .recipe import load_recipe
@@ -228,7 +231,7 @@ def plan_cmd(recipe, fmt):
         else:
             for e in entries:
                 click.echo(f"{e.id:<44} {e.needs}")
-    _run(go)
+    _run(go, as_json=fmt in ("json", "github"))   # a CI step reading the JSON gets the error as JSON too
 
 
 @main.command("build")
@@ -239,7 +242,8 @@ def plan_cmd(recipe, fmt):
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON document on stdout: {\"bundle\": FOLDER, \"seconds\": S, \"artifacts\": [one record "
                    "per artifact: component, backend (onnx for the export), target, cache (hit|miss), seconds, key, "
-                   "fingerprint, entry (plan entry)]}. Progress stays on stderr.")
+                   "fingerprint (null for exports), entry (the plan entry; COMPONENT.onnx for an export)]}. Progress "
+                   "stays on stderr.")
 def build_cmd(recipe, out, only, shard, as_json):
     """Build RECIPE's engines through the cache into a bundle."""
     def go():
@@ -256,6 +260,21 @@ def build_cmd(recipe, out, only, shard, as_json):
     _run(go, as_json=as_json)
 
 
+def _profile_words(p: dict) -> str:
+    """'512x512 (min 256x256, max 768x768), batch 1, 77 tokens' from a component's shape profile."""
+    def size(i):
+        return f"{p['width'][i]}x{p['height'][i]}"
+    def span(key):
+        lo, opt, hi = p[key]
+        return str(opt) if lo == hi else f"{lo}..{hi} (opt {opt})"
+    fixed = size(0) == size(2)
+    words = [size(1) if fixed else f"{size(1)} (min {size(0)}, max {size(2)})", f"batch {span('batch')}",
+             f"{span('tokens')} tokens"]
+    if p.get("t5_tokens"):
+        words.append(f"{span('t5_tokens')} T5 tokens")
+    return ", ".join(words)
+
+
 @main.group("bundle")
 def bundle_group():
     """Merge, pack, unpack, verify and inspect engine bundles."""
@@ -270,7 +289,7 @@ def bundle_merge(bundles, out, as_json):
     def go():
         from .bundle import merge_bundles
         r = merge_bundles(list(bundles), out)
-        click.echo(json.dumps(r) if as_json else f"merged {len(bundles)} bundles -> {out} ({r['artifacts']} artifacts)")
+        click.echo(json.dumps(r) if as_json else f"merged {_count(len(bundles), 'bundle')} -> {out} ({_count(r['artifacts'], 'artifact')})")
     _run(go)
 
 
@@ -333,9 +352,15 @@ def bundle_inspect(bundle, as_json):
         model = m.model
         click.echo(f"model      {model['family']} {model['variant']}  source {model['source']}  "
                    f"sha256 {model['source_sha256'][:16]}")
+        for lora in model.get("loras") or []:
+            click.echo(f"lora       {lora.get('name')}  strength {lora.get('strength')}  sha256 {str(lora.get('sha256'))[:16]}")
+        for emb in model.get("embeddings") or []:
+            click.echo(f"embedding  {emb.get('name') or emb.get('token')}")
         for name, c in sorted(m.components.items()):
             click.echo(f"component  {name:<13} {c['dtype']}  " +
                        ", ".join(i['name'] for i in c['inputs']) + " -> " + ", ".join(o['name'] for o in c['outputs']))
+            for p in c.get("profiles") or []:
+                click.echo(f"  profile  {_profile_words(p)}")
         for a in m.artifacts():
             size = sum(m.files[f]["size"] for f in a.files) / 1e6
             click.echo(f"artifact   {a.component:<13} {a.backend:<13} {size:8.1f} MB  {a.fingerprint}")

@@ -167,9 +167,8 @@ def compile_component(comp: ExportedComponent, spec: TargetSpec, profile: ShapeP
     def build(folder: Path) -> dict:
         b0 = time.perf_counter()
         check_exported_graph(comp)
-        # TensorRT-RTX draws its own phase bars on a terminal; elsewhere its phases are the beat's note
-        with heartbeat(f"compile {comp.name} for {spec.label()}", progress,
-                       plain_only=spec.backend == "tensorrt-rtx") as beat:
+        # TensorRT-RTX's builder phases show as the beat's note (a spinner on a terminal, lines in a log)
+        with heartbeat(f"compile {comp.name} for {spec.label()}", progress) as beat:
             job.extra["heartbeat"] = beat
             meta = target.build(job, spec, folder)
         return {**meta, "component": comp.name, "backend": spec.backend, "target": spec.describe(),

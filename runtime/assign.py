@@ -119,7 +119,8 @@ def _find_device(name: str, devices: list[Device]) -> Device:
     if numbered:
         i = int(numbered.group(1))
         if i >= len(gpus):
-            raise _Absent(f"device '{name}': only {len(gpus)} GPU(s) here (devices: {_ids(devices)})")
+            raise _Absent(f"device '{name}': " + (f"only {len(gpus)} GPU{'s' if len(gpus) > 1 else ''} here" if gpus
+                                                    else "no GPU here") + f" (devices: {_ids(devices)})")
         return gpus[i]
     for d in devices:
         if n in (d.id.lower(), d.name.lower()):

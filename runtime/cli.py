@@ -104,6 +104,7 @@ class PrecastGroup(click.Group):
 
     def parse_args(self, ctx, args):
         ctx.meta["precast.json"] = "--json" in args
+        ctx.meta["precast.help"] = "--help" in args
         return super().parse_args(ctx, args)
 
     def invoke(self, ctx):
@@ -123,6 +124,8 @@ class PrecastGroup(click.Group):
         # say which extra to install before the command starts (`bundle` verify/inspect/pack/unpack
         # need none; its other subcommands are caught by run_cli when they import one).
         missing = [] if name == "bundle" else [m for m in COMPILER_MODULES if importlib.util.find_spec(m) is None]
+        if missing and ctx.meta.get("precast.help"):   # --help needs only click: show it, the extra comes later
+            missing = []
         why = None
         if missing:
             why = missing_dependency(ModuleNotFoundError(name=missing[0]), f"precast {name}")
@@ -254,7 +257,8 @@ def doctor_cmd(bundle, backend, params_backend, size, strict, sysroot, as_json):
         installed = installed_backends()
         out = {"bundle": bundle, "devices": [d.describe() for d in devices], "device_warning": warning,
                "installed_backends": installed, "strict": strict,
-               "assignment": {mod: p.describe() for mod, p in placements.items()}}
+               "assignment": {mod: p.describe() for mod, p in placements.items()},
+               "size": None, "components": {}, "missing_for_generate": []}   # one schema, with or without a bundle
         if m is not None:
             from .pipeline import requests
             out["size"] = f"{w}x{h}"
@@ -278,7 +282,7 @@ def doctor_cmd(bundle, backend, params_backend, size, strict, sysroot, as_json):
         click.echo("backends  " + (", ".join(f"{k} {v}" for k, v in sorted(installed.items())) or "none"))
         for m_, p in placements.items():
             click.echo(f"assign    {m_:<10} -> {p.target}" + (f" (weights on {p.params.id})" if p.offload else "")
-                       + (f"  (asked: {p.asked}; fell back, see below)" if p.fallback else ""))
+                       + (f"  (fell back: {p.fallback})" if p.fallback else ""))
         if m is not None:
             click.echo(f"size      {out['size']}")
             describe_where(out, sys.stdout)
@@ -307,7 +311,8 @@ def _missing_for_generate(manifest) -> list[str]:
               help="Noise seed: 0 or more (negative seeds are refused, not wrapped).")
 @click.option("--size", default=None,
               help=f"WIDTHxHEIGHT in pixels (default: the bundle's optimal size, its denoiser profile's opt): "
-                   f"multiples of the VAE factor (8), at most {MAX_SIDE} per side (or the bundle's largest profile).")
+                   f"multiples of the bundle's pixels per latent (8 for SD; 16 for Flux / Chroma, which pack 2x2 latents), "
+                   f"at most {MAX_SIDE} per side (or the bundle's largest profile).")
 @click.option("--guidance", default=None, type=float,
               help="Guidance scale (finite): classifier-free for SD (default 7.5) and Chroma (5.0); Flux dev's "
                    "distilled guidance (3.5); unused by schnell.")

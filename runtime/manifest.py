@@ -145,6 +145,9 @@ def read_manifest(bundle: str | Path) -> Manifest:
                                 "the folder `precast build` or `precast bundle unpack` wrote)") from None
         if not root.is_dir():
             raise ManifestError(_NOT_A_FOLDER.format(root=root)) from None
+        if (root / "precast_export.json").is_file():
+            raise ManifestError(f"{root}: not a precast bundle but an export (ONNX, no {MANIFEST}); make a bundle "
+                                "with `precast build RECIPE --out DIR`, or engines with `precast compile`") from None
         raise ManifestError(f"{root}: not a precast bundle (no {MANIFEST})") from None
     except NotADirectoryError:
         raise ManifestError(_NOT_A_FOLDER.format(root=root)) from None

@@ -24,17 +24,36 @@ DEFAULT_INTERVAL = 10.0     # seconds between plain lines
 QUIET_BEFORE = 1.0          # on a terminal, a step that ends sooner shows nothing
 
 
+OFF, ON = ("off", "0", "false", "no"), ("", "on", "1", "true", "yes", "plain")
+_warned: set[str] = set()
+
+
+def _warn_once(name: str, value: str, expected: str) -> None:
+    if name not in _warned:
+        _warned.add(name)
+        _emit(f"warning: {name}={value!r} is not {expected}; ignored")
+
+
 def interval() -> float:
-    try:
-        value = float(os.environ.get("PRECAST_PROGRESS_INTERVAL", DEFAULT_INTERVAL))
-    except ValueError:
+    text = os.environ.get("PRECAST_PROGRESS_INTERVAL", "")
+    if not text:
         return DEFAULT_INTERVAL
-    return value if value > 0 else DEFAULT_INTERVAL
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        _warn_once("PRECAST_PROGRESS_INTERVAL", text, f"a positive number of seconds (default {DEFAULT_INTERVAL:g})")
+        return DEFAULT_INTERVAL
+    return value
 
 
 def shown() -> bool:
     """False when the user turned progress off (PRECAST_PROGRESS=off / 0 / false / no)."""
-    return os.environ.get("PRECAST_PROGRESS", "").strip().lower() not in ("off", "0", "false", "no")
+    value = os.environ.get("PRECAST_PROGRESS", "").strip().lower()
+    if value not in OFF + ON:
+        _warn_once("PRECAST_PROGRESS", value, "off or plain (or on)")
+    return value not in OFF
 
 
 def _tty() -> bool:
@@ -156,21 +175,17 @@ class Beat:
 
 
 @contextmanager
-def heartbeat(what: str, enabled: bool = True, plain_only: bool = False):
+def heartbeat(what: str, enabled: bool = True):
     """Around an opaque call: on a terminal an elapsed-time spinner after a second; otherwise
     `what: 20 s...` every interval and then `what: done in 23 s` at the end (nothing for a call
-    shorter than the interval).
-    `plain_only`: the caller draws its own bars on a terminal (TensorRT-RTX's phases), so only the
-    plain lines apply. Yields a `Beat` whose `note` the caller may set."""
+    shorter than the interval). Yields a `Beat` whose `note` (e.g. a TensorRT-RTX build phase)
+    the caller may set; the spinner and the lines show it."""
     beat = Beat(what)
     if not (enabled and shown()):
         yield beat
         return
     tty = _tty()
     tqdm = _tqdm() if tty else None
-    if tty and plain_only:
-        yield beat
-        return
     if tqdm is not None:
         frames, state = "|/-\\", {}
 

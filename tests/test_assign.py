@@ -64,13 +64,13 @@ def test_backend_names_pin_the_backend(text, want):
 
 
 @pytest.mark.parametrize("devices, text, words", [
-    (LAPTOP, "te=gpu7", "device 'gpu7': only 2 GPU(s) here"),
+    (LAPTOP, "te=gpu7", "device 'gpu7': only 2 GPUs here"),
     (LAPTOP, "te=rocm", "no amd GPU here"),
     (LAPTOP, "te=cuda1", "device 'cuda1': not here"),
     (LAPTOP, "te=migraphx", "migraphx runs on an AMD GPU and there is none here"),
     (LAPTOP[2:], "te=gpu", "this machine has no GPU"),
     (LAPTOP[2:], "te=tensorrt-rtx", "tensorrt-rtx runs on an NVIDIA GPU and there is none here"),
-    (LAPTOP[2:], "te=gpu0:tensorrt-rtx", "only 0 GPU(s) here"),
+    (LAPTOP[2:], "te=gpu0:tensorrt-rtx", "no GPU here"),
 ])
 def test_a_device_that_is_not_here_falls_back_with_the_reason_unless_strict(devices, text, words):
     te = assign_modules(devices, text)["te"]

@@ -131,3 +131,51 @@ def test_doctor_says_what_generate_would_lack(tmp_path):
     assert proc.returncode == 0 and "needs text_encoder, vae_decoder, which this bundle lacks" in proc.stderr
     report = json.loads(precast("doctor", tmp_path / "b", "--json", env=env, check=True).stdout)
     assert report["missing_for_generate"] == ["text_encoder", "vae_decoder"]
+
+
+def test_inspect_shows_the_sizes_a_bundle_serves(tiny_bundle):
+    bundle, _ = tiny_bundle
+    out = precast("bundle", "inspect", bundle, check=True).stdout
+    assert out.count("  profile  64x64, batch 1, 77 tokens") == 3, out
+
+
+def test_ctrl_c_during_a_tensorrt_rtx_build_stops_it(demo_ckpt, tmp_path):
+    """TensorRT swallows a KeyboardInterrupt raised in its callbacks: SIGINT must still end the
+    command (exit 130, `interrupted`) and leave no cache entry behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    out = tmp_path / "e"
+    precast("export", demo_ckpt, "--out", out, "--component", "unet", check=True)
+    env = {**os.environ, "PRECAST_CACHE": str(tmp_path / "cache"), "PRECAST_PROGRESS_INTERVAL": "0.2"}
+    proc = subprocess.Popen([sys.executable, "-m", "precast.runtime.cli", "compile", str(out), "--target",
+                             "tensorrt-rtx:sm_86"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    first = proc.stderr.readline()                  # a heartbeat line: the build is under way
+    assert "compile unet for tensorrt-rtx" in first, first
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
+    assert not list((tmp_path / "cache").rglob("entry.json")) and not list((tmp_path / "cache").rglob("*.engine"))
+
+
+def test_a_second_tour_s_findings(tiny_bundle, demo_ckpt, tmp_path):
+    """Second tour: an export folder given where a checkpoint or a bundle goes is named as such;
+    unpack takes an empty folder; demo-model takes only seeds >= 0 and .safetensors names;
+    doctor's JSON has the same keys with or without a bundle."""
+    bundle, _ = tiny_bundle
+    export = tmp_path / "e"
+    precast("export", demo_ckpt, "--out", export, "--component", "unet", check=True)
+    assert "is a precast export (ONNX), not a checkpoint" in _one_line(precast("export", export, "--out", tmp_path / "x"))
+    assert "not a precast bundle but an export" in _one_line(precast("generate", export, "--prompt", "a",
+                                                                     "--out", tmp_path / "a.png"))
+    precast("bundle", "pack", bundle, "--out", tmp_path / "b.tar", check=True)
+    (tmp_path / "empty").mkdir()
+    precast("bundle", "unpack", tmp_path / "b.tar", "--out", tmp_path / "empty", check=True)
+    assert (tmp_path / "empty" / "manifest.json").is_file()
+    assert "is a folder" in _one_line(precast("bundle", "unpack", bundle, "--out", tmp_path / "u"))
+    assert "--seed" in _one_line(precast("demo-model", "--out", tmp_path / "d.safetensors", "--seed", "-1"))
+    assert ".safetensors" in _one_line(precast("demo-model", "--out", tmp_path / "d.ckpt"))
+    bare = json.loads(precast("doctor", "--json", check=True).stdout)
+    full = json.loads(precast("doctor", bundle, "--json", check=True).stdout)
+    assert set(bare) == set(full) and bare["components"] == {} and bare["size"] is None

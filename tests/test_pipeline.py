@@ -128,6 +128,15 @@ def test_build_commands_on_a_runtime_only_install_name_the_extra(tmp_path, args)
     assert sorted(os.listdir(tmp_path)) == ["recipe.yaml"]
 
 
+def test_build_command_help_works_on_a_runtime_only_install(tmp_path):
+    """A user without the compiler extra can still read what a build command takes."""
+    code = (f"import sys\nfor m in {RUNTIME_ONLY!r}: sys.modules[m] = None\n"
+            "from precast.runtime.cli import main\nmain()")
+    for cmd in (["export"], ["compile"], ["cache", "gc"]):
+        proc = subprocess.run([sys.executable, "-c", code, *cmd, "--help"], capture_output=True, text=True, cwd=tmp_path)
+        assert proc.returncode == 0 and proc.stdout.startswith("Usage: ") and "Traceback" not in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("damage, words", [
     ("flip", "tokenizer/vocab.json: sha256 differs from the manifest"),
     ("remove", "tokenizer/merges.txt: missing"),

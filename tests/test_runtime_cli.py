@@ -277,7 +277,7 @@ def test_a_gpu_that_is_not_here_falls_back_unless_strict(bundle, tmp_path, backe
     proc = precast(*args)
     assert proc.returncode == 0, proc.stderr
     assert f"passed over: --backend {backend}: {words}" in proc.stdout, proc.stdout
-    assert "(asked: " in proc.stdout
+    assert "(fell back: --backend " in proc.stdout
     _one_error_line(precast(*args, "--strict"), f"--backend {backend}: {words}", "--strict")
     out = tmp_path / "x.png"
     _one_error_line(precast("generate", bundle, "--prompt", "x", "--out", out, "--backend", backend, "--sysroot",

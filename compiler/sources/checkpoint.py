@@ -415,6 +415,9 @@ def open_checkpoint(path: str | os.PathLike, vae: str | os.PathLike | None = Non
     p = Path(path)
     if not p.exists():
         raise BadInput(f"{p}: no such file or folder")
+    if p.is_dir() and (p / "precast_export.json").is_file():
+        raise BadInput(f"{p}: is a precast export (ONNX), not a checkpoint; build engines from it with "
+                       f"`precast compile {p} --target ...`")
     if p.is_dir():
         ckpt = open_diffusers_folder(p)
     else:

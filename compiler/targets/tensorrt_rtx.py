@@ -11,9 +11,12 @@ Refittable / weight-stripped builds need a GPU driver at build time.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes.util
 import importlib.metadata
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from ...runtime.fingerprint import Fingerprint
@@ -88,44 +91,55 @@ def preflight(spec: TargetSpec) -> None:
 
 
 class _Progress:
-    """IProgressMonitor -> one tqdm bar per builder phase on a terminal; without one, the phase
-    (and its step) as the note of the compile step's heartbeat lines (runtime/progress.py)."""
+    """IProgressMonitor -> the phase and step as the note of the compile step's heartbeat (a
+    spinner on a terminal, plain lines in a log: runtime/progress.py); and Ctrl-C: a
+    KeyboardInterrupt raised inside TensorRT's callbacks is swallowed by TensorRT, so during a
+    build SIGINT only sets `interrupted` (`catching_sigint`), the next step cancels the build, and
+    the caller raises KeyboardInterrupt after it."""
 
-    def __new__(cls, trt, enabled: bool, beat=None):
-        from ...runtime.progress import _tty, bar
-        tty = _tty()
-
+    def __new__(cls, trt, beat=None):
         class Monitor(trt.IProgressMonitor):
             def __init__(self):
                 trt.IProgressMonitor.__init__(self)
-                self.bars = {}
                 self.steps = {}
+                self.interrupted = False
+
+            def _note(self, text):
+                if beat is not None:
+                    beat.note = text
 
             def phase_start(self, phase_name, parent_phase, num_steps):
                 self.steps[phase_name] = (0, num_steps)
-                if beat is not None:
-                    beat.note = phase_name
-                if tty:
-                    self.bars[phase_name] = bar(num_steps, f"tensorrt-rtx {phase_name}", "step", enabled)
+                self._note(phase_name)
 
             def step_complete(self, phase_name, step):
                 done, total = self.steps.get(phase_name, (0, 0))
                 self.steps[phase_name] = (done + 1, total)
-                if beat is not None:
-                    beat.note = f"{phase_name} {done + 1}/{total}"
-                b = self.bars.get(phase_name)
-                if b is not None:
-                    b.update(1)
-                return True
+                self._note(f"{phase_name} {done + 1}/{total}")
+                return not self.interrupted       # False cancels the build
 
             def phase_finish(self, phase_name):
                 self.steps.pop(phase_name, None)
-                b = self.bars.pop(phase_name, None)
-                if b is not None:
-                    b.close()
-                if beat is not None:
-                    beat.note = next(reversed(self.steps), "")
+                self._note(next(reversed(self.steps), ""))
         return Monitor()
+
+
+@contextlib.contextmanager
+def catching_sigint(monitor):
+    """SIGINT sets monitor.interrupted instead of raising (in the main thread only; elsewhere, as is)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        monitor.interrupted = True
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if monitor.interrupted:
+        raise KeyboardInterrupt
 
 
 class _Logger:
@@ -145,6 +159,8 @@ class _Logger:
                 if severity > trt.ILogger.Severity.ERROR:
                     return
                 if no_driver and "driver version is insufficient" in msg:
+                    return
+                if "BuildCanceled" in msg:       # Ctrl-C: said as `interrupted` by the CLI
                     return
                 self.errors.append(msg)
                 print(f"[TensorRT-RTX] {msg}", file=sys.stderr)
@@ -216,13 +232,14 @@ class TensorRtRtxTarget:
             config.set_flag(trt.BuilderFlag.WEIGHT_STREAMING)
         if refit:
             config.set_flag(trt.BuilderFlag.STRIP_PLAN if spec.get("strip_weights") else trt.BuilderFlag.REFIT)
-        config.progress_monitor = _Progress(trt, job.progress, job.extra.get("heartbeat"))
+        monitor = config.progress_monitor = _Progress(trt, job.extra.get("heartbeat"))
         engine = folder / "model.engine"
         with open(engine, "wb") as f:
             # streamed to the file chunk by chunk: no whole serialized engine held in memory
             # (SD 1.5 UNet fp32: peak RSS 10.9 -> 10.55 GB, same bytes)
             writer = _FileWriter(trt, f)
-            built = builder.build_serialized_network_to_stream(network, config, writer)
+            with catching_sigint(monitor):
+                built = builder.build_serialized_network_to_stream(network, config, writer)
         if writer.error is not None:
             raise OSError(f"writing the TensorRT-RTX engine {engine}: {writer.error}") from writer.error
         if not built:
