@@ -574,7 +574,6 @@ def peer_child(variant: str, src: str, out: str, phase_file: str, config_json: s
         import torch
         from diffusers import FluxTransformer2DModel
         from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
-        from harness import FLUX_INPUTS, flux_positional     # benchmarks/harness.py: the model, positional inputs
         log.write(json.dumps({"versions": {"torch": torch.__version__, "diffusers": __import__("diffusers").__version__,
                                            "threads": torch.get_num_threads()}}) + "\n")
         dtype = torch.float32 if variant == "defaults" else torch.bfloat16
@@ -620,11 +619,24 @@ def peer_child(variant: str, src: str, out: str, phase_file: str, config_json: s
         params = sum(p.numel() for p in model.parameters())
         log.write(json.dumps({"parameters": params, "param_dtype": str(next(model.parameters()).dtype)}) + "\n")
 
+        class Wrapped(torch.nn.Module):
+            def __init__(self, m):
+                super().__init__()
+                self.m = m
+
+            def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
+                        guidance):
+                return self.m(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+                              pooled_projections=pooled_projections, timestep=timestep, img_ids=img_ids,
+                              txt_ids=txt_ids, guidance=guidance, return_dict=False)[0]
+
         def example(c: dict):      # a 4x4 packed latent, 8 tokens: the trace's activations are tiny, its weights not
             img, txt = 16, 8
             return (torch.randn(1, img, 64, dtype=dtype), torch.randn(1, txt, c["joint_attention_dim"], dtype=dtype),
                     torch.randn(1, c["pooled_projection_dim"], dtype=dtype), torch.tensor([0.5], dtype=dtype),
                     torch.zeros(img, 3), torch.zeros(txt, 3), torch.tensor([3.5], dtype=dtype))
+        names = ["hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "img_ids", "txt_ids",
+                 "guidance"]
         path = os.path.join(out, "model.onnx")
         # The exporters as installed: the default (dynamo) one needs onnxscript; the TorchScript one has no
         # aten::rms_norm (diffusers' RMSNorm) at any opset. Shown on a 1+1-block, 32-wide instance of the same
@@ -633,7 +645,7 @@ def peer_child(variant: str, src: str, out: str, phase_file: str, config_json: s
         import io
         tiny_cfg = dict(cfg, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
                         joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 6, 6])
-        tiny = flux_positional(FluxTransformer2DModel(**tiny_cfg).to(dtype).eval())
+        tiny = Wrapped(FluxTransformer2DModel(**tiny_cfg).to(dtype).eval())
         probe = {"onnxscript_installed": importlib.util.find_spec("onnxscript") is not None}
         for dynamo in (True, False):
             try:
@@ -663,8 +675,8 @@ def peer_child(variant: str, src: str, out: str, phase_file: str, config_json: s
         log.write(json.dumps({"exporter_probe": probe}) + "\n")
         phase("torch.onnx.export (TorchScript exporter + rms_norm symbolic: trace, passes, serialize)")
         with torch.no_grad():
-            torch.onnx.export(flux_positional(model), example(cfg), path, dynamo=False, opset_version=17,
-                              input_names=FLUX_INPUTS, output_names=["out"])
+            torch.onnx.export(Wrapped(model), example(cfg), path, dynamo=False, opset_version=17, input_names=names,
+                              output_names=["out"])
         phase("done")
         files = [p for p in Path(out).rglob("*") if p.is_file() and p.parent.name != "config"]
         import onnx

@@ -55,20 +55,19 @@ unless --keep; each model's files are deleted as soon as that model is done.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import harness  # benchmarks/harness.py, beside this script
-from harness import (CHILD_TIMEOUT_S, FLUX_INPUTS, child_main, flux_positional, gemm_peak, loadavg, onnxruntime_run,
-                     openvino_run, print_profile, profile_blob, rel_err, time_calls)
 from machine import describe  # benchmarks/machine.py, beside this script
 
 import numpy as np
@@ -79,10 +78,8 @@ PRECAST = Path(sys.executable).with_name("precast")
 IMAGE, IMG_GRID, T5_TOKENS = 512, 32, 512          # 512 px -> 32x32 packed tokens = 1024
 SPEED_FLOOR = 1.2
 TOL = {"f32": 1e-3, "bf16": 5e-2}
+CHILD_TIMEOUT_S = 3600
 THREADS = os.cpu_count() or 1
-PEAK = {"repeats": 4, "bf16_and_openvino": True, "threads": THREADS}   # gemm_peak: all of this CPU's GEMM paths
-# OpenVINO per-op counters: 12 rows, GFLOP/s of GEMM-like nodes, attention = a Subgraph of q, k, v
-PROFILE = {"top": 12, "gemm_gflops": True, "attention": "qkv", "node_chars": 100}
 
 
 def flux_cfg():
@@ -138,7 +135,53 @@ def count_flops(model: str) -> dict:
             "attention_gflop": round(att / 1e9, 2), "gemv_gflop": round(gemv / 1e9, 3)}
 
 
+# ---- GEMM peak ----------------------------------------------------------------------------
+def gemm_peak(n: int = 4096, repeats: int = 4) -> dict:
+    """Best n^3 GEMM rate (GFLOP/s), all cores: torch/numpy fp32, torch bf16, OpenVINO FullyConnected
+    (constant weight, as every Linear of the engines) at f32 and bf16 precision."""
+    import torch
+    torch.set_num_threads(THREADS)
+    rng = np.random.default_rng(0)
+    a, b = rng.random((n, n), np.float32), rng.random((n, n), np.float32)
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    ha, hb = ta.bfloat16(), tb.bfloat16()
+    out = {}
+
+    def best(fn):
+        fn()
+        return round(2 * n ** 3 / min(_time_calls(fn, repeats)[1:]) / 1e9, 1)
+    out["torch_f32"] = best(lambda: torch.mm(ta, tb))
+    out["numpy_f32"] = best(lambda: a @ b)
+    out["torch_bf16"] = best(lambda: torch.mm(ha, hb))
+    import openvino as ov
+    import openvino.opset13 as ops
+    x = ops.parameter([n, n], ov.Type.f32, name="x")
+    model = ov.Model([ops.matmul(x, ops.constant(b), False, True)], [x])
+    for prec in ("f32", "bf16"):
+        cm = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": prec, "PERFORMANCE_HINT": "LATENCY"})
+        req = cm.create_infer_request()
+        out[f"openvino_{prec}"] = best(lambda: req.infer({0: a}))
+        del req, cm
+    out["f32"] = max(out["torch_f32"], out["numpy_f32"], out["openvino_f32"])
+    out["bf16"] = max(out["torch_bf16"], out["openvino_bf16"])
+    return out
+
+
 # ---- the children -------------------------------------------------------------------------
+def _time_calls(fn, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps + 1):                 # the first call is the warm-up
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _vm_hwm_mb() -> float:
+    status = open("/proc/self/status").read()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))) / 1024
+
+
 def torch_reference(spec: dict):
     """The diffusers / transformers model holding the checkpoint's weights, fp32, eval, wrapped to take
     plain tensors in the ONNX input order and return one tensor."""
@@ -147,17 +190,32 @@ def torch_reference(spec: dict):
     import reference_dit as ref
     torch.set_num_threads(THREADS)
     if spec["model"] == "flux":
-        return flux_positional(ref.flux_reference(spec["checkpoint"], flux_cfg())).eval(), list(FLUX_INPUTS)
-    inner = ref.t5_reference(spec["checkpoint"], t5_cfg())
+        inner = ref.flux_reference(spec["checkpoint"], flux_cfg())
 
-    class W(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = inner
+        class W(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.m = inner
 
-        def forward(self, input_ids):
-            return self.m(input_ids=input_ids).last_hidden_state
-    return W().eval(), ["input_ids"]
+            def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
+                        guidance):
+                return self.m(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+                              pooled_projections=pooled_projections, timestep=timestep, img_ids=img_ids,
+                              txt_ids=txt_ids, guidance=guidance, return_dict=False)[0]
+        names = ["hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "img_ids", "txt_ids",
+                 "guidance"]
+    else:
+        inner = ref.t5_reference(spec["checkpoint"], t5_cfg())
+
+        class W(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.m = inner
+
+            def forward(self, input_ids):
+                return self.m(input_ids=input_ids).last_hidden_state
+        names = ["input_ids"]
+    return W().eval(), names
 
 
 def _torch_args(feeds: dict, names: list[str], dtype=None) -> list:
@@ -185,7 +243,7 @@ def child_torch(spec: dict) -> dict:
     def call():
         with torch.inference_mode():
             out["y"] = model(*args)
-    times = time_calls(call, spec["steps"])
+    times = _time_calls(call, spec["steps"])
     return {"load_s": load, "times": times, "outputs": {OUTPUT[spec["model"]]: out["y"].float().numpy()},
             "detail": f"eager {spec.get('dtype', 'fp32')}, torch {torch.__version__}, {torch.get_num_threads()} threads"}
 
@@ -236,27 +294,108 @@ def child_torch_export(spec: dict) -> dict:
     raise RuntimeError(f"every exporter failed: {errors}")
 
 
+def _typed(feeds: dict, types: dict) -> dict:
+    return {k: np.ascontiguousarray(v, dtype=types[k]) for k, v in feeds.items() if k in types}
+
+
 def child_onnxruntime(spec: dict) -> dict:
     import onnxruntime as ort
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    res = onnxruntime_run(spec, opts)
-    res["outputs"] = {OUTPUT[spec["model"]]: next(iter(res["outputs"].values()))}     # the first (only) output
-    res["detail"] = (f"onnxruntime {ort.__version__} CPUExecutionProvider, ORT_ENABLE_ALL, "
-                     f"{opts.intra_op_num_threads or 'default'} intra-op threads")
-    return res
+    t0 = time.perf_counter()
+    sess = ort.InferenceSession(spec["onnx"], opts, providers=["CPUExecutionProvider"])
+    load = time.perf_counter() - t0
+    kinds = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int32)": np.int32}
+    feeds = _typed(dict(np.load(spec["inputs"])), {i.name: kinds[i.type] for i in sess.get_inputs()})
+    out = {}
+    times = _time_calls(lambda: out.update(y=sess.run(None, feeds)[0]), spec["steps"])
+    return {"load_s": load, "times": times, "outputs": {OUTPUT[spec["model"]]: out["y"]},
+            "detail": f"onnxruntime {ort.__version__} CPUExecutionProvider, ORT_ENABLE_ALL, "
+                      f"{opts.intra_op_num_threads or 'default'} intra-op threads"}
+
+
+def ov_profile(request, compiled, top: int = 12) -> dict:
+    """Per-op counters of the last inference: ms, share and node count per (op type, kernel), GFLOP/s of
+    GEMM-like nodes (from the runtime model's shapes), the slowest nodes."""
+    origin, flops = {}, {}
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        rt = op.get_rt_info()
+        name = op.get_friendly_name()
+        names = rt["originalLayersNames"].astype(str).lower() if "originalLayersNames" in rt else ""
+        kind = rt["layerType"].astype(str) if "layerType" in rt else op.get_type_name()
+        ins = [list(op.input_value(i).get_partial_shape()) for i in range(op.get_input_size())]
+        ins = [[d.get_length() if d.is_static else -1 for d in s] for s in ins]
+        if "softmax" in names or (not names and kind == "Subgraph" and sum(len(i) == 4 for i in ins) >= 3):
+            names += " softmax"   # imported blobs keep no fused names: q, k, v (three 4-D inputs) is attention
+        origin[name] = names
+        if kind in ("FullyConnected", "MatMul") and op.get_output_size() and ins and all(d > 0 for d in ins[0]):
+            out = [d.get_length() for d in op.get_output_partial_shape(0)] \
+                if op.get_output_partial_shape(0).is_static else None
+            if out:
+                k = ins[0][-1]
+                flops[name] = 2 * int(np.prod(out)) * k
+    by_kind, count, fl, nodes, total = collections.Counter(), collections.Counter(), collections.Counter(), [], 0.0
+    for p in request.profiling_info:
+        if not str(p.status).endswith("EXECUTED"):
+            continue
+        ms = p.real_time.total_seconds() * 1e3
+        kind = p.node_type
+        if kind == "Subgraph":
+            kind = "Subgraph(MHA)" if "softmax" in origin.get(p.node_name, "") else "Subgraph(eltwise)"
+        key = (kind, p.exec_type)
+        by_kind[key] += ms
+        count[key] += 1
+        fl[key] += flops.get(p.node_name, 0)
+        nodes.append((ms, p.node_name, kind, p.exec_type))
+        total += ms
+    return {"total_ms": round(total, 1),
+            "by_op": [{"op": k, "kernel": e, "ms": round(ms, 1), "share": round(ms / total, 4), "count": count[(k, e)],
+                       "gflops": round(fl[(k, e)] / ms / 1e6, 1) if fl[(k, e)] and ms else None}
+                      for (k, e), ms in by_kind.most_common(top)],
+            "top_nodes": [{"node": n[:100], "op": k, "kernel": e, "ms": round(ms, 1)}
+                          for ms, n, k, e in sorted(nodes, reverse=True)[:top]]}
 
 
 def child_openvino(spec: dict) -> dict:
     """OpenVINO on the torch-exported ONNX: read_model (+ reshape when static) + compile_model."""
-    name = OUTPUT[spec["model"]]
-    res = openvino_run(spec, [name], record_precision=True, profile_options=PROFILE)
-    res["outputs"] = {name: next(iter(res["outputs"].values()))}                      # the first (only) output
+    import openvino as ov
+    core = ov.Core()
+    feeds_all = dict(np.load(spec["inputs"]))
+    config = dict(spec.get("ov_config") or {})
+
+    def compile_(extra: dict):
+        model = core.read_model(spec["onnx"])
+        if spec.get("static"):
+            model.reshape({p.get_any_name(): ov.PartialShape(list(feeds_all[p.get_any_name()].shape))
+                           for p in model.inputs})
+        return core.compile_model(model, "CPU", {**config, **extra})
+    t0 = time.perf_counter()
+    compiled = compile_({})
+    load = time.perf_counter() - t0
+    request = compiled.create_infer_request()
+    types = {p.get_any_name(): np.dtype(p.get_element_type().to_dtype()) for p in compiled.inputs}
+    feeds = _typed(feeds_all, types)
+    times = _time_calls(lambda: request.infer(feeds), spec["steps"])
+    out = np.array(request.get_tensor(compiled.outputs[0]).data, np.float32)
+    prec = str(compiled.get_property("INFERENCE_PRECISION_HINT"))
+    res = {"load_s": load, "times": times, "outputs": {OUTPUT[spec["model"]]: out}, "precision": prec,
+           "detail": f"openvino {ov.get_version().split('-')[0]} compile_model(read_model(onnx)"
+                     f"{', static' if spec.get('static') else ''}, {config or 'default config'}); precision {prec}, "
+                     f"hint {compiled.get_property('PERFORMANCE_HINT')}, {compiled.get_property('NUM_STREAMS')} "
+                     f"stream(s), {compiled.get_property('INFERENCE_NUM_THREADS')} threads"}
+    if spec.get("profile"):
+        del request, compiled
+        prof = compile_({"PERF_COUNT": True})
+        req = prof.create_infer_request()
+        req.infer(feeds)
+        req.infer(feeds)
+        res["profile"] = ov_profile(req, prof)
     return res
 
 
 def child_precast(spec: dict) -> dict:
     """precast's engine: the cache entry `precast compile` wrote, opened with the runtime's session."""
+    import openvino as ov
     from precast.compiler.cache import parse_entry
     from precast.runtime.sessions import OpenVinoSession
     entry = parse_entry(Path(spec["entry"]))
@@ -268,7 +407,7 @@ def child_precast(spec: dict) -> dict:
     if spec["model"] == "t5":
         feeds["input_ids"] = feeds["input_ids"].astype(np.int32)
     out = {}
-    times = time_calls(lambda: out.update(session.run(feeds)), spec["steps"])
+    times = _time_calls(lambda: out.update(session.run(feeds)), spec["steps"])
     cm = session._cm
     prec = str(cm.get_property("INFERENCE_PRECISION_HINT"))
     res = {"load_s": load, "times": times, "outputs": {OUTPUT[spec["model"]]: out[OUTPUT[spec["model"]]]},
@@ -278,7 +417,22 @@ def child_precast(spec: dict) -> dict:
                      f"{cm.get_property('NUM_STREAMS')} stream(s), {cm.get_property('INFERENCE_NUM_THREADS')} threads"}
     if spec.get("profile"):
         del session, cm
-        res["profile"] = profile_blob(entry.path / meta["entry"], meta.get("compile_config", {}), feeds, **PROFILE)
+        compiled = ov.Core().import_model((entry.path / meta["entry"]).read_bytes(), "CPU",
+                                          {**meta.get("compile_config", {}), "PERF_COUNT": True})
+        req = compiled.create_infer_request()
+        types = {p.get_any_name(): p.get_element_type() for p in compiled.inputs}
+        typed = {}
+        for k, v in feeds.items():
+            if k not in types:
+                continue
+            if types[k] == ov.Type.bf16:
+                from precast.runtime.sessions import to_bf16_bits
+                typed[k] = ov.Tensor(to_bf16_bits(v), ov.Shape(list(v.shape)), ov.Type.bf16)
+            else:
+                typed[k] = np.ascontiguousarray(v, dtype=np.dtype(types[k].to_dtype()))
+        req.infer(typed)
+        req.infer(typed)
+        res["profile"] = ov_profile(req, compiled)
     return res
 
 
@@ -286,10 +440,42 @@ CHILDREN = {"torch": child_torch, "torch-export": child_torch_export, "onnxrunti
             "openvino": child_openvino, "precast": child_precast}
 
 
+def child_main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    res = CHILDREN[spec["kind"]](spec)
+    out = Path(spec["out"])
+    for name, arr in res.pop("outputs", {}).items():
+        np.save(out / f"out_{name}.npy", np.asarray(arr, np.float32))
+    res["peak_rss_mb"] = round(_vm_hwm_mb(), 1)
+    (out / "result.json").write_text(json.dumps(res, indent=1, default=str))
+
+
 def run_child(kind: str, spec: dict, folder: Path, label: str) -> dict:
-    """One runner in a fresh process (this script with --child): harness.run_child, medians in ms."""
-    return harness.run_child(__file__, kind, spec, folder, label, label_width=34, tail_lines=12, median_ms=True,
-                             log_on_error=False)
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    spec = {**spec, "kind": kind, "out": str(folder)}
+    (folder / "spec.json").write_text(json.dumps(spec, indent=1))
+    load = os.getloadavg()
+    print(f"  {label:<34} ...", end="", flush=True)
+    t0 = time.perf_counter()
+    with open(folder / "log.txt", "wb") as log:
+        rc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(folder / "spec.json")],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, timeout=CHILD_TIMEOUT_S).returncode
+    wall = time.perf_counter() - t0
+    if rc != 0 or not (folder / "result.json").exists():
+        tail = "\n".join((folder / "log.txt").read_text(errors="replace").splitlines()[-12:])
+        print(f" FAILED (rc {rc})\n{tail}")
+        return {"error": f"rc {rc}: {tail.splitlines()[-1] if tail else ''}"}
+    res = json.loads((folder / "result.json").read_text())
+    res.update(wall_s=round(wall, 1), load_avg_start=[round(x, 2) for x in load], folder=str(folder))
+    if "times" in res:
+        t = res["times"][1:]
+        res["median_s"], res["min_s"] = statistics.median(t), min(t)
+        print(f" median {res['median_s'] * 1e3:8.0f} ms (runs {', '.join(f'{x:.2f}' for x in res['times'])} s; "
+              f"first = warm-up), load {load[0]:.2f}, {wall:.0f} s wall", flush=True)
+    else:
+        print(f" done in {wall:.0f} s", flush=True)
+    return res
 
 
 # ---- parent-side steps ----------------------------------------------------------------------
@@ -342,6 +528,16 @@ def precast_compile(export: dict, cache: Path, options: list[str]) -> dict:
     rep = precast_cli(*args, env=env)["artifacts"][0]
     return {"entry": rep["path"], "cache": rep["cache"], "seconds": rep["seconds"],
             "wall_s": round(time.perf_counter() - t0, 1), "size_mb": round(rep["size"] / 1e6, 1)}
+
+
+def rel_err(a: Path, b: Path, name: str) -> float | None:
+    fa, fb = a / f"out_{name}.npy", b / f"out_{name}.npy"
+    if not (fa.exists() and fb.exists()):
+        return None
+    x, y = np.load(fa).astype(np.float64), np.load(fb).astype(np.float64)
+    if x.shape != y.shape:
+        return None
+    return float(np.abs(x - y).max() / max(np.abs(y).max(), 1e-30))
 
 
 # (name, export dtype, target options, label)
@@ -426,7 +622,7 @@ def run_model(model: str, root: Path, opts) -> dict:
         r["compute_precision"] = "bf16" if low else "f32"
         r["gflops"] = round(flops["gflop"] / r["median_s"], 1)
         r["rel_err_vs_torch_fp32"] = None if (ref_dir is None or name == "torch") else rel_err(Path(r["folder"]), ref_dir,
-                                                                                                 [out_name])
+                                                                                                 out_name)
     # bf16 runs are judged against PyTorch's own bf16 error on these random weights (the tests' rule for
     # half precision): within max(TOL bf16, 2x torch-bf16's error)
     tol = dict(TOL)
@@ -441,7 +637,7 @@ def run_model(model: str, root: Path, opts) -> dict:
     if "folder" in base:
         for name, r in rows.items():
             if name.startswith("precast-") and "folder" in r:
-                r["rel_err_vs_precast_f32"] = rel_err(Path(r["folder"]), Path(base["folder"]), [out_name])
+                r["rel_err_vs_precast_f32"] = rel_err(Path(r["folder"]), Path(base["folder"]), out_name)
     for r in rows.values():                  # keep the JSON small: no profile's top nodes twice
         r.pop("folder", None)
     if not opts.keep:
@@ -510,12 +706,22 @@ def print_report(results: dict, peak: dict, opts) -> None:
     for model, res in results.items():
         for name, r in res["runners"].items():
             if r.get("profile"):
-                print_profile(f"{model} {r.get('label', name)} (PERF_COUNT)", r["profile"], total_ms=True, slowest=4)
+                print_profile(f"{model} {r.get('label', name)} (PERF_COUNT)", r["profile"])
+
+
+def print_profile(title: str, prof: dict) -> None:
+    print(f"\n  {title}: {prof['total_ms']:.0f} ms in profiled nodes")
+    for r in prof["by_op"]:
+        g = f"{r['gflops']:7.1f} GFLOP/s" if r.get("gflops") else ""
+        print(f"    {r['op']:<20} {r['kernel']:<26} {r['ms']:>8.1f} ms {100 * r['share']:>5.1f}%  x{r['count']:<4} {g}")
+    print("    slowest nodes:")
+    for r in prof["top_nodes"][:4]:
+        print(f"      {r['ms']:>8.1f} ms  {r['op']:<18} {r['kernel']:<24} {r['node'][:60]}")
 
 
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        child_main(sys.argv[2], CHILDREN)
+        child_main(sys.argv[2])
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", action="append", choices=["flux", "t5"], help="run only this model (repeatable)")
@@ -536,15 +742,15 @@ def main() -> None:
     free_gb = shutil.disk_usage(root).free / 2**30
     print(f"work folder {root} ({free_gb:.0f} GiB free; ~45 GiB needed at peak)", flush=True)
     started = datetime.datetime.now().isoformat(timespec="seconds")
-    load_start = loadavg()
+    load_start = [round(x, 2) for x in os.getloadavg()]
     try:
         print(f"load average {load_start}; measuring GEMM peaks ...", flush=True)
-        peak_start = gemm_peak(**PEAK)
+        peak_start = gemm_peak()
         print(f"  {peak_start}", flush=True)
         results = {}
         for model in opts.only or ["flux", "t5"]:
             results[model] = run_model(model, root, opts)
-        peak_end = gemm_peak(**PEAK)
+        peak_end = gemm_peak()
         peak = {k: max(peak_start[k], peak_end[k]) for k in peak_start}
         for res in results.values():
             for r in res["runners"].values():
@@ -556,7 +762,7 @@ def main() -> None:
         out = {"started": started, "command": " ".join([Path(sys.executable).name, *sys.argv]),
                "machine": describe(("numpy", "onnx", "onnxruntime", "openvino", "torch", "diffusers", "transformers",
                                     "onnxscript")),
-               "load_avg": {"start": load_start, "end": loadavg()},
+               "load_avg": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
                "gemm_peak_gflops": {"start": peak_start, "end": peak_end, "used": peak},
                "settings": {"steps": opts.steps, "image": IMAGE, "image_tokens": IMG_GRID ** 2, "t5_tokens": T5_TOKENS,
                             "tolerance": TOL, "floor": SPEED_FLOOR, "threads": THREADS,

@@ -47,20 +47,19 @@ Usage: .venv/bin/python benchmarks/suite.py [--only unet|vae|text ...] [--skip-p
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import hashlib
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
 from importlib.metadata import version
 from pathlib import Path
 
-import harness  # benchmarks/harness.py, beside this script
-from harness import (CHILD_TIMEOUT_S, child_main, loadavg, onnxruntime_run, openvino_run, print_profile, profile_blob,
-                     rel_err, time_calls)
 from machine import describe  # benchmarks/machine.py, beside this script
 
 import numpy as np
@@ -73,6 +72,7 @@ PEERS = ("torch", "onnxruntime", "openvino", "openvino-f32", "openvino-f32-stati
 PARITY_TOL = 1e-3                    # max|ours - torch| / max|torch|
 SPEED_FLOOR = 1.10                   # ours at least 10% faster than OpenVINO on the torch-exported ONNX
 PEAK_TARGET = 0.70                   # UNet step at >= 70% of the measured GEMM peak
+CHILD_TIMEOUT_S = 3600
 IMAGE, LATENT, TOKENS = 512, 64, 77
 
 SD15_UNET = dict(sample_size=64, in_channels=4, out_channels=4, layers_per_block=2,
@@ -107,6 +107,20 @@ def make_inputs(component: str, batch: int) -> dict[str, np.ndarray]:
 
 
 # ---- the children -------------------------------------------------------------------------
+def _vm_hwm_mb() -> float:
+    status = open("/proc/self/status").read()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))) / 1024
+
+
+def _time_calls(fn, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps + 1):                 # the first call is the warm-up
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def torch_model(component: str, ckpt: str):
     """diffusers / transformers model from the LDM single file, fp32, eval."""
     import torch
@@ -172,7 +186,7 @@ def child_torch(spec: dict) -> dict:
         with torch.inference_mode():
             res = model(*args)
         outs.update({n: r.float().numpy() for n, r in zip(OUTPUT_NAMES[comp], res)})
-    times = time_calls(call, spec["steps"])
+    times = _time_calls(call, spec["steps"])
     return {"load_s": load, "times": times, "outputs": outs,
             "detail": f"diffusers/transformers eager fp32, torch {torch.__version__}, {torch.get_num_threads()} threads"}
 
@@ -200,15 +214,98 @@ def child_torch_export(spec: dict) -> dict:
     return {"export_s": time.perf_counter() - t0, "exporter": "torch.onnx.export (TorchScript, dynamo=False), opset 17"}
 
 
+def _typed(feeds: dict[str, np.ndarray], types: dict[str, np.dtype]) -> dict[str, np.ndarray]:
+    return {k: np.ascontiguousarray(v, dtype=types[k]) for k, v in feeds.items() if k in types}
+
+
 def child_onnxruntime(spec: dict) -> dict:
     import onnxruntime as ort
-    res = onnxruntime_run(spec)
-    res["detail"] = f"onnxruntime {ort.__version__} CPUExecutionProvider, default session options"
-    return res
+    t0 = time.perf_counter()
+    sess = ort.InferenceSession(spec["onnx"], providers=["CPUExecutionProvider"])
+    load = time.perf_counter() - t0
+    kinds = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int32)": np.int32,
+             "tensor(float16)": np.float16}
+    feeds = _typed(dict(np.load(spec["inputs"])), {i.name: kinds[i.type] for i in sess.get_inputs()})
+    names = [o.name for o in sess.get_outputs()]
+    outs = {}
+    times = _time_calls(lambda: outs.update(zip(names, sess.run(None, feeds))), spec["steps"])
+    return {"load_s": load, "times": times, "outputs": outs,
+            "detail": f"onnxruntime {ort.__version__} CPUExecutionProvider, default session options"}
+
+
+def _ov_outputs(compiled, request, wanted: list[str]) -> dict[str, np.ndarray]:
+    out = {}
+    for port in compiled.outputs:
+        names = sorted(port.get_names())
+        name = next((n for n in wanted if n in names), names[0] if names else port.get_any_name())
+        out[name] = np.array(request.get_tensor(port).data)
+    return out
+
+
+def ov_profile(request, compiled, top: int = 10) -> dict:
+    """Per-op performance counters of the last inference: time per (op type, kernel) and the
+    slowest nodes. Fused 'Subgraph' nodes are labelled MHA when they hold a Softmax."""
+    origin = {}
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        rt = op.get_rt_info()
+        names = rt["originalLayersNames"].astype(str).lower() if "originalLayersNames" in rt else ""
+        ins = [str(op.input_value(i).get_partial_shape()).strip("[]").split(",") for i in range(op.get_input_size())]
+        if "softmax" in names or (len(ins) == 3 and all(len(i) == 4 and "1" not in i[1:] for i in ins)
+                                  and len({tuple(i) for i in ins}) > 1):
+            names += " softmax"   # imported blobs keep no fused names: q, k^T, v (4-D, unbroadcast) is attention
+        origin[op.get_friendly_name()] = names
+    by_kind, count, nodes, total = collections.Counter(), collections.Counter(), [], 0.0
+    for p in request.profiling_info:
+        if not str(p.status).endswith("EXECUTED"):
+            continue
+        ms = p.real_time.total_seconds() * 1e3
+        kind = p.node_type
+        if kind == "Subgraph":
+            kind = "Subgraph(MHA)" if "softmax" in origin.get(p.node_name, "") else "Subgraph(eltwise)"
+        by_kind[(kind, p.exec_type)] += ms
+        count[(kind, p.exec_type)] += 1
+        nodes.append((ms, p.node_name, kind, p.exec_type))
+        total += ms
+    return {"total_ms": round(total, 1),
+            "by_op": [{"op": k, "kernel": e, "ms": round(ms, 1), "share": round(ms / total, 4), "count": count[(k, e)]}
+                      for (k, e), ms in by_kind.most_common(top)],
+            "top_nodes": [{"node": n[:120], "op": k, "kernel": e, "ms": round(ms, 1)}
+                          for ms, n, k, e in sorted(nodes, reverse=True)[:top]]}
 
 
 def child_openvino(spec: dict) -> dict:
-    return openvino_run(spec, OUTPUT_NAMES[spec["component"]])
+    import openvino as ov
+    core = ov.Core()
+    feeds_all = dict(np.load(spec["inputs"]))
+    config = dict(spec.get("ov_config") or {})
+
+    def compile_(extra: dict):
+        model = core.read_model(spec["onnx"])
+        if spec.get("static"):
+            model.reshape({p.get_any_name(): ov.PartialShape(list(feeds_all[p.get_any_name()].shape))
+                           for p in model.inputs})
+        return core.compile_model(model, "CPU", {**config, **extra})
+    t0 = time.perf_counter()
+    compiled = compile_({})
+    load = time.perf_counter() - t0
+    request = compiled.create_infer_request()
+    types = {p.get_any_name(): np.dtype(p.get_element_type().to_dtype()) for p in compiled.inputs}
+    feeds = _typed(feeds_all, types)
+    times = _time_calls(lambda: request.infer(feeds), spec["steps"])
+    outs = _ov_outputs(compiled, request, OUTPUT_NAMES[spec['component']])
+    precision = str(compiled.get_property("INFERENCE_PRECISION_HINT"))
+    res = {"load_s": load, "times": times, "outputs": outs,
+           "detail": f"openvino {ov.get_version().split('-')[0]} compile_model(read_model(onnx){', static' if spec.get('static') else ''}, "
+                     f"{config or 'default config'}); precision {precision}, hint {compiled.get_property('PERFORMANCE_HINT')}, "
+                     f"{compiled.get_property('NUM_STREAMS')} stream(s), {compiled.get_property('INFERENCE_NUM_THREADS')} threads"}
+    if spec.get("profile"):
+        del request, compiled
+        prof_compiled = compile_({"PERF_COUNT": True})
+        prof_req = prof_compiled.create_infer_request()
+        prof_req.infer(feeds)
+        prof_req.infer(feeds)
+        res["profile"] = ov_profile(prof_req, prof_compiled)
+    return res
 
 
 def child_precast(spec: dict) -> dict:
@@ -234,11 +331,11 @@ def child_precast(spec: dict) -> dict:
     session = sessions.open_artifact(entry.path, entry.metadata)
     load = time.perf_counter() - t0
     feeds = dict(np.load(spec["inputs"]))
-    if comp == "text_encoder":
-        feeds = {"input_ids": feeds["input_ids"].astype(np.int32),
-                 "token_embeddings_extra": np.zeros((1, 768), np.float32)}
+    if comp == "text_encoder":      # as the runtime feeds it: the extra rows padded to a static engine's size
+        from precast.runtime.embeddings import encoder_feeds
+        feeds = encoder_feeds(session, comp, feeds["input_ids"].astype(np.int32), None, 768)
     outs = {}
-    times = time_calls(lambda: outs.update(session.run(feeds)), spec["steps"])
+    times = _time_calls(lambda: outs.update(session.run(feeds)), spec["steps"])
     cfg = entry.metadata.get("compile_config", {})
     cm = getattr(session, "_cm", None)
     props = {k: str(cm.get_property(k)) for k in ("INFERENCE_PRECISION_HINT", "PERFORMANCE_HINT", "NUM_STREAMS",
@@ -251,8 +348,17 @@ def child_precast(spec: dict) -> dict:
                      f"shapes, {props or cfg}, rewrites {entry.metadata.get('rewrites')}) via "
                      f"runtime.sessions.open_artifact; cache {record['cache']}"}
     if spec.get("profile"):
+        import openvino as ov
         del session
-        res["profile"] = profile_blob(entry.path / entry.metadata["entry"], cfg, feeds)
+        core = ov.Core()
+        compiled = core.import_model((entry.path / entry.metadata["entry"]).read_bytes(), "CPU",
+                                     {**cfg, "PERF_COUNT": True})
+        req = compiled.create_infer_request()
+        types = {p.get_any_name(): np.dtype(p.get_element_type().to_dtype()) for p in compiled.inputs}
+        typed = {k: np.ascontiguousarray(v, dtype=types[k]) for k, v in feeds.items() if k in types}
+        req.infer(typed)
+        req.infer(typed)
+        res["profile"] = ov_profile(req, compiled)
     return res
 
 
@@ -316,18 +422,61 @@ CHILDREN = {"torch": child_torch, "torch-export": child_torch_export, "onnxrunti
             "openvino": child_openvino, "precast": child_precast, "cold-start": child_cold_start}
 
 
+def child_main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    res = CHILDREN[spec["kind"]](spec)
+    out = Path(spec["out"])
+    outputs = res.pop("outputs", {})
+    for name, arr in outputs.items():
+        np.save(out / f"out_{name.replace('/', '_')}.npy", np.asarray(arr, np.float32))
+    res["output_names"] = list(outputs)
+    res["peak_rss_mb"] = round(_vm_hwm_mb(), 1)
+    (out / "result.json").write_text(json.dumps(res, indent=1, default=str))
+
+
 def run_child(kind: str, spec: dict, folder: Path, label: str) -> dict:
-    """One runner in a fresh process (this script with --child): harness.run_child."""
-    return harness.run_child(__file__, kind, spec, folder, label)
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    spec = {**spec, "kind": kind, "out": str(folder)}
+    (folder / "spec.json").write_text(json.dumps(spec, indent=1))
+    load = os.getloadavg()
+    print(f"  {label:<22} ...", end="", flush=True)
+    t0 = time.perf_counter()
+    with open(folder / "log.txt", "wb") as log:
+        rc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(folder / "spec.json")],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, timeout=CHILD_TIMEOUT_S).returncode
+    wall = time.perf_counter() - t0
+    if rc != 0 or not (folder / "result.json").exists():
+        tail = "\n".join((folder / "log.txt").read_text(errors="replace").splitlines()[-15:])
+        print(f" FAILED (rc {rc})\n{tail}")
+        return {"error": f"rc {rc}: {tail.splitlines()[-1] if tail else ''}", "log": str(folder / "log.txt")}
+    res = json.loads((folder / "result.json").read_text())
+    res.update(wall_s=round(wall, 1), load_avg_start=[round(x, 2) for x in load], folder=str(folder))
+    if "times" in res:
+        t = res["times"][1:]
+        res["median_s"], res["min_s"] = statistics.median(t), min(t)
+        print(f" median {res['median_s']:.3f} s (runs {', '.join(f'{x:.2f}' for x in res['times'])}; "
+              f"first = warm-up), load {load[0]:.2f}, {wall:.0f} s wall", flush=True)
+    else:
+        print(f" done in {wall:.0f} s", flush=True)
+    return res
 
 
 # ---- parent-side pieces -------------------------------------------------------------------
 def gemm_peak(n: int = 4096, repeats: int = 5) -> dict:
     """Best fp32 GEMM rate (GFLOP/s) of torch.mm and numpy matmul on n x n, all cores."""
     import torch
-    peak = harness.gemm_peak(n, repeats)
-    return {"torch": peak["torch_f32"], "numpy": peak["numpy_f32"], "best": peak["f32"],
-            "torch_threads": torch.get_num_threads()}
+    rng = np.random.default_rng(0)
+    a, b = rng.random((n, n), np.float32), rng.random((n, n), np.float32)
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    out = {}
+    for name, fn in (("torch", lambda: torch.mm(ta, tb)), ("numpy", lambda: a @ b)):
+        fn()
+        best = min(_time_calls(fn, repeats)[1:])
+        out[name] = round(2 * n ** 3 / best / 1e9, 1)
+    out["best"] = max(out["torch"], out["numpy"])
+    out["torch_threads"] = torch.get_num_threads()
+    return out
 
 
 def count_flops(onnx_path: str, shapes: dict[str, list[int]]) -> dict:
@@ -353,6 +502,23 @@ def count_flops(onnx_path: str, shapes: dict[str, list[int]]) -> dict:
     return {"conv_gflop": round(conv / 1e9, 1), "linear_gflop": round(lin / 1e9, 1),
             "attention_gflop": round(act / 1e9, 1), "gflop": round((conv + lin) / 1e9, 1),
             "convention": "convolutions + linear layers (attention matmuls listed apart)"}
+
+
+def rel_err(ours: Path, ref: Path, names: list[str]) -> float | None:
+    errs = []
+    for n in names:
+        a, b = ours / f"out_{n}.npy", ref / f"out_{n}.npy"
+        if not a.exists() or not b.exists():
+            return None
+        x, y = np.load(a).astype(np.float64), np.load(b).astype(np.float64)
+        if x.shape != y.shape:
+            return None
+        errs.append(float(np.abs(x - y).max() / max(np.abs(y).max(), 1e-30)))
+    return max(errs)
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def machine() -> dict:
@@ -404,9 +570,18 @@ def build_bundle(ckpt: Path, suite: Path, cache: Path, components: list[str], ba
                            for c, v in manifest["components"].items()}}
 
 
+def print_profile(title: str, prof: dict) -> None:
+    print(f"\n  {title}: {prof['total_ms'] / 1e3:.2f} s in profiled nodes")
+    for r in prof["by_op"]:
+        print(f"    {r['op']:<20} {r['kernel']:<26} {r['ms']:>9.1f} ms {100 * r['share']:>5.1f}%  x{r['count']}")
+    print("    slowest nodes:")
+    for r in prof["top_nodes"][:5]:
+        print(f"      {r['ms']:>8.1f} ms  {r['op']:<18} {r['kernel']:<24} {r['node'][:60]}")
+
+
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        child_main(sys.argv[2], CHILDREN, output_names=True)
+        child_main(sys.argv[2])
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", action="append", choices=list(COMPONENTS), help="run only these components (repeatable)")

@@ -6,7 +6,8 @@ unpacking that checks every member before writing anything: a first pass reads t
 manifest (absolute paths, `..`, links, devices, sparse files, duplicates, members the manifest does
 not list or lists with another size are refused, each as soon as both its header and the manifest
 have been read, before its data is); the second pass writes each file, never more bytes than its
-record says, checking its sha256 as it goes, into a staging folder renamed into place at the end.
+record says, checking its sha256 as it goes, into a staging folder renamed into place at the end,
+with a record of each file it hashed (runtime/verified.py), so the first open hashes nothing again.
 Archives are read through tar_reader.py (bounded headers, member types). Also `check_out`, the
 --out checks the bundle commands share.
 """
@@ -18,10 +19,12 @@ import json
 import os
 import shutil
 import tarfile
+import time
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
 from ..runtime.manifest import MANIFEST, PIECE, check_manifest, read_manifest, verify_bundle
+from ..runtime.verified import RACY_COARSE_NS, RACY_NS, VerifiedFiles, file_state
 from .errors import BadInput
 from .tar_reader import Refused, archive_errors, check_member, open_archive, zstd_module
 
@@ -208,8 +211,9 @@ def _writing():
         raise _WriteFailed(e.strerror or str(e)) from None
 
 
-def _copy_checked(src, dst: Path, rel: str, rec: dict) -> None:
-    """Write exactly rec["size"] bytes of src to a new file dst, checking sha256 (and pieces) on the way."""
+def _copy_checked(src, dst: Path, rel: str, rec: dict) -> os.stat_result:
+    """Write exactly rec["size"] bytes of src to a new file dst, checking sha256 (and pieces) on the way;
+    the file's stat data right after its last byte was written."""
     whole, piece, pieces, left, in_piece = hashlib.sha256(), hashlib.sha256(), [], rec["size"], 0
     with _writing():
         f = open(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb")
@@ -227,6 +231,8 @@ def _copy_checked(src, dst: Path, rel: str, rec: dict) -> None:
                 pieces.append(piece.hexdigest())
                 piece, in_piece = hashlib.sha256(), 0
         with _writing():
+            f.flush()
+            written = os.fstat(f.fileno())
             f.close()
     finally:
         try:
@@ -235,6 +241,28 @@ def _copy_checked(src, dst: Path, rel: str, rec: dict) -> None:
             pass                                       # the error being raised already says what went wrong
     if whole.hexdigest() != rec["sha256"] or ("pieces" in rec and pieces != rec["pieces"]):
         raise BadInput(f"{rel}: sha256 differs from the manifest (changed or damaged); nothing was kept")
+    return written
+
+
+def _record_verified(staging: Path, files: dict, written: dict[str, os.stat_result]) -> None:
+    """Record every file unpacked (hashed as it was written) whose stat data are still those seen
+    right after writing it, once the timestamps have moved past them (verified.racy)."""
+    if not written:
+        return
+    settled = max(st.st_ctime_ns + (RACY_COARSE_NS if st.st_ctime_ns % 1_000_000_000 == 0 else RACY_NS)
+                  for st in written.values())
+    wait = (settled - time.time_ns()) / 1e9
+    if 0 < wait <= 2 * RACY_NS / 1e9:   # at most ~0.1 s; on coarse-timestamp disks the newest files go unrecorded
+        time.sleep(wait + 0.001)
+    records = VerifiedFiles(staging, known=files)
+    for rel, st in written.items():
+        try:
+            now = os.stat(staging / rel)
+        except OSError:
+            continue
+        if file_state(now) == file_state(st):
+            records.add(rel, now, now, files[rel], True, time.time_ns())
+    records.save()
 
 
 def unpack_bundle(archive: str | Path, out: str | Path) -> dict:
@@ -267,7 +295,8 @@ def unpack_bundle(archive: str | Path, out: str | Path) -> dict:
     try:
         with _writing():
             (staging / MANIFEST).write_bytes(raw)
-        _write_members(archive, staging, files, members)
+        written = _write_members(archive, staging, files, members)
+        _record_verified(staging, files, written)
         with _writing():
             os.rename(staging, out)
     except BadInput:
@@ -281,10 +310,12 @@ def unpack_bundle(archive: str | Path, out: str | Path) -> dict:
     return {"bundle": str(out), **bundle_counts(files)}
 
 
-def _write_members(archive: Path, staging: Path, files: dict, members: dict[str, tarfile.TarInfo]) -> None:
-    """Second pass: the first pass's members, each as checked then, into staging; nothing else."""
+def _write_members(archive: Path, staging: Path, files: dict,
+                   members: dict[str, tarfile.TarInfo]) -> dict[str, os.stat_result]:
+    """Second pass: the first pass's members, each as checked then, into staging; nothing else.
+    The stat data of each file written, right after writing it."""
     changed = f"{archive}: changed while it was unpacked; nothing was kept"
-    seen = set()
+    seen, written = set(), {}
     with open_archive(archive) as tar:
         for m in tar:
             if (m.name in seen or members.get(m.name) is None or members[m.name].size != m.size
@@ -297,9 +328,10 @@ def _write_members(archive: Path, staging: Path, files: dict, members: dict[str,
             elif m.name != MANIFEST:
                 with _writing():
                     (staging / m.name).parent.mkdir(parents=True, exist_ok=True)
-                _copy_checked(tar.extractfile(m), staging / m.name, m.name, files[m.name])
+                written[m.name] = _copy_checked(tar.extractfile(m), staging / m.name, m.name, files[m.name])
     if seen != set(members):                       # shortened or replaced since the first pass
         raise BadInput(changed)
+    return written
 
 
 def _one_line(e: BaseException) -> str:

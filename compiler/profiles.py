@@ -3,7 +3,11 @@
 Owns: `ShapeProfile` (min/opt/max per dimension, in pixels and tokens as a user thinks of
 them) and its translation into each component's input shapes (latents are 1/8 of the image,
 the UNet batch doubles for classifier-free guidance; a Flux/Chroma transformer sees one token
-per 16x16 pixels -- 2x2 patches of latents -- and the T5 length, `t5_tokens`).
+per 16x16 pixels -- 2x2 patches of latents -- and the T5 length, `t5_tokens`). A text encoder's
+textual-inversion rows (`extra_tokens`) take 1..EXTRA_TOKENS rows, except where the profile fixes
+every other dimension the component reads: then they are fixed at the maximum, so the engine is
+fully static (OpenVINO compiles it with static shapes, ONNX Runtime pins the dims, MIGraphX can build
+it) and the runtime pads the rows it feeds with zeros up to that size (runtime/embeddings.py).
 """
 from __future__ import annotations
 
@@ -14,8 +18,11 @@ from .errors import BadInput
 
 Range = tuple[int, int, int]  # min, opt, max
 # Rows of the text encoder's `token_embeddings_extra` input: textual-inversion vectors plus the
-# one zero row the runtime always appends (so the minimum is 1, never an empty tensor).
+# one zero row the runtime always appends (so the minimum is 1, never an empty tensor). A static
+# build fixes the rows at the maximum (STATIC_EXTRA_TOKENS): zero rows past the vectors are never
+# read, and no embedding a dynamic build takes is refused by a static one.
 EXTRA_TOKENS: Range = (1, 1, 256)
+STATIC_EXTRA_TOKENS: Range = (EXTRA_TOKENS[2],) * 3
 MAX_SIDE = MAX_PROFILE_SIDE   # px per side; the runtime's manifest check refuses larger profiles too
 MAX_BATCH = 64
 MAX_T5_TOKENS = 4096
@@ -89,6 +96,9 @@ class ShapeProfile:
             symbolic["image_tokens"] = self.image_tokens()
         if component == "unet":
             symbolic.update(height=lh, width=lw)
+        if "extra_tokens" in dims and all(symbolic[d][0] == symbolic[d][2] for d in dims
+                                          if d in symbolic and d != "extra_tokens"):
+            symbolic["extra_tokens"] = STATIC_EXTRA_TOKENS     # every other dimension fixed: a static engine
         out = {}
         for inp in inputs:
             dims = []

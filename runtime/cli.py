@@ -17,6 +17,7 @@ import math
 import os
 import re
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -222,6 +223,9 @@ BACKEND_HELP = ("Where each module runs: DEVICE, BACKEND or DEVICE:BACKEND, per 
                 "te=cpu,unet=gpu0 | all=openvino | unet=onnxruntime | te=cpu:onnxruntime. A device that is not here "
                 "falls back with the reason (see --strict).")
 STRICT_HELP = "Run every module where --backend puts it (device and backend) or exit 2: no fallback."
+VERIFY_HELP = ("auto: hash each bundle file once per file state (a recorded match is trusted while the file's "
+               "device, inode, size, mtime and ctime are unchanged); full: hash every file again (and refresh "
+               "the records).")
 
 
 def _size(size: str | None, manifest) -> tuple[int, int]:
@@ -236,33 +240,55 @@ def _size(size: str | None, manifest) -> tuple[int, int]:
 @click.option("--size", default=None, help="WIDTHxHEIGHT to check engines against (default: the bundle's optimal "
                                            "size, its denoiser profile's opt).")
 @click.option("--strict", is_flag=True, help=STRICT_HELP)
+@click.option("--verify", "verify", default="auto", show_default=True,
+              type=click.Choice(["auto", "full"], case_sensitive=False), help=VERIFY_HELP)
+@click.option("--load", "load", is_flag=True, help="Also load what generate needs (as generate does: each component "
+                                                   "in its own thread) and report the seconds each load took.")
 @click.option("--sysroot", default="/", hidden=True, help="Read devices from a recorded tree (tests).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (errors too).")
-def doctor_cmd(bundle, backend, params_backend, size, strict, sysroot, as_json):
+def doctor_cmd(bundle, backend, params_backend, size, strict, sysroot, as_json, verify, load):
     """Show devices, installed backends, and what in BUNDLE would load where, and why."""
     def go():
         from .assign import assign_modules
         from .devices import apply_device_override, discover_devices
-        from .pipeline import describe_where
+        from .pipeline import describe_where, timed
         from .select import component_report, installed_backends, nothing_runs, select_all
         m = None
+        stages = {"manifest": None, "discover": None, "assign": None, "backends": None, "select": None,
+                  "verify": None, "load": None, "open": None, "total": None}
+        t_start = time.perf_counter()
         if bundle:
             from .manifest import read_manifest
-            m = read_manifest(bundle)
+            stages["manifest"] = 0.0
+            with timed(stages, "manifest"):
+                m = read_manifest(bundle)
             w, h = _size(size, m)
         elif size:
             raise UserError("--size: checks a bundle's engines; give the BUNDLE too")
-        devices, warning = apply_device_override(discover_devices(sysroot, os.environ), os.environ)
-        placements = assign_modules(devices, backend, params_backend, strict=strict)
-        installed = installed_backends()
+        if load and not bundle:
+            raise UserError("--load: loads a bundle's engines; give the BUNDLE too")
+        for k in ("discover", "assign", "backends"):
+            stages[k] = 0.0
+        with timed(stages, "discover"):
+            devices, warning = apply_device_override(discover_devices(sysroot, os.environ), os.environ)
+        with timed(stages, "assign"):
+            placements = assign_modules(devices, backend, params_backend, strict=strict)
+        with timed(stages, "backends"):
+            installed = installed_backends()
         out = {"bundle": bundle, "devices": [d.describe() for d in devices], "device_warning": warning,
                "installed_backends": installed, "strict": strict,
                "assignment": {mod: p.describe() for mod, p in placements.items()},
-               "size": None, "components": {}, "missing_for_generate": []}   # one schema, with or without a bundle
+               "size": None, "components": {}, "missing_for_generate": [], "loaded": None,
+               "stages": stages}   # one schema, with or without a bundle
         if m is not None:
             from .pipeline import requests
             out["size"] = f"{w}x{h}"
-            sels = select_all(m, placements, devices, requests(m, 1, h, w), installed)
+            reqs = requests(m, 1, h, w)
+            stages["select"] = stages["verify"] = 0.0
+            with timed(stages, "select"):    # headers and manifests only
+                select_all(m, placements, devices, reqs, installed, False)
+            with timed(stages, "verify"):    # the same selection with the sha256 checks (every component)
+                sels = select_all(m, placements, devices, reqs, installed, verify.lower())
             if strict:
                 stuck = next((s for s in sels.values() if s.choice is None), None)
                 if stuck:
@@ -270,6 +296,12 @@ def doctor_cmd(bundle, backend, params_backend, size, strict, sysroot, as_json):
             out["components"] = {c: {**component_report(c, s.choice, s.refused),
                                      "then": [v.describe() for v in s.viable[1:]]} for c, s in sels.items()}
             out["missing_for_generate"] = _missing_for_generate(m)
+            if load and not out["missing_for_generate"]:
+                pipe = _open_pipeline(m, backend, params_backend, w, h, sysroot, strict, verify.lower(), lazy=False)
+                stages["load"], stages["open"] = pipe.stages["load"], pipe.stages["open"]
+                out["loaded"] = {c: {k: r[k] for k in ("device", "backend", "artifact", "passed_over")}
+                                 for c, r in pipe.report()["components"].items()}
+        stages["total"] = round(time.perf_counter() - t_start, 3)
         if as_json:
             click.echo(json.dumps(out, indent=2))
             return
@@ -286,11 +318,25 @@ def doctor_cmd(bundle, backend, params_backend, size, strict, sysroot, as_json):
         if m is not None:
             click.echo(f"size      {out['size']}")
             describe_where(out, sys.stdout)
+            if out["loaded"] is not None:
+                for c, r in out["loaded"].items():
+                    click.echo(f"loaded    {c:<13} {r['artifact']} via {r['backend']} in {stages['load'][c]:.2f} s")
+                click.echo(f"opened in {stages['open']:.2f} s (components loaded side by side)")
             if out["missing_for_generate"]:
                 click.echo(f"warning: `precast generate` needs {', '.join(out['missing_for_generate'])}, which this "
                            "bundle lacks (built with --only / --shard?): build them too, or merge the shards' bundles "
                            "with `precast bundle merge`", err=True)
     run_cli(go, as_json)
+
+
+def _open_pipeline(manifest, backend, params_backend, w, h, sysroot, strict, verify, lazy=True):
+    """The family's txt2img pipeline over the bundle (SD: Txt2Img, Flux / Chroma: FluxTxt2Img)."""
+    if "transformer" in manifest.components:
+        from .dit_pipeline import FluxTxt2Img as Pipeline
+    else:
+        from .pipeline import Txt2Img as Pipeline
+    return Pipeline(manifest, backend, params_backend, width=w, height=h, sysroot=sysroot, strict=strict,
+                    verify=verify, lazy=lazy)
 
 
 def _missing_for_generate(manifest) -> list[str]:
@@ -322,10 +368,12 @@ def _missing_for_generate(manifest) -> list[str]:
 @click.option("--backend", default=None, help=BACKEND_HELP)
 @click.option("--params-backend", default=None, help="Where weights live, e.g. cpu (offload).")
 @click.option("--strict", is_flag=True, help=STRICT_HELP)
+@click.option("--verify", "verify", default="auto", show_default=True,
+              type=click.Choice(["auto", "full"], case_sensitive=False), help=VERIFY_HELP)
 @click.option("--sysroot", default="/", hidden=True)
 @click.option("--json", "as_json", is_flag=True, help="Print what ran where, and the settings, as JSON (errors too).")
 def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, scheduler, out, backend, params_backend,
-                 strict, sysroot, as_json):
+                 strict, sysroot, as_json, verify):
     """Text to image with BUNDLE, each module on its device; prints what ran where."""
     def go():
         import time
@@ -361,7 +409,8 @@ def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, schedule
         t0 = time.perf_counter()
         if dit:
             from .dit_pipeline import FluxTxt2Img
-            pipe = FluxTxt2Img(manifest, backend, params_backend, width=w, height=h, sysroot=sysroot, strict=strict)
+            pipe = FluxTxt2Img(manifest, backend, params_backend, width=w, height=h, sysroot=sysroot, strict=strict,
+                               verify=verify.lower())
             n_steps = pipe.defaults["steps"] if steps is None else steps
             used_guidance = pipe.defaults["guidance"] if guidance is None else guidance
             used_scheduler = SCHEDULER
@@ -371,7 +420,8 @@ def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, schedule
             n_steps = 20 if steps is None else steps
             used_guidance = 7.5 if guidance is None else guidance
             used_scheduler = sched or "euler"
-            pipe = Txt2Img(manifest, backend, params_backend, width=w, height=h, sysroot=sysroot, strict=strict)
+            pipe = Txt2Img(manifest, backend, params_backend, width=w, height=h, sysroot=sysroot, strict=strict,
+                           verify=verify.lower())
             t1 = time.perf_counter()
             image = pipe(prompt, negative, n_steps, seed, used_guidance, used_scheduler, progress=not as_json)
         _write_image(out_path, to_uint8(image))
@@ -381,7 +431,8 @@ def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, schedule
                   "steps": n_steps, "seed": seed, "scheduler": used_scheduler, "guidance": used_guidance,
                   "strict": strict, "warnings": warnings, **pipe.report(),
                   "seconds": {"check": round(t0 - t_start, 3), "load": round(t1 - t0, 3),
-                              "generate": round(t2 - t1, 3), "total": round(t2 - t_start, 3)}}
+                              "generate": round(t2 - t1, 3), "total": round(t2 - t_start, 3),
+                              "stages": pipe.stages, "run": pipe.run_stages}}
         if as_json:
             click.echo(json.dumps(report, indent=2))
         else:

@@ -11,6 +11,7 @@ is called with (for selection). Imports numpy and the runtime's own modules; nev
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -124,11 +125,14 @@ class FluxTxt2Img(BundleModel):
 
     def __init__(self, bundle: str | Path | Manifest, backend: str | None = None, params_backend: str | None = None,
                  width: int | None = None, height: int | None = None, sysroot: str = "/", env=None,
-                 verify: bool = True, strict: bool = False):
+                 verify: bool | str = True, strict: bool = False, lazy: bool = True):
         """`width`/`height` default to the bundle's optimal size (its transformer profile's opt);
-        `strict`: every module runs where `backend` assigns it, or a UserError (no fallback)."""
+        `strict`: every module runs where `backend` assigns it, or a UserError (no fallback);
+        `lazy`: the VAE decoder goes on loading while the prompt is encoded and denoised."""
         env = os.environ if env is None else env
+        t0 = time.perf_counter()
         manifest = bundle if isinstance(bundle, Manifest) else read_manifest(bundle)
+        manifest_s = round(time.perf_counter() - t0, 3)
         family = self.family = manifest.model.get("family")
         if family not in FAMILIES:
             raise UserError(f"{manifest.root}: the DiT pipeline runs Flux and Chroma bundles; this one is {family}")
@@ -143,10 +147,11 @@ class FluxTxt2Img(BundleModel):
         self.rows, self.cols = packed_grid(manifest, height, width)
         self.t5_tokens = t5_length(manifest)
         super().__init__(manifest, FAMILIES[family], dit_requests(manifest, 1, height, width), backend,
-                         params_backend, sysroot, env, verify, strict)
+                         params_backend, sysroot, env, verify, strict, later=("vae_decoder",) if lazy else ())
+        self.stages = {"manifest": manifest_s, **self.stages}
         inputs = {i["name"]: i["shape"] for i in manifest.components["transformer"]["inputs"]}
         self.channels = int(inputs["hidden_states"][-1]) // 4
-        self.takes_guidance = "guidance" in self.loaded["transformer"].session.input_names
+        self.takes_guidance = "guidance" in self.component("transformer").session.input_names
         scale, shift = LATENT[family]
         self.latent_scale = float(manifest.model.get("latent_scale") or scale)
         self.latent_shift = float(manifest.model.get("latent_shift", shift))
@@ -162,7 +167,7 @@ class FluxTxt2Img(BundleModel):
         comp = T5_OF[self.family]
         ids, mask = self.tokenizers[comp](prompt, self.t5_tokens)
         feeds = {"input_ids": ids[None, :].astype(np.int32)}
-        session = self.loaded[comp].session
+        session = self.component(comp).session
         if "attention_mask" in session.input_names:
             feeds["attention_mask"] = mask[None, :].astype(np.int32)
         states = session.run(feeds)["last_hidden_state"].astype(np.float32)
@@ -171,7 +176,7 @@ class FluxTxt2Img(BundleModel):
     def _clip_pooled(self, prompt: str) -> np.ndarray:
         from .embeddings import encoder_feeds
         ids = self.tokenizers["text_encoder"](prompt)[None, :].astype(np.int32)
-        session = self.loaded["text_encoder"].session
+        session = self.component("text_encoder").session
         hidden = int(self.manifest.components["text_encoder"].get("config", {}).get("hidden", 768))
         out = session.run(encoder_feeds(session, "text_encoder", ids, self.embeddings["text_encoder"], hidden))
         return out["pooler_output"].astype(np.float32)
@@ -202,15 +207,20 @@ class FluxTxt2Img(BundleModel):
         check_steps(steps)
         x = pack(self.noise(seed) if latents is None else latents.astype(np.float32))
         sampler = FlowEuler(self.schedule, steps, x.shape[1])
+        run = self.run_stages = {}
+        t0 = time.perf_counter()
         cond = self.encode(prompt)
         cfg = self.family == "chroma" and guidance > 1.0
         uncond = self.encode(negative) if cfg else None
         fixed = {"img_ids": image_ids(self.rows, self.cols)}
         if self.takes_guidance:
             fixed["guidance"] = np.full((1,), guidance, np.float32)
-        transformer = self.loaded["transformer"].session
+        transformer = self.component("transformer").session
+        run["encode"] = round(time.perf_counter() - t0, 3)
+        t0 = time.perf_counter()
         with _progress(steps, progress) as bar:   # closed on an error too
             for i, t in enumerate(sampler.timesteps):
+                self.check_loading()    # a VAE decoder that failed to load stops the run now, not after it
                 step = {"hidden_states": x, "timestep": np.full((1,), t, np.float32), **fixed}
                 v = transformer.run({**step, **cond})["out_hidden_states"].astype(np.float32)
                 if cfg:
@@ -218,7 +228,9 @@ class FluxTxt2Img(BundleModel):
                     v = v_neg + np.float32(guidance) * (v - v_neg)
                 x = sampler.step(v, i, x)
                 bar.update(1)
+                if i == 0:
+                    run["first_step"] = round(time.perf_counter() - t0, 3)
+        run["denoise"] = round(time.perf_counter() - t0, 3)
         z = unpack(x, self.rows, self.cols) / np.float32(self.latent_scale) + np.float32(self.latent_shift)
-        decoded = self.loaded["vae_decoder"].session.run({"latent_sample": z.astype(np.float32)})
-        image = decoded["sample"].astype(np.float32)[0].transpose(1, 2, 0)
+        image = self.decode(z)
         return np.clip(image / 2 + 0.5, 0.0, 1.0)

@@ -5,7 +5,9 @@ compiler/graphs/clip_text.py): ids below the vocabulary read the built-in table,
 reads row k of this input. The runtime registers each embedding's name (its file stem) as a
 trigger word with the tokenizer, which hands out ids vocab, vocab + 1, ..., and feeds the
 vectors in the same order plus one trailing zero row (so the input is never empty: engines
-are built for 1..256 rows). Embeddings in a bundle live in `embeddings/<name>.safetensors`,
+are built for 1..256 rows, or, static, for exactly 256: the rows are then padded with zeros up
+to the size the session declares, and an engine fixed at fewer rows than the embeddings need
+is refused in one line). Embeddings in a bundle live in `embeddings/<name>.safetensors`,
 one tensor per text-encoder component (`text_encoder`, `text_encoder_2`), written by the
 compiler (compiler/sources/embeddings.py reads the many user formats). numpy only.
 """
@@ -72,10 +74,11 @@ class Embeddings:
     def rows(self) -> int:
         return sum(next(iter(v.values())).shape[0] for _, v in self.items)
 
-    def extra(self, component: str, hidden: int, dtype=np.float32) -> np.ndarray:
-        """[rows + 1, hidden]: every embedding's vectors for this encoder in id order, then a zero row.
+    def extra(self, component: str, hidden: int, dtype=np.float32, rows: int | None = None) -> np.ndarray:
+        """[rows + 1, hidden]: every embedding's vectors for this encoder in id order, then a zero row
+        (`rows`: zero rows up to that many, for an engine with a fixed row count).
         An embedding without vectors for this encoder contributes zeros (its ids still exist)."""
-        out = np.zeros((self.rows + 1, hidden), dtype=np.float32)
+        out = np.zeros((max(self.rows + 1, rows or 0), hidden), dtype=np.float32)
         row = 0
         for name, vecs in self.items:
             n = next(iter(vecs.values())).shape[0]
@@ -88,10 +91,11 @@ class Embeddings:
             row += n
         return out.astype(dtype)
 
-    def feeds(self, component: str, ids: np.ndarray, hidden: int, dtype=np.float32) -> dict[str, np.ndarray]:
-        """The text encoder's feeds for these ids."""
+    def feeds(self, component: str, ids: np.ndarray, hidden: int, dtype=np.float32,
+              rows: int | None = None) -> dict[str, np.ndarray]:
+        """The text encoder's feeds for these ids (`rows`: the engine's fixed row count, if any)."""
         return {"input_ids": np.ascontiguousarray(ids, dtype=np.int32),
-                EXTRA_TOKENS_INPUT: self.extra(component, hidden, dtype)}
+                EXTRA_TOKENS_INPUT: self.extra(component, hidden, dtype, rows)}
 
 
 def text_encoder_feeds(ids: np.ndarray, hidden: int, dtype=np.float32) -> dict[str, np.ndarray]:
@@ -101,13 +105,26 @@ def text_encoder_feeds(ids: np.ndarray, hidden: int, dtype=np.float32) -> dict[s
 
 def encoder_feeds(session, component: str, ids: np.ndarray, embeddings: "Embeddings | None", hidden: int,
                   dtype=np.float32) -> dict[str, np.ndarray]:
-    """Feeds for a loaded text-encoder session; engines exported before the extra input get ids only."""
+    """Feeds for a loaded text-encoder session; engines exported before the extra input get ids only.
+    A static engine (its session declares a fixed row count) gets the rows padded with zeros to it."""
     if EXTRA_TOKENS_INPUT not in getattr(session, "input_names", [EXTRA_TOKENS_INPUT]):
         if embeddings is not None and embeddings.items:
             raise UserError(f"{component}: this engine has no {EXTRA_TOKENS_INPUT} input, so it cannot apply "
                             "textual-inversion embeddings; rebuild the bundle with this precast version")
         return {"input_ids": np.ascontiguousarray(ids, dtype=np.int32)}
-    return (embeddings or Embeddings()).feeds(component, ids, hidden, dtype)
+    emb = embeddings or Embeddings()
+    rows = fixed_extra_rows(session)
+    if rows is not None and emb.rows + 1 > rows:
+        raise UserError(f"{component}: the embeddings bring {emb.rows} vectors but this engine was built for at most "
+                        f"{rows - 1} ({EXTRA_TOKENS_INPUT} fixed at {rows} rows); use fewer embeddings, or rebuild "
+                        f"the bundle with this precast version (static text encoders take {MAX_EXTRA_ROWS - 1})")
+    return emb.feeds(component, ids, hidden, dtype, rows)
+
+
+def fixed_extra_rows(session) -> int | None:
+    """The row count a session's `token_embeddings_extra` input is fixed at (a static engine), else None."""
+    shape = (getattr(session, "input_shapes", None) or {}).get(EXTRA_TOKENS_INPUT)
+    return shape[0] if shape and isinstance(shape[0], int) and shape[0] > 0 else None
 
 
 def read_bundle_embeddings(manifest) -> list[tuple[str, dict[str, np.ndarray]]]:

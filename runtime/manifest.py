@@ -4,7 +4,9 @@ Owns: the manifest schema the runtime reads (schema version, model, components w
 shape profiles, artifacts with fingerprint spec, files with size, sha256 and -- past 64 MiB --
 per-piece sha256s checked on every core), its validation when read (`check_manifest`: the type
 of every field the runtime uses, so a damaged manifest is one ManifestError naming the field),
-`file_record`, and `verify_bundle`, which names every changed, missing or unexpected file.
+`file_record`, `verify_file` (one file against its record, skipped when runtime/verified.py holds a
+record of this very file state), `verify_bundle`, which re-hashes every file and names every changed,
+missing or unexpected file, and `bytes_hashed`, the count of bytes read through the hash functions.
 Standard library only: the runtime is thin.
 """
 from __future__ import annotations
@@ -14,12 +16,15 @@ import json
 import math
 import mmap
 import os
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import UserError
 from .fingerprint import Fingerprint
+from .verified import RECORD_FILE, VerifiedFiles, verify_mode
 
 SCHEMA = 1
 PREDICTIONS = ("epsilon", "v_prediction", "flow")
@@ -34,6 +39,21 @@ class ManifestError(UserError, ValueError):
 
 
 PIECE = 64 << 20     # files over one piece also record each piece's sha256, checked on all cores
+
+_hashed = 0
+_hashed_lock = threading.Lock()
+
+
+def bytes_hashed() -> int:
+    """Bytes read through sha256_file and piece_digests by this process so far (what a second open
+    of an unchanged bundle should add nothing to)."""
+    return _hashed
+
+
+def _count(n: int) -> None:
+    global _hashed
+    with _hashed_lock:
+        _hashed += n
 
 
 def file_record(path: Path) -> dict:
@@ -66,6 +86,7 @@ def piece_digests(path: Path, size: int | None = None, workers: int | None = Non
                 return list(pool.map(one, range(count)))
         finally:
             view.release()
+            _count(size)
 
 
 def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
@@ -73,9 +94,14 @@ def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
     h = hashlib.sha256()
     buf = bytearray(chunk)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
+    total = 0
+    try:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                h.update(view[:n])
+                total += n
+    finally:
+        _count(total)
     return h.hexdigest()
 
 
@@ -95,6 +121,22 @@ class Artifact:
 class Manifest:
     root: Path
     data: dict
+    verified: VerifiedFiles | None = field(default=None, compare=False, repr=False)   # None: records off
+
+    def with_verify(self, verify) -> "Manifest":
+        """This manifest with the verification `verify` asks for (runtime/verified.py's verify_mode):
+        True/"auto" trusts records of unchanged file states, "full" hashes every file again and
+        refreshes the records, False checks no engine or ONNX file at all (callers skip them)."""
+        mode = verify_mode(verify)
+        return Manifest(self.root, self.data, VerifiedFiles(self.root, full=mode == "full", known=self.files))
+
+    def verify_file(self, rel: str, whole: bool = False) -> str | None:
+        """verify_file for a listed file, through (and recording into) this manifest's records."""
+        return verify_file(self.root, rel, self.files[rel], whole, self.verified)
+
+    def save_records(self) -> None:
+        if self.verified is not None:
+            self.verified.save()
 
     @property
     def model(self) -> dict:
@@ -117,7 +159,8 @@ class Manifest:
                 raise UserError(f"{where}: not listed in the bundle's manifest, so it cannot be checked; "
                                 "the bundle was changed after it was built: rebuild or re-download it")
             return
-        problem = verify_file(self.root, rel, self.files[rel])
+        problem = self.verify_file(rel)
+        self.save_records()
         if problem:
             raise UserError(f"{self.root}/{problem}; refusing to read it: rebuild or re-download the bundle")
 
@@ -155,7 +198,8 @@ def read_manifest(bundle: str | Path) -> Manifest:
         raise ManifestError(f"{path}: unreadable (nested too deeply)") from None
     except (OSError, ValueError) as e:
         raise ManifestError(f"{path}: unreadable ({e})") from None
-    return Manifest(root, check_manifest(data, str(path)))
+    data = check_manifest(data, str(path))
+    return Manifest(root, data, VerifiedFiles(root, known=data["files"]))
 
 
 def check_manifest(data, where: str) -> dict:
@@ -346,16 +390,34 @@ class _Checker:
             self.fail(field, f"names {rel!r}, which the manifest's files do not list")
 
 
-def verify_file(root: Path, rel: str, record: dict, whole: bool = False) -> str | None:
+def verify_file(root: Path, rel: str, record: dict, whole: bool = False,
+                records: VerifiedFiles | None = None) -> str | None:
     """None when the file matches its record. Where the record has piece digests they are checked
-    (all cores at once); `whole` checks the whole-file sha256 as well (`precast bundle verify`)."""
+    (all cores at once); `whole` checks the whole-file sha256 as well (`precast bundle verify`).
+    With `records`, a record of this exact file state (device, inode, size, mtime, ctime) and these
+    expected digests stands for the hash; a file hashed and found matching is recorded, one found
+    changed has its records dropped (saving them is the caller's: `records.save()`)."""
     p = root / rel
     if not p.is_file() or p.is_symlink():
         return f"{rel}: missing"
     if os.path.realpath(p) != os.path.join(os.path.realpath(root), *rel.split("/")):
         return f"{rel}: reached through a link that leaves the bundle folder (bundle files must be plain files in it)"
-    if p.stat().st_size != record["size"]:
-        return f"{rel}: size {p.stat().st_size}, manifest says {record['size']}"
+    started = time.time_ns()
+    before = p.stat()
+    if records is not None and records.trusted(rel, before, record, whole):
+        return None
+    problem = _hash_problem(p, rel, record, before.st_size, whole)
+    if records is not None:
+        if problem:
+            records.forget(rel)
+        else:
+            records.add(rel, before, p.stat(), record, whole, started)
+    return problem
+
+
+def _hash_problem(p: Path, rel: str, record: dict, size: int, whole: bool) -> str | None:
+    if size != record["size"]:
+        return f"{rel}: size {size}, manifest says {record['size']}"
     pieces = record.get("pieces")
     if pieces is not None:
         got = piece_digests(p, record["size"])
@@ -369,10 +431,13 @@ def verify_file(root: Path, rel: str, record: dict, whole: bool = False) -> str 
 
 
 def verify_bundle(bundle: str | Path) -> list[str]:
-    """Problems found, one line each naming the file; empty when the bundle is intact."""
-    m = read_manifest(bundle)
-    problems = [p for rel, rec in sorted(m.files.items()) if (p := verify_file(m.root, rel, rec, whole=True))]
-    listed = set(m.files) | {MANIFEST}
+    """Problems found, one line each naming the file; empty when the bundle is intact. Every file
+    is hashed again (records are not trusted here) and the records are refreshed; the record file
+    (verified.RECORD_FILE) is the one file a bundle may hold besides those its manifest lists."""
+    m = read_manifest(bundle).with_verify("full")
+    problems = [p for rel in sorted(m.files) if (p := m.verify_file(rel, whole=True))]
+    m.save_records()
+    listed = set(m.files) | {MANIFEST, RECORD_FILE}
     for p in sorted(m.root.rglob("*")):
         rel = p.relative_to(m.root).as_posix()
         if (p.is_file() or p.is_symlink()) and rel not in listed:

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import os
 import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +24,9 @@ from .devices import apply_device_override, discover_devices
 from .errors import UserError
 from .manifest import Manifest, read_manifest
 from .schedulers import NoiseSchedule, make_sampler
-from .select import component_report, installed_backends, load_component, passed_text, select_all
+from .select import (component_report, installed_backends, load_component, passed_text, select_all,
+                     select_component)
+from .verified import verify_mode
 
 LATENT_SCALE = {"sd1": 0.18215, "sd2": 0.18215, "sdxl": 0.13025, "sdxl-refiner": 0.13025}
 NEEDED = {"sd1": ("text_encoder", "unet", "vae_decoder"), "sd2": ("text_encoder", "unet", "vae_decoder"),
@@ -123,6 +128,16 @@ class Loaded:
     reasons: list[str] = field(default_factory=list)
 
 
+@contextmanager
+def timed(stages: dict, name: str):
+    """Adds the block's wall seconds to `stages[name]` (rounded to ms)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        stages[name] = round(stages.get(name, 0.0) + time.perf_counter() - t0, 3)
+
+
 MAX_STEPS = 1000   # the schedules' training timesteps: more steps than that repeat timesteps
 
 
@@ -134,26 +149,103 @@ def check_steps(steps: int) -> None:
 class BundleModel:
     """A bundle opened to generate: its manifest read and checked, devices discovered, modules
     assigned, the tokenizers (small) checked before any engine, and each component in `needed`
-    selected (fingerprint, profile, sha256) and loaded, with the reasons for every fallback."""
+    selected (fingerprint, profile, sha256) and loaded, with the reasons for every fallback.
+
+    Selection reads headers and manifests only (one pass over every component, no hashing); then
+    each needed component is verified (the sha256 of what its selection examines) and loaded in a
+    thread of its own (the backends release the GIL while they open a model, hashlib while it
+    hashes), its fallbacks tried in order there. The components in `later` (the VAE decoder, which
+    runs last) are left loading in the background: `component()` waits for one on first use, and
+    `report()` for all. A load error is raised as the component's own UserError (one line), the
+    first in `needed` order; `check_loading()` raises a background one as soon as it is known.
+    `stages` records the seconds of each stage (see README, "JSON output"): discover, assign,
+    backends, tokenizers, select; per component verify and load (each in its own thread); ready
+    (from the loads' start until the pipeline can run: every component but `later` loaded) and
+    open (until the last component is loaded)."""
 
     def __init__(self, manifest: Manifest, needed: tuple[str, ...], reqs: dict, backend: str | None,
-                 params_backend: str | None, sysroot: str, env, verify: bool, strict: bool = False):
+                 params_backend: str | None, sysroot: str, env, verify: bool | str, strict: bool = False,
+                 later: tuple[str, ...] = ()):
+        if verify_mode(verify) == "full":    # every file hashed again, tokenizers included; records refreshed
+            manifest = manifest.with_verify("full")
         self.manifest, self.needed = manifest, needed
         missing = [c for c in needed if c not in manifest.components]
         if missing:
             raise UserError(f"{manifest.root}: txt2img needs {', '.join(needed)}; the bundle lacks {', '.join(missing)}")
-        devices = discover_devices(sysroot, env)
-        self.devices, self.device_warning = apply_device_override(devices, env)
-        self.placements = assign_modules(self.devices, backend, params_backend, strict=strict)
-        self.installed = installed_backends()
-        self.tokenizers, self.embeddings = bundle_tokenizers(manifest, needed)
-        self.selections = select_all(manifest, self.placements, self.devices, reqs, self.installed, verify)
+        self.stages: dict = {}
+        self.run_stages: dict = {}      # the last call's: encode, first_step, denoise, wait_vae, decode
+        with timed(self.stages, "discover"):
+            devices = discover_devices(sysroot, env)
+            self.devices, self.device_warning = apply_device_override(devices, env)
+        with timed(self.stages, "assign"):
+            self.placements = assign_modules(self.devices, backend, params_backend, strict=strict)
+        with timed(self.stages, "backends"):
+            self.installed = installed_backends()
+        with timed(self.stages, "tokenizers"):
+            self.tokenizers, self.embeddings = bundle_tokenizers(manifest, needed)
+        with timed(self.stages, "select"):   # headers and manifests only: which artifact goes first for every component
+            self.selections = select_all(manifest, self.placements, self.devices, reqs, self.installed, False)
+        # per component, in `needed` order whatever order the threads finish in (null until loaded)
+        self.stages["verify"], self.stages["load"] = dict.fromkeys(needed), dict.fromkeys(needed)
+        self.stages["ready"] = self.stages["open"] = None
         self.loaded: dict[str, Loaded] = {}
-        for comp in needed:
-            outputs = [o["name"] for o in manifest.components[comp]["outputs"]]
-            placement = self.placements[COMPONENT_MODULE[comp]]
-            session, cand, reasons = load_component(self.selections[comp], outputs, placement.offload)
-            self.loaded[comp] = Loaded(session, component_report(comp, cand, reasons), reasons)
+        self._ended: dict[str, float] = {}
+        self._opened = time.perf_counter()
+        checks = verify_mode(verify) != "off"    # "full" made the manifest hash everything again, above
+        self._pool = ThreadPoolExecutor(max_workers=len(needed), thread_name_prefix="precast-load")
+        self._futures: dict[str, Future] = {
+            comp: self._pool.submit(self._open, manifest, comp, reqs.get(comp, {}), checks) for comp in needed}
+        self._pool.shutdown(wait=False)     # its threads end with their loads
+        try:
+            for comp in needed:
+                if comp not in later:
+                    self.component(comp)
+        except BaseException:
+            for f in self._futures.values():
+                f.cancel()
+            raise
+        self.stages["ready"] = round(max([self._ended[c] for c in needed if c not in later], default=self._opened)
+                                     - self._opened, 3)
+        if not any(c in later for c in needed):
+            self.wait_loaded()
+
+    def _open(self, manifest: Manifest, comp: str, request: dict, verify: bool) -> Loaded:
+        """In a loader thread: verify what the component's selection examines (selection again, with
+        the sha256 checks), then load the first candidate that loads (load_component tries the
+        fallbacks in order)."""
+        t0 = time.perf_counter()
+        placement = self.placements[COMPONENT_MODULE[comp]]
+        if verify:
+            sel = select_component(manifest, comp, placement, self.devices, request, self.installed, True)
+            self.selections[comp] = sel
+        else:
+            sel = self.selections[comp]
+        t1 = time.perf_counter()
+        self.stages["verify"][comp] = round(t1 - t0, 3)
+        outputs = [o["name"] for o in self.manifest.components[comp]["outputs"]]
+        session, cand, reasons = load_component(sel, outputs, placement.offload)
+        self._ended[comp] = time.perf_counter()
+        self.stages["load"][comp] = round(self._ended[comp] - t1, 3)
+        return Loaded(session, component_report(comp, cand, reasons), reasons)
+
+    def component(self, comp: str) -> Loaded:
+        """The loaded component, waiting for its loader thread the first time."""
+        if comp not in self.loaded:
+            self.loaded[comp] = self._futures[comp].result()
+        return self.loaded[comp]
+
+    def check_loading(self) -> None:
+        """Raise a background load's error now, if one has failed (called between denoising steps)."""
+        for comp, f in self._futures.items():
+            if comp not in self.loaded and f.done() and f.exception() is not None:
+                self.component(comp)
+
+    def wait_loaded(self) -> None:
+        """Every component loaded, in `needed` order (so the first failure raised is deterministic);
+        `stages["open"]` is then the wall time from the first load's start to the last one's end."""
+        for comp in self.needed:
+            self.component(comp)
+        self.stages["open"] = round(max(self._ended.values(), default=self._opened) - self._opened, 3)
 
     def text_limits(self) -> dict[str, int]:
         """Prompt tokens each text encoder reads (CLIP: 77 positions less BOS and EOS)."""
@@ -170,12 +262,23 @@ class BundleModel:
                                "the rest is ignored")
         return out
 
+    def decode(self, latents: np.ndarray) -> np.ndarray:
+        """The VAE decoder's image, [H, W, 3] in its own range: `run_stages` gets the seconds waited
+        for its load (if it was still loading) and the decode's."""
+        t0 = time.perf_counter()
+        session = self.component("vae_decoder").session
+        t1 = time.perf_counter()
+        decoded = session.run({"latent_sample": latents.astype(np.float32)})
+        self.run_stages.update(wait_vae=round(t1 - t0, 3), decode=round(time.perf_counter() - t1, 3))
+        return decoded["sample"].astype(np.float32)[0].transpose(1, 2, 0)
+
     def report(self) -> dict:
         """What ran where, in the schema `doctor --json` shares (see README, "JSON output")."""
+        self.wait_loaded()
         return {"devices": [d.describe() for d in self.devices], "device_warning": self.device_warning,
                 "installed_backends": self.installed,
                 "assignment": {m: p.describe() for m, p in self.placements.items()},
-                "components": {c: l.where for c, l in self.loaded.items()}}
+                "components": {c: self.loaded[c].where for c in self.needed}}
 
 
 class Txt2Img(BundleModel):
@@ -183,12 +286,15 @@ class Txt2Img(BundleModel):
 
     def __init__(self, bundle: str | Path | Manifest, backend: str | None = None, params_backend: str | None = None,
                  width: int | None = None, height: int | None = None, sysroot: str = "/", env=None,
-                 verify: bool = True, strict: bool = False):
+                 verify: bool | str = True, strict: bool = False, lazy: bool = True):
         """`bundle`: a bundle folder, or its manifest already read (and so checked) by read_manifest.
         `width`/`height` default to the bundle's optimal size (optimal_size). `strict`: every module
-        runs where `backend` assigns it, or a UserError (no fallback)."""
+        runs where `backend` assigns it, or a UserError (no fallback). `lazy`: the VAE decoder goes
+        on loading while the prompt is encoded and denoised (False: everything loaded on return)."""
         env = os.environ if env is None else env
+        t0 = time.perf_counter()
         manifest = bundle if isinstance(bundle, Manifest) else read_manifest(bundle)
+        manifest_s = round(time.perf_counter() - t0, 3)
         family = self.family = manifest.model.get("family")
         if family not in LATENT_SCALE:
             raise UserError(f"{manifest.root}: the SD pipeline runs SD 1.x/2.x/XL bundles; this one is {family}")
@@ -199,7 +305,8 @@ class Txt2Img(BundleModel):
             raise UserError(f"--size {width}x{height}: width and height must be multiples of {f}")
         self.width, self.height = width, height
         super().__init__(manifest, NEEDED[family], requests(manifest, 1, height, width), backend, params_backend,
-                         sysroot, env, verify, strict)
+                         sysroot, env, verify, strict, later=("vae_decoder",) if lazy else ())
+        self.stages = {"manifest": manifest_s, **self.stages}
         self.tokenizer = self.tokenizers.get("text_encoder") or self.tokenizers["text_encoder_2"]
         self.latent_scale = float(manifest.model.get("latent_scale") or LATENT_SCALE[family])
         self.prediction = manifest.model.get("prediction") or "epsilon"
@@ -207,7 +314,7 @@ class Txt2Img(BundleModel):
     def _encoder(self, comp: str, prompt: str) -> dict[str, np.ndarray]:
         from .embeddings import encoder_feeds
         ids = self.tokenizers[comp](prompt)[None, :].astype(np.int32)
-        session = self.loaded[comp].session
+        session = self.component(comp).session
         hidden = int(self.manifest.components[comp].get("config", {}).get("hidden", 768))
         out = session.run(encoder_feeds(session, comp, ids, self.embeddings[comp], hidden))
         return {k: v.astype(np.float32) for k, v in out.items()}
@@ -248,6 +355,8 @@ class Txt2Img(BundleModel):
         sampler = make_sampler(scheduler, steps, NoiseSchedule(prediction_type=self.prediction))
         noise = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) if latents is None else latents
         x = noise.astype(np.float32) * np.float32(sampler.init_noise_sigma)
+        run = self.run_stages = {}
+        t0 = time.perf_counter()
         ctx, pooled = self.encode(prompt)
         if self.family == "sdxl" and not negative:  # SDXL base: an empty negative prompt means zeros
             neg_ctx, neg_pooled = np.zeros_like(ctx), (np.zeros_like(pooled) if pooled is not None else None)
@@ -259,17 +368,22 @@ class Txt2Img(BundleModel):
             extra["time_ids"] = np.concatenate([self.time_ids(negative_aesthetic_score, original_size, crop),
                                                 self.time_ids(aesthetic_score, original_size, crop)], axis=0)
         context = np.concatenate([neg_ctx, ctx], axis=0)
-        unet = self.loaded["unet"].session
+        unet = self.component("unet").session
+        run["encode"] = round(time.perf_counter() - t0, 3)
+        t0 = time.perf_counter()
         with _progress(steps, progress) as bar:   # closed on an error too
             for i, t in enumerate(sampler.timesteps):
+                self.check_loading()    # a VAE decoder that failed to load stops the run now, not after it
                 model_in = np.concatenate([sampler.scale_model_input(x, i)] * 2, axis=0)
                 eps = unet.run({"sample": model_in, "timestep": np.full((2,), t, np.float32),
                                 "encoder_hidden_states": context, **extra})["out_sample"].astype(np.float32)
                 uncond, cond = eps[:1], eps[1:]
                 x = sampler.step(uncond + np.float32(guidance) * (cond - uncond), i, x)
                 bar.update(1)
-        decoded = self.loaded["vae_decoder"].session.run({"latent_sample": x / np.float32(self.latent_scale)})
-        image = decoded["sample"].astype(np.float32)[0].transpose(1, 2, 0)
+                if i == 0:
+                    run["first_step"] = round(time.perf_counter() - t0, 3)
+        run["denoise"] = round(time.perf_counter() - t0, 3)
+        image = self.decode(x / np.float32(self.latent_scale))
         return np.clip(image / 2 + 0.5, 0.0, 1.0)
 
 def to_uint8(image: np.ndarray) -> np.ndarray:

@@ -23,7 +23,8 @@ from .assign import COMPONENT_MODULE, Placement
 from .devices import Device
 from .errors import UserError
 from .fingerprint import Fingerprint, why_not_serves
-from .manifest import Artifact, Manifest, verify_file
+from .manifest import Artifact, Manifest
+from .verified import verify_mode
 
 BACKENDS_FOR = {"nvidia": ("tensorrt-rtx",), "amd": ("migraphx",), "intel": ("openvino",),
                 "cpu": ("openvino", "onnxruntime")}
@@ -78,7 +79,7 @@ class Candidate:
     artifact: Artifact | None        # None: the bundle's ONNX, compiled/loaded at run time
     entry: Path
     note: str = ""
-    pending: tuple = ()              # (root, file, record): sha256 checked just before loading
+    pending: tuple = ()              # (manifest, file): sha256 checked just before loading
 
     def describe(self) -> dict:
         return {"component": self.component, "device": self.device.id, "device_name": self.device.name,
@@ -126,7 +127,12 @@ RUNS_ON_WORDS = {"tensorrt-rtx": ("nvidia", "an NVIDIA GPU"), "migraphx": ("amd"
 
 def select_component(manifest: Manifest, component: str, placement: Placement, devices: list[Device],
                      request: dict[str, tuple[int, ...]], installed: dict[str, str],
-                     verify: bool = True) -> Selection:
+                     verify: bool | str = True) -> Selection:
+    """The candidates for one component, in order, and what was passed over. `verify` as select_all's."""
+    mode = verify_mode(verify)
+    if mode == "full" and not (manifest.verified is not None and manifest.verified.full):
+        manifest = manifest.with_verify("full")
+    verify = mode != "off"
     sel = Selection(component)
     pin = placement.backend
     if placement.fallback:
@@ -143,8 +149,7 @@ def select_component(manifest: Manifest, component: str, placement: Placement, d
         if not verify:
             return None
         if a.id not in checked:
-            checked[a.id] = next((p for rel in a.files if (p := verify_file(manifest.root, rel, manifest.files[rel]))),
-                                 None)
+            checked[a.id] = next((p for rel in a.files if (p := manifest.verify_file(rel))), None)
         return checked[a.id]
 
     if pin and pin not in installed:
@@ -187,12 +192,12 @@ def select_component(manifest: Manifest, component: str, placement: Placement, d
         onnx_files = [f for f in comp["files"]]
         # With an engine ahead of it, the fallback ONNX (GBs for a UNet) is hashed only if it gets loaded.
         lazy = verify and bool(sel.viable)
-        problem = next((p for rel in onnx_files if (p := verify_file(manifest.root, rel, manifest.files[rel]))),
+        problem = next((p for rel in onnx_files if (p := manifest.verify_file(rel))),
                        None) if verify and not lazy else None
         if problem:
             sel.refused.append(passed(f"the bundle's ONNX is damaged: {problem}", "onnx", None, cpu.id))
         else:
-            pending = tuple((manifest.root, rel, manifest.files[rel]) for rel in onnx_files) if lazy else ()
+            pending = tuple((manifest, rel) for rel in onnx_files) if lazy else ()
             cpu_backends = ("openvino", "onnxruntime")
             if pin in cpu_backends and placement.device.kind == "cpu":
                 cpu_backends = (pin,) + tuple(b for b in cpu_backends if b != pin)
@@ -218,13 +223,18 @@ def select_component(manifest: Manifest, component: str, placement: Placement, d
         for c in rest:
             c.note = f"fallback: nothing for {placement.target} fits" + (f"; {c.note}" if c.note else "")
         sel.viable = first + rest
+    manifest.save_records()          # what was hashed here is recorded (runtime/verified.py)
     return sel
 
 
 def select_all(manifest: Manifest, placements: dict[str, Placement], devices: list[Device],
                requests: dict[str, dict[str, tuple[int, ...]]], installed: dict[str, str] | None = None,
-               verify: bool = True) -> dict[str, Selection]:
+               verify: bool | str = True) -> dict[str, Selection]:
+    """`verify`: True/"auto" (files hashed once per file state, runtime/verified.py), "full" (every
+    file hashed again) or False (no sha256 checks)."""
     installed = installed_backends() if installed is None else installed
+    if verify_mode(verify) == "full" and not (manifest.verified is not None and manifest.verified.full):
+        manifest = manifest.with_verify("full")      # one record store for every component
     out = {}
     for component in manifest.components:
         module = COMPONENT_MODULE.get(component, "diffusion")
@@ -262,7 +272,9 @@ def load_component(sel: Selection, output_names: list[str], offload: bool = Fals
     are recorded (as `passed` entries) and the next candidate is tried."""
     reasons = list(sel.refused)
     for c in sel.viable:
-        problem = next((p for root, rel, rec in c.pending if (p := verify_file(root, rel, rec))), None)
+        problem = next((p for m, rel in c.pending if (p := m.verify_file(rel))), None)
+        for m in {id(m): m for m, _ in c.pending}.values():
+            m.save_records()
         if problem:
             reasons.append(passed(f"the bundle's ONNX is damaged: {problem}", "onnx", None, c.device.id))
             continue

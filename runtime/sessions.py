@@ -18,6 +18,7 @@ import numpy as np
 class Session(Protocol):
     input_names: list[str]
     output_names: list[str]
+    input_shapes: dict[str, list[int | None]]    # declared input dims, None where one varies
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
@@ -32,6 +33,8 @@ class OnnxRuntimeSession:
             opts.intra_op_num_threads = threads
         self._s = ort.InferenceSession(str(model_path), opts, providers=["CPUExecutionProvider"])
         self.input_names = [i.name for i in self._s.get_inputs()]
+        self.input_shapes = {i.name: [d if isinstance(d, int) and d > 0 else None for d in i.shape]
+                             for i in self._s.get_inputs()}
         self.output_names = [o.name for o in self._s.get_outputs()]
         self._types = {i.name: i.type for i in self._s.get_inputs()}
 
@@ -58,6 +61,8 @@ class OpenVinoSession:
             self._blob = np.memmap(path, dtype=np.uint8, mode="c")
             self._cm = core.import_model(ov.Tensor(self._blob, shared_memory=True), device, config)
         self.input_names = [_port_name(p) for p in self._cm.inputs]
+        self.input_shapes = {n: [d.get_length() if d.is_static else None for d in p.get_partial_shape()]
+                             for n, p in zip(self.input_names, self._cm.inputs)}
         self.output_names = [_port_name(p) for p in self._cm.outputs]
         # OpenVINO's Python API hands bf16 data out as float16 views of the bf16 bits: kept as bits here
         self._bf16 = {n for n, p in zip(self.input_names + self.output_names, [*self._cm.inputs, *self._cm.outputs])
@@ -130,6 +135,8 @@ class TensorRtRtxSession:
         names = [self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)]
         is_input = {n: self._engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT for n in names}
         self.input_names = [n for n in names if is_input[n]]
+        self.input_shapes = {n: [d if d >= 0 else None for d in self._engine.get_tensor_shape(n)]
+                             for n in self.input_names}
         self.output_names = [n for n in names if not is_input[n]]
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -192,6 +199,8 @@ class MigraphxSession:
         self._mx = migraphx
         self._program = migraphx.load(str(mxr_path), format="msgpack")
         self.input_names = list(self._program.get_parameter_names())
+        shapes = self._program.get_parameter_shapes()     # MIGraphX programs are compiled for fixed dims
+        self.input_shapes = {n: [int(d) for d in shapes[n].lens()] for n in self.input_names}
         self.output_names = list(output_names)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -203,7 +203,7 @@ def test_doctor_and_generate_describe_components_with_the_same_keys(bundle, tmp_
     gen = json.loads(proc.stdout)
     assert {k: gen[k] for k in ("size", "steps", "seed", "scheduler", "guidance", "out", "strict")} == {
         "size": "64x64", "steps": 2, "seed": 3, "scheduler": "euler", "guidance": 7.5, "out": str(out), "strict": False}
-    assert set(gen["seconds"]) == {"check", "load", "generate", "total"}
+    assert set(gen["seconds"]) == {"check", "load", "generate", "total", "stages", "run"}
     proc = precast("doctor", bundle, "--backend", "unet=gpu", "--sysroot", tmp_path, "--json")
     doc = json.loads(proc.stdout)
     shared = {"devices", "device_warning", "installed_backends", "assignment", "components", "bundle", "size",

@@ -19,7 +19,7 @@ from precast.compiler.demo_model import TINY
 from precast.compiler.errors import BadInput
 from precast.compiler.export import export
 from precast.compiler.sources.embeddings import assign_encoders, load_torch_restricted, read_embedding
-from precast.runtime.embeddings import Embeddings, load_bundle_embeddings
+from precast.runtime.embeddings import Embeddings, encoder_feeds, load_bundle_embeddings
 from precast.runtime.tokenizer import ClipTokenizer
 import reference as ref
 
@@ -158,8 +158,10 @@ def test_bundle_embeddings_apply_without_rebuilding_the_engine(demo_ckpt, tmp_pa
     tok = ClipTokenizer.from_folder(tmp_path / "ti/tokenizer")
     emb = load_bundle_embeddings(m, tok, m.components["text_encoder"]["config"]["vocab"])
     session = open_artifact(tmp_path / "ti", {"backend": "openvino", "entry": a_ti.entry, **a_ti.metadata})
+    # a static profile builds a static engine: the extra rows fixed at the maximum, padded by the runtime
+    assert a_ti.metadata["static"] is True and session.input_shapes["token_embeddings_extra"] == [256, TINY.context_dim]
     ids = tok(PROMPT)[None]
-    got = session.run(emb.feeds("text_encoder", ids, TINY.context_dim))["last_hidden_state"]
+    got = session.run(encoder_feeds(session, "text_encoder", ids, emb, TINY.context_dim))["last_hidden_state"]
     want, _ = _reference(demo_ckpt, tmp_path, [("mystyle", tmp_path / "mystyle.safetensors")])
     assert rel_err(got, want) <= 1e-4
     # changed vectors are refused, not applied: the file is checked against the manifest before it is read
@@ -171,16 +173,88 @@ def test_bundle_embeddings_apply_without_rebuilding_the_engine(demo_ckpt, tmp_pa
 
 
 def test_tensorrt_rtx_builds_the_text_encoder_with_the_extra_input(te_export, tmp_path):
-    """AOT build (no GPU needed): the extra input's profile is 1..256 rows."""
+    """AOT build (no GPU needed): the extra input's profile is 256 rows where batch and tokens are
+    fixed (a static engine), 1..256 rows where they vary."""
     from precast.compiler.cache import Cache
     from precast.compiler.engines import compile_component, read_export
     from precast.compiler.profiles import ShapeProfile
     from precast.compiler.targets import parse_target
     comp = read_export(te_export)["text_encoder"]
-    rec, entry = compile_component(comp, parse_target("tensorrt-rtx:sm_86", {}), ShapeProfile(), Cache(tmp_path / "c"),
-                                   progress=False)
-    assert entry.metadata["profile"]["token_embeddings_extra"] == [[1, TINY.context_dim], [1, TINY.context_dim],
-                                                                   [256, TINY.context_dim]]
+    w = TINY.context_dim
+    for profile, want in ((ShapeProfile(), [[256, w]] * 3),
+                          (ShapeProfile(batch=(1, 1, 2)), [[1, w], [1, w], [256, w]])):
+        rec, entry = compile_component(comp, parse_target("tensorrt-rtx:sm_86", {}), profile, Cache(tmp_path / "c"),
+                                       progress=False)
+        assert entry.metadata["profile"]["token_embeddings_extra"] == want
+
+
+@pytest.fixture(scope="module")
+def two_embeddings(tmp_path_factory):
+    """A tokenizer with `mystyle` (3 vectors) and `otherstyle` (1) registered, and their Embeddings."""
+    tok, emb = ClipTokenizer.shipped(), Embeddings(vocab=TINY.vocab)
+    emb.add(tok, "mystyle", {"text_encoder": _vectors(3, seed=1)})
+    emb.add(tok, "otherstyle", {"text_encoder": _vectors(1, seed=2)})
+    return tok, emb
+
+
+@pytest.mark.parametrize("target", ["openvino", "onnxruntime"])
+def test_static_text_encoders_take_the_same_embeddings_as_the_export(te_export, two_embeddings, tmp_path, target):
+    """A static profile builds a fully static text encoder (OpenVINO's static-shape path; ONNX Runtime's
+    pinned dims): its session declares 256 extra rows, the runtime pads the 5 it has with zeros, and
+    the output equals the export's, which matches diffusers (test above). A dynamic profile keeps 1..256."""
+    from precast.compiler.cache import Cache
+    from precast.compiler.engines import compile_component, read_export
+    from precast.compiler.profiles import ShapeProfile
+    from precast.compiler.targets import parse_target
+    from precast.runtime.sessions import open_artifact
+    tok, emb = two_embeddings
+    comp = read_export(te_export)["text_encoder"]
+    ids = tok(PROMPT)[None]
+    ref_session = ort.InferenceSession(str(te_export / "text_encoder/model.onnx"), providers=["CPUExecutionProvider"])
+    want = dict(zip(["last_hidden_state", "pooler_output"],
+                    ref_session.run(None, emb.feeds("text_encoder", ids, TINY.context_dim))))
+    for profile, rows, static in ((ShapeProfile(), 256, True), (ShapeProfile(tokens=(1, 77, 77)), None, False)):
+        _, entry = compile_component(comp, parse_target(target, {}), profile, Cache(tmp_path / "c"), progress=False)
+        assert bool(entry.metadata["static"]) is static
+        session = open_artifact(entry.path, entry.metadata)
+        assert session.input_shapes["token_embeddings_extra"] == [rows, TINY.context_dim]
+        feeds = encoder_feeds(session, "text_encoder", ids, emb, TINY.context_dim)
+        assert feeds["token_embeddings_extra"].shape == (rows or 5, TINY.context_dim)
+        got = session.run(feeds)
+        for name, ref_out in want.items():
+            assert rel_err(got[name], ref_out) <= 1e-5, (profile, name)
+
+
+def test_an_engine_fixed_at_fewer_rows_than_the_embeddings_is_refused_in_one_line(te_export, two_embeddings,
+                                                                                    tmp_path):
+    """An OpenVINO engine whose extra rows are fixed at 5 takes 4 vectors (padding none) and refuses a
+    fifth, naming the counts and the way out, instead of failing inside the backend."""
+    from precast.compiler.engines import read_export
+    from precast.compiler.profiles import ShapeProfile
+    from precast.compiler.targets import parse_target
+    from precast.compiler.targets.base import BuildJob
+    from precast.compiler.targets.openvino import OpenVinoTarget
+    from precast.runtime.errors import UserError
+    from precast.runtime.sessions import open_artifact
+    tok, emb = two_embeddings
+    comp = read_export(te_export)["text_encoder"]
+    shapes = ShapeProfile().input_shapes(comp.name, comp.inputs)
+    shapes["token_embeddings_extra"] = ((5, TINY.context_dim),) * 3
+    meta = OpenVinoTarget().build(BuildJob(comp.onnx_path, comp.name, comp.inputs, shapes, False),
+                                  parse_target("openvino", {}), tmp_path)
+    session = open_artifact(tmp_path, {**meta, "backend": "openvino"})
+    ids = tok(PROMPT)[None]
+    got = session.run(encoder_feeds(session, "text_encoder", ids, emb, TINY.context_dim))
+    ref_session = ort.InferenceSession(str(te_export / "text_encoder/model.onnx"), providers=["CPUExecutionProvider"])
+    want, _ = ref_session.run(None, emb.feeds("text_encoder", ids, TINY.context_dim))
+    assert rel_err(got["last_hidden_state"], want) <= 1e-5
+    more = Embeddings(vocab=TINY.vocab)
+    more.items = [*emb.items, ("third", {"text_encoder": _vectors(1, seed=3)})]
+    with pytest.raises(UserError) as err:
+        encoder_feeds(session, "text_encoder", ids, more, TINY.context_dim)
+    assert str(err.value) == ("text_encoder: the embeddings bring 5 vectors but this engine was built for at most 4 "
+                              "(token_embeddings_extra fixed at 5 rows); use fewer embeddings, or rebuild the bundle "
+                              "with this precast version (static text encoders take 255)")
 
 
 # ---- crafted tensor records: every element must lie inside its storage -------------------------------
