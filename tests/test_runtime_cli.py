@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import precast
-from precast.runtime.cli import _write_image, parse_size
+from precast.runtime.run_commands import _write_image, parse_size
 from precast.runtime.errors import UserError
 from precast.runtime.manifest import read_manifest
 
