@@ -19,7 +19,7 @@ import numpy as np
 from .errors import UserError
 from .flow import FlowEuler, FlowSchedule
 from .manifest import Manifest, read_manifest
-from .pipeline import BundleModel, _progress, check_steps, latent_factor, optimal_size
+from .pipeline import BundleModel, check_steps, latent_factor, optimal_size
 
 FAMILIES = {"flux": ("text_encoder", "text_encoder_2", "transformer", "vae_decoder"),
             "chroma": ("text_encoder", "transformer", "vae_decoder")}
@@ -217,20 +217,13 @@ class FluxTxt2Img(BundleModel):
             fixed["guidance"] = np.full((1,), guidance, np.float32)
         transformer = self.component("transformer").session
         run["encode"] = round(time.perf_counter() - t0, 3)
-        t0 = time.perf_counter()
-        with _progress(steps, progress) as bar:   # closed on an error too
-            for i, t in enumerate(sampler.timesteps):
-                self.check_loading()    # a VAE decoder that failed to load stops the run now, not after it
-                step = {"hidden_states": x, "timestep": np.full((1,), t, np.float32), **fixed}
-                v = transformer.run({**step, **cond})["out_hidden_states"].astype(np.float32)
-                if cfg:
-                    v_neg = transformer.run({**step, **uncond})["out_hidden_states"].astype(np.float32)
-                    v = v_neg + np.float32(guidance) * (v - v_neg)
-                x = sampler.step(v, i, x)
-                bar.update(1)
-                if i == 0:
-                    run["first_step"] = round(time.perf_counter() - t0, 3)
-        run["denoise"] = round(time.perf_counter() - t0, 3)
+        for i, t in self.denoising(sampler.timesteps, progress):
+            step = {"hidden_states": x, "timestep": np.full((1,), t, np.float32), **fixed}
+            v = transformer.run({**step, **cond})["out_hidden_states"].astype(np.float32)
+            if cfg:
+                v_neg = transformer.run({**step, **uncond})["out_hidden_states"].astype(np.float32)
+                v = v_neg + np.float32(guidance) * (v - v_neg)
+            x = sampler.step(v, i, x)
         z = unpack(x, self.rows, self.cols) / np.float32(self.latent_scale) + np.float32(self.latent_shift)
         image = self.decode(z)
         return np.clip(image / 2 + 0.5, 0.0, 1.0)

@@ -266,6 +266,21 @@ class BundleModel:
                                "the rest is ignored")
         return out
 
+    def denoising(self, timesteps, progress: bool):
+        """(i, t) for each step of a denoising loop, with what every loop needs around its body: a
+        VAE decoder that failed to load in the background stops the run before the step, the
+        progress bar (closed on an error too: an exception in the body closes this generator), and
+        `run_stages` first_step and denoise."""
+        t0 = time.perf_counter()
+        with _progress(len(timesteps), progress) as bar:
+            for i, t in enumerate(timesteps):
+                self.check_loading()
+                yield i, t
+                bar.update(1)
+                if i == 0:
+                    self.run_stages["first_step"] = round(time.perf_counter() - t0, 3)
+        self.run_stages["denoise"] = round(time.perf_counter() - t0, 3)
+
     def decode(self, latents: np.ndarray) -> np.ndarray:
         """The VAE decoder's image, [H, W, 3] in its own range: `run_stages` gets the seconds waited
         for its load (if it was still loading) and the decode's."""
@@ -374,19 +389,12 @@ class Txt2Img(BundleModel):
         context = np.concatenate([neg_ctx, ctx], axis=0)
         unet = self.component("unet").session
         run["encode"] = round(time.perf_counter() - t0, 3)
-        t0 = time.perf_counter()
-        with _progress(steps, progress) as bar:   # closed on an error too
-            for i, t in enumerate(sampler.timesteps):
-                self.check_loading()    # a VAE decoder that failed to load stops the run now, not after it
-                model_in = np.concatenate([sampler.scale_model_input(x, i)] * 2, axis=0)
-                eps = unet.run({"sample": model_in, "timestep": np.full((2,), t, np.float32),
-                                "encoder_hidden_states": context, **extra})["out_sample"].astype(np.float32)
-                uncond, cond = eps[:1], eps[1:]
-                x = sampler.step(uncond + np.float32(guidance) * (cond - uncond), i, x)
-                bar.update(1)
-                if i == 0:
-                    run["first_step"] = round(time.perf_counter() - t0, 3)
-        run["denoise"] = round(time.perf_counter() - t0, 3)
+        for i, t in self.denoising(sampler.timesteps, progress):
+            model_in = np.concatenate([sampler.scale_model_input(x, i)] * 2, axis=0)
+            eps = unet.run({"sample": model_in, "timestep": np.full((2,), t, np.float32),
+                            "encoder_hidden_states": context, **extra})["out_sample"].astype(np.float32)
+            uncond, cond = eps[:1], eps[1:]
+            x = sampler.step(uncond + np.float32(guidance) * (cond - uncond), i, x)
         image = self.decode(x / np.float32(self.latent_scale))
         return np.clip(image / 2 + 0.5, 0.0, 1.0)
 
