@@ -23,6 +23,7 @@ from .bundle_archive import MANIFEST_LIMIT, check_out
 from .cache import Cache, Entry, cache_key
 from .engines import PRECAST_VERSION, ExportedComponent, compile_component
 from .errors import BadInput
+from .interop import write_pipeline_folder
 from .plan import _slug, make_plan, select
 from .recipe import Recipe
 from .targets import check_buildable
@@ -41,6 +42,9 @@ def materialize_source(recipe: Recipe, cache: Cache) -> Path:
         if name == "tiny-sd15":
             from .demo_model import write_demo_model
             write_demo_model(str(path), seed=0)
+        elif name.startswith("tiny-sd3"):
+            from .demo_sd3 import write_demo_sd3
+            write_demo_sd3(str(path), name, seed=0)
         else:
             from .demo_dit import write_demo_dit
             write_demo_dit(str(path), name, seed=0)
@@ -49,7 +53,7 @@ def materialize_source(recipe: Recipe, cache: Cache) -> Path:
 
 def demo_overrides(recipe: Recipe) -> dict:
     """What the tiny DiT demos' weights cannot say (their 16-wide heads' RoPE split), unless set."""
-    if not recipe.source.startswith("demo:tiny-") or recipe.source == "demo:tiny-sd15":
+    if recipe.source not in ("demo:tiny-flux-dev", "demo:tiny-flux-schnell", "demo:tiny-chroma"):
         return recipe.overrides
     from .demo_dit import DEMO_AXES
     transformer = {"axes_dims_rope": DEMO_AXES, **recipe.overrides.get("transformer", {})}
@@ -240,7 +244,7 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
     for p in profiles:
         try:
             p.check()
-            if family.name in T5_TOKENS:      # a DiT transformer packs 2x2 latents: refused now, not after exporting
+            if family.name in T5_TOKENS:      # a DiT transformer reads 2x2 latent patches: refused now, not after exporting
                 p.image_tokens()
         except BadInput as e:
             raise BadInput(f"{recipe.path}: profiles: {e}") from None
@@ -335,13 +339,16 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
                 report.append({**{k: rec[k] for k in ("component", "backend", "target", "cache", "seconds", "key",
                                                       "fingerprint")}, "entry": e.id,
                                **({"evicted": rec["evicted"]} if rec.get("evicted") else {})})
-        for comp, folder in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")):
+        for comp, folder in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2"),
+                             ("text_encoder_3", "tokenizer_3")):
             if comp not in manifest["components"]:
                 continue
             if "t5_sequence" in str(manifest["components"][comp]["inputs"]):
                 add_t5_tokenizer(writer, source, folder)
             else:
                 add_tokenizer(writer, source, folder, pad_zero=family.name == "sd2" or comp == "text_encoder_2")
+        write_pipeline_folder(staging / "onnx", manifest["model"],  # diffusers-style folder (compiler/interop.py)
+                              {c: v["config"] for c, v in manifest["components"].items()}, source, writer)
         write_manifest(staging, manifest)
         commit_bundle(staging, out)
     finally:
@@ -349,13 +356,14 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
     return {"bundle": str(out), "artifacts": report, "seconds": round(time.perf_counter() - t0, 3)}
 
 
-def add_tokenizer(writer: BundleWriter, source: Path, name: str = "tokenizer", pad_zero: bool = False) -> None:
+def add_tokenizer(writer: BundleWriter, source: Path, name: str = "tokenizer", pad_zero: bool = False,
+                  source_folder: str | None = None) -> None:
     """<name>/{vocab.json, merges.txt[, tokenizer_config.json]}: the diffusers folder's own, else the
     CLIP BPE precast ships. OpenCLIP encoders (SD 2.x, SDXL's bigG) pad with id 0 ('!')."""
     from ..runtime.tokenizer import ClipTokenizer
     folder = writer.root / name
     folder.mkdir(parents=True, exist_ok=True)
-    theirs = source / name if source.is_dir() else None
+    theirs = source / (source_folder or name) if source.is_dir() else None
     if theirs is not None and (theirs / "vocab.json").is_file() and (theirs / "merges.txt").is_file():
         for f in ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json"):
             if (theirs / f).is_file():
@@ -368,11 +376,12 @@ def add_tokenizer(writer: BundleWriter, source: Path, name: str = "tokenizer", p
         writer.files[f"{name}/{p.name}"] = file_record(p)
 
 
-def add_t5_tokenizer(writer: BundleWriter, source: Path, name: str) -> None:
+def add_t5_tokenizer(writer: BundleWriter, source: Path, name: str, source_folder: str | None = None) -> None:
     """<name>/: the T5 tokenizer (sentencepiece `spiece.model` + transformers' files): the diffusers
     folder's own, else the one precast ships."""
     from .sources.t5_tokenizer_files import write_t5_tokenizer_folder
-    theirs = source / name if source.is_dir() and (source / name).is_dir() else None
+    mine = source_folder or name
+    theirs = source / mine if source.is_dir() and (source / mine).is_dir() else None
     folder = writer.root / name
     write_t5_tokenizer_folder(folder, theirs)
     for p in sorted(folder.iterdir()):

@@ -62,19 +62,19 @@ def main() -> None:
 @click.argument("checkpoint", type=click.Path())
 @click.option("--out", "out", required=True, type=click.Path(), help="Output folder (optimum-onnx layout).")
 @click.option("--component", "components", multiple=True,
-              help="Component to export (repeatable): text_encoder, text_encoder_2, unet (SD) or transformer (Flux, "
-                   "Chroma), vae_encoder, vae_decoder. Default: all present.")
+              help="Component to export (repeatable): text_encoder, text_encoder_2, text_encoder_3 (SD3's T5), unet (SD) "
+                   "or transformer (Flux, Chroma, SD3), vae_encoder, vae_decoder. Default: all present.")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True,
               help="Weights and activations; norms, softmax and RoPE stay fp32 inside the graph.")
 @click.option("--set", "sets", multiple=True, metavar="COMPONENT.FIELD=VALUE",
               help="Override what the weights cannot say, e.g. unet.num_heads=8, text_encoder.num_heads=12.")
 @click.option("--vae-dtype", type=click.Choice(["auto", "fp32", "fp16", "bf16"]), default="auto", show_default=True,
-              help="VAE precision; auto = --dtype, except fp32 for SDXL and Flux/Chroma (their VAEs overflow in fp16).")
+              help="VAE precision; auto = --dtype, except fp32 for SDXL, Flux/Chroma and SD3 (their VAEs overflow in fp16).")
 @click.option("--vae", type=click.Path(), default=None,
               help="A separate VAE replacing the checkpoint's: .safetensors (LDM or diffusers names) or a vae/ folder.")
 @click.option("--text-encoder", "--text-encoder-2", "text_encoders", multiple=True, type=click.Path(),
-              help="A separate text encoder (T5-XXL or CLIP-L .safetensors, recognised by its tensors; repeatable), "
-                   "e.g. Flux's t5xxl_fp16.safetensors.")
+              help="A separate text encoder (T5-XXL, CLIP-L or CLIP-G .safetensors, recognised by its tensors; "
+                   "repeatable), e.g. Flux's t5xxl_fp16.safetensors, SD3's clip_g.safetensors.")
 @click.option("--lora", "loras", multiple=True, metavar="PATH[:STRENGTH]",
               help="Merge a LoRA / LyCORIS file into the weights (repeatable; strength default 1.0).")
 @click.option("--lora-te-strength", type=float, default=None,
@@ -174,9 +174,9 @@ def compile_cmd(export_dir, targets, components, batch, height, width, tokens, t
             t5_range = (t5, t5, t5) if t5 else None
         else:
             t5_range = parse_range(t5_tokens, "--t5-tokens")
-            if not any("t5_sequence" in i["shape"] for n in names for i in comps[n].inputs):
+            if not any(d in i["shape"] for n in names for i in comps[n].inputs for d in ("t5_sequence", "text_sequence")):
                 raise BadInput(f"--t5-tokens {t5_tokens}: none of {', '.join(names)} reads T5 tokens "
-                               "(only Flux / Chroma's T5 and transformer do): drop it")
+                               "(only Flux / Chroma / SD3's T5 and transformer do): drop it")
         profile = ShapeProfile(parse_range(batch, "--batch"), parse_range(height, "--height"),
                                parse_range(width, "--width"), parse_range(tokens, "--tokens"), t5_range,
                                latent_factor=export_latent_factor(export_dir))

@@ -21,6 +21,7 @@ from .families import (FAMILIES, FP32_VAE_FAMILIES, LATENT_SCALE, LATENT_SHIFT, 
                        check_parts, latent_factor_of, overrides_for)
 from .graphs.onnx_graph import DTYPE_NAMES, NP_OF, Graph
 from .graphs.onnx_writer import save_model
+from .interop import write_pipeline_folder
 from .sources.checkpoint import Checkpoint, open_checkpoint
 from .sources.config_fields import field
 from .sources.detect import Family, detect_family, require_supported
@@ -110,7 +111,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
     family = detect_family(ckpt)
     require_supported(ckpt, family)
     if text_encoders and family.name not in T5_TOKENS:
-        raise BadInput(f"--text-encoder {text_encoders[0]}: separate text-encoder files are read for Flux and Chroma; "
+        raise BadInput(f"--text-encoder {text_encoders[0]}: separate text-encoder files are read for Flux, Chroma and SD3; "
                        f"a {family.name} export takes its text encoders from {ckpt.path}: drop the flag")
     names = list(components) if components else present_components(ckpt, family)
     planned = plan_graphs(ckpt, names, dtype, overrides or {}, vae_dtype)
@@ -157,6 +158,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
         (staging / "precast_export.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
         _commit(staging, out, written)
         _remove_stale(out, report, earlier)
+        write_pipeline_folder(out, report, {c["name"]: c["config"] for c in report["components"]}, Path(source))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     report["out"] = str(out)
@@ -183,7 +185,7 @@ def _lora_identity(described: list[dict]) -> list[dict]:
 def prediction_type(ckpt: Checkpoint, family: Family, overrides: dict) -> str:
     """epsilon or v_prediction: an override, a diffusers scheduler config, a marker key, or (SD 2.x)
     ComfyUI's rule: the last attention block's norm1 bias has std > 0.09 in v-models."""
-    if family.name in ("flux", "chroma"):
+    if family.name in ("flux", "chroma", "sd3"):
         return "flow"          # rectified flow: the transformer predicts the velocity (noise - data)
     if overrides.get("model", {}).get("prediction"):
         return str(overrides["model"]["prediction"])

@@ -15,8 +15,8 @@ from functools import partial
 from typing import Callable
 
 from .errors import BadInput
-from .graphs import clip_text, flux, ldm_unet, ldm_vae, t5_encoder
-from .sources.checkpoint import CLIP_L, DIT, T5, TEXT, UNET, VAE
+from .graphs import clip_text, flux, ldm_unet, ldm_vae, mmdit, t5_encoder
+from .sources.checkpoint import CLIP_G, CLIP_L, DIT, T5, TEXT, UNET, VAE
 
 
 @dataclass(frozen=True)
@@ -59,9 +59,19 @@ FLUX_CLIP = Component("text_encoder", (CLIP_L,), "text_encoder", partial(clip_te
 DIT_C = Component("transformer", (DIT,), "transformer", flux.flux_config, flux.build_flux)
 
 
-def _t5(name: str, mask_input: bool) -> Component:
+def _t5(name: str, mask_input: bool, hint: str = T5_HINT) -> Component:
     return Component(name, (T5,), name, partial(t5_encoder.t5_config, mask_input=mask_input),
-                     t5_encoder.build_t5_encoder, config_file="t5", missing_hint=T5_HINT)
+                     t5_encoder.build_t5_encoder, config_file="t5", missing_hint=hint)
+
+
+# SD3: CLIP-L and CLIP-G with projection (penultimate states + projected pooled), T5 optional
+SD3_HINT = ("pass SD3's text encoders with --text-encoder clip_l.safetensors --text-encoder clip_g.safetensors "
+            "[--text-encoder t5xxl_fp16.safetensors] (recipe: model.text_encoders)")
+SD3_CLIPS = {n: Component(n, (prefix,), n, partial(clip_text.clip_text_config, role=role), clip_text.build_clip_text,
+                          config_file=cfg, missing_hint=SD3_HINT)
+             for n, prefix, role, cfg in (("text_encoder", CLIP_L, "sd3-l", "clip_l"),
+                                          ("text_encoder_2", CLIP_G, "sd3-g", "clip_g"))}
+MMDIT_C = Component("transformer", (DIT,), "transformer", mmdit.mmdit_config, mmdit.build_mmdit)
 
 
 SDXL_TE1 = "conditioner.embedders.0.transformer.text_model."
@@ -83,9 +93,12 @@ FAMILIES: dict[str, dict[str, Component]] = {
              "vae_encoder": VAE_ENC, "vae_decoder": VAE_DEC},
     "chroma": {"text_encoder": _t5("text_encoder", True), "transformer": DIT_C,
                "vae_encoder": VAE_ENC, "vae_decoder": VAE_DEC},
+    # StableDiffusion3Pipeline's names; a checkpoint without T5 exports without it (the runtime feeds zeros)
+    "sd3": {**SD3_CLIPS, "text_encoder_3": _t5("text_encoder_3", False, SD3_HINT), "transformer": MMDIT_C,
+            "vae_encoder": VAE_ENC, "vae_decoder": VAE_DEC},
 }
 DENOISER = {"sd1": "unet", "sd2": "unet", "sdxl": "unet", "sdxl-refiner": "unet", "flux": "transformer",
-            "chroma": "transformer"}
+            "chroma": "transformer", "sd3": "transformer"}
 
 # What the weights cannot say, per family (a diffusers config.json or --set wins).
 DEFAULTS: dict[str, dict[str, dict]] = {
@@ -96,13 +109,16 @@ DEFAULTS: dict[str, dict[str, dict]] = {
 }
 TEXT_POSITIONS = 77  # every supported CLIP text encoder (CLIP-L, OpenCLIP-H, bigG) has 77 positions
 LATENT_SCALE = {"sd1": 0.18215, "sd2": 0.18215, "sdxl": 0.13025, "sdxl-refiner": 0.13025, "flux": 0.3611,
-                "chroma": 0.3611}
-LATENT_SHIFT = {"flux": 0.1159, "chroma": 0.1159}   # latent = scale * (z - shift) (BFL AutoEncoderParams)
+                "chroma": 0.3611, "sd3": 1.5305}
+# latent = scale * (z - shift) (BFL AutoEncoderParams, SAI SD3LatentFormat)
+LATENT_SHIFT = {"flux": 0.1159, "chroma": 0.1159, "sd3": 0.0609}
+SD3_VARIANTS = ("3-medium", "3.5-medium", "3.5-large", "3.5-large-turbo")
 # T5 text length the transformer is built and run for (diffusers' max_sequence_length defaults)
-T5_TOKENS = {"flux": {"dev": 512, "schnell": 256}, "chroma": {"": 512}}
+T5_TOKENS = {"flux": {"dev": 512, "schnell": 256}, "chroma": {"": 512}, "sd3": {v: 256 for v in SD3_VARIANTS}}
+PACKED_2X2 = {"flux", "chroma"}     # transformers fed 2x2-packed latent tokens (SD3 patchifies inside its graph)
 # The SDXL and Flux VAEs overflow in fp16 (activations past 65504; TensorRT's demo forces the Flux
 # VAE out of fp16): exported in fp32 unless the user brings an fp16-safe VAE or asks knowingly.
-FP32_VAE_FAMILIES = {"sdxl", "sdxl-refiner", "flux", "chroma"}
+FP32_VAE_FAMILIES = {"sdxl", "sdxl-refiner", "flux", "chroma", "sd3"}
 
 
 # Flow-matching schedules (diffusers FlowMatchEulerDiscreteScheduler configs as released) and the
@@ -110,8 +126,14 @@ FP32_VAE_FAMILIES = {"sdxl", "sdxl-refiner", "flux", "chroma"}
 # Chroma 35 / 5.0 (real classifier-free guidance with a negative prompt).
 DYNAMIC = {"use_dynamic_shifting": True, "shift": 3.0, "base_shift": 0.5, "max_shift": 1.15,
            "base_image_seq_len": 256, "max_image_seq_len": 4096}
+# SD3 (StableDiffusion3Pipeline, SAI sd3_infer.py): static shift 3.0 over the scheduler's own spacing
+# (down to the training schedule's last sigma); 3-medium 28 steps / CFG 7.0, 3.5-large and 3.5-medium
+# 40 / 4.5 (3.5-medium's skip-layer guidance is not run), large-turbo 4 steps without CFG.
+SD3_FLOW = {"use_dynamic_shifting": False, "shift": 3.0, "spacing": "training"}
 FLOW = {("flux", "dev"): (DYNAMIC, 28, 3.5), ("flux", "schnell"): ({"use_dynamic_shifting": False, "shift": 1.0}, 4, 0.0),
-        ("chroma", ""): (DYNAMIC, 35, 5.0)}
+        ("chroma", ""): (DYNAMIC, 35, 5.0),
+        ("sd3", "3-medium"): (SD3_FLOW, 28, 7.0), ("sd3", "3.5-medium"): (SD3_FLOW, 40, 4.5),
+        ("sd3", "3.5-large"): (SD3_FLOW, 40, 4.5), ("sd3", "3.5-large-turbo"): (SD3_FLOW, 4, 1.0)}
 UNSUPPORTED_SCHEDULER_FIELDS = ("shift_terminal", "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas",
                                 "invert_sigmas", "stochastic_sampling")
 SCHEDULER_FIELDS = ("use_dynamic_shifting", "shift", "base_shift", "max_shift", "base_image_seq_len",
@@ -158,6 +180,8 @@ def check_parts(family: str, configs: dict[str, dict], path: str, vae_file: str 
     latent channels and reads the text encoders' widths side by side."""
     if "unet" in configs:
         _check_sd_parts(family, configs, path, vae_file)
+    if family == "sd3" and "transformer" in configs:
+        _check_sd3_parts(configs, path, vae_file)
     if family not in ("flux", "chroma") or "transformer" not in configs:
         return
     dit = configs["transformer"]
@@ -174,6 +198,28 @@ def check_parts(family: str, configs: dict[str, dict], path: str, vae_file: str 
     if clip and dit["vec_dim"] and clip.get("hidden") != dit["vec_dim"]:
         raise BadInput(f"{path}: the CLIP text encoder is {clip.get('hidden')} wide; the transformer's vector_in "
                        f"reads {dit['vec_dim']} (CLIP-L: 768)")
+
+
+def _check_sd3_parts(configs: dict[str, dict], path: str, vae_file: str | None) -> None:
+    """An MMDiT reads the VAE's latents, T5's width as its context, CLIP-L | CLIP-G side by side
+    (zero-padded to that width) and their two projections as its pooled vector."""
+    dit = configs["transformer"]
+    vae = configs.get("vae_decoder") or configs.get("vae_encoder")
+    if vae and dit["in_channels"] != vae["latent_channels"]:
+        raise BadInput(f"{f'--vae {vae_file}' if vae_file else path}: the VAE has {vae['latent_channels']} latent channels; "
+                       f"the SD3 transformer reads {dit['in_channels']}: give the model's own VAE (16 channels) with --vae")
+    t5 = configs.get("text_encoder_3")
+    if t5 and t5.get("d_model") != dit["context_dim"]:
+        raise BadInput(f"{path}: the T5 encoder is {t5.get('d_model')} wide; the transformer's context_embedder reads "
+                       f"{dit['context_dim']} (T5-XXL: 4096): give the T5 the model was trained with")
+    clips = [configs[n] for n in ("text_encoder", "text_encoder_2") if n in configs]
+    if len(clips) == 2 and clips[0]["hidden"] + clips[1]["hidden"] > dit["context_dim"]:
+        raise BadInput(f"{path}: CLIP-L and CLIP-G are {clips[0]['hidden']} + {clips[1]['hidden']} wide, more than the "
+                       f"transformer's context width {dit['context_dim']}: the text encoders come from another model")
+    projected = [c.get("projection") for c in clips]
+    if len(clips) == 2 and all(projected) and sum(projected) != dit["pooled_dim"]:
+        raise BadInput(f"{path}: the CLIP projections give {projected[0]} + {projected[1]} pooled values; the "
+                       f"transformer's y_embedder reads {dit['pooled_dim']}: the text encoders come from another model")
 
 
 def _check_sd_parts(family: str, configs: dict[str, dict], path: str, vae_file: str | None) -> None:
@@ -221,7 +267,10 @@ SET_FIELDS: dict[str, dict[str, tuple[str, Callable]]] = {
                                        lambda v: isinstance(v, list) and bool(v) and all(_is_int(a, 2) and a % 2 == 0
                                                                                         for a in v)),
                     "theta": ("a number above 0", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-                              and 0 < v < float("inf"))},
+                              and 0 < v < float("inf")),
+                    "num_heads": POSITIVE,      # SD3 without QK norm: heads are not in the weights (SAI: 64 wide)
+                    "fp32_blocks": ("a list of joint-block indices computed in fp32 in half exports, e.g. [35]",
+                                    lambda v: isinstance(v, list) and all(_is_int(b, 0) for b in v))},
 }
 
 

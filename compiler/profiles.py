@@ -3,7 +3,8 @@
 Owns: `ShapeProfile` (min/opt/max per dimension, in pixels and tokens as a user thinks of
 them) and its translation into each component's input shapes (latents are 1/8 of the image,
 the UNet batch doubles for classifier-free guidance; a Flux/Chroma transformer sees one token
-per 16x16 pixels -- 2x2 patches of latents -- and the T5 length, `t5_tokens`). A text encoder's
+per 16x16 pixels -- 2x2 patches of latents -- and the T5 length, `t5_tokens`; an SD3 transformer
+takes the latents and CLIP's 77 tokens followed by the T5 length, `text_sequence`). A text encoder's
 textual-inversion rows (`extra_tokens`) take 1..EXTRA_TOKENS rows, except where the profile fixes
 every other dimension the component reads: then they are fixed at the maximum, so the engine is
 fully static (OpenVINO compiles it with static shapes, ONNX Runtime pins the dims, MIGraphX can build
@@ -75,8 +76,8 @@ class ShapeProfile:
         px = 2 * self.latent_factor
         for name, r in (("height", self.height), ("width", self.width)):
             if any(v % px for v in r):
-                raise BadInput(f"profile {name} {r}: a Flux/Chroma transformer packs 2x2 latents: sides must be "
-                               f"multiples of {px}")
+                raise BadInput(f"profile {name} {r}: a DiT transformer (Flux, Chroma, SD3) reads 2x2 latent patches: "
+                               f"sides must be multiples of {px}")
         return tuple((h // px) * (w // px) for h, w in zip(self.height, self.width))  # type: ignore[return-value]
 
     def input_shapes(self, component: str, inputs: list[dict]) -> dict[str, tuple[tuple[int, ...], ...]]:
@@ -92,6 +93,10 @@ class ShapeProfile:
             if self.t5_tokens is None:
                 raise BadInput(f"{component}: the profile gives no T5 length (t5_tokens)")
             symbolic["t5_sequence"] = self.t5_tokens
+        if "text_sequence" in dims:     # SD3: CLIP tokens then T5 tokens, one sequence
+            if self.t5_tokens is None:
+                raise BadInput(f"{component}: the profile gives no T5 length (t5_tokens)")
+            symbolic["text_sequence"] = tuple(a + b for a, b in zip(self.tokens, self.t5_tokens))
         if "image_tokens" in dims:
             symbolic["image_tokens"] = self.image_tokens()
         if component == "unet":

@@ -18,20 +18,23 @@ from .families import SET_FIELDS, TEXT_POSITIONS, set_problem
 from .profiles import ShapeProfile, parse_range
 from .targets import TargetSpec, get_target, parse_target
 
-COMPONENTS = ("text_encoder", "text_encoder_2", "unet", "transformer", "vae_encoder", "vae_decoder")
+COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "unet", "transformer", "vae_encoder", "vae_decoder")
 SD_COMPONENTS = ("text_encoder", "text_encoder_2", "unet", "vae_encoder", "vae_decoder")
 DEFAULT_COMPONENTS = {"sd1": ("text_encoder", "unet", "vae_encoder", "vae_decoder"),
                       "sd2": ("text_encoder", "unet", "vae_encoder", "vae_decoder"),
                       "sdxl": SD_COMPONENTS, "sdxl-refiner": ("text_encoder_2", "unet", "vae_encoder", "vae_decoder"),
                       "flux": ("text_encoder", "text_encoder_2", "transformer", "vae_encoder", "vae_decoder"),
-                      "chroma": ("text_encoder", "transformer", "vae_encoder", "vae_decoder")}
+                      "chroma": ("text_encoder", "transformer", "vae_encoder", "vae_decoder"),
+                      "sd3": ("text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae_encoder",
+                              "vae_decoder")}
 PRECISIONS = ("fp32", "fp16", "bf16")
 TOP_FIELDS = {"name", "model", "components", "precision", "loras", "embeddings", "profiles", "targets"}
 MODEL_FIELDS = {"source", "family", "set", "vae", "prediction", "text_encoders"}
 PROFILE_FIELDS = {"batch", "height", "width", "tokens", "t5_tokens", "static"}
 # embedded tiny models (written on demand, no download): demo name -> family
 DEMO_SOURCES = {"demo:tiny-sd15": "sd1", "demo:tiny-flux-dev": "flux", "demo:tiny-flux-schnell": "flux",
-                "demo:tiny-chroma": "chroma"}
+                "demo:tiny-chroma": "chroma", "demo:tiny-sd3": "sd3", "demo:tiny-sd35-medium": "sd3",
+                "demo:tiny-sd35-large": "sd3"}
 MAX_RECIPE_BYTES = 1 << 20
 
 

@@ -31,7 +31,8 @@ MODULES = {"diffusion": ("diffusion", "model", "unet", "dit"),
            "controlnet": ("controlnet", "control"),
            "upscaler": ("upscaler",)}
 ALIAS = {alias: module for module, aliases in MODULES.items() for alias in aliases}
-COMPONENT_MODULE = {"unet": "diffusion", "transformer": "diffusion", "text_encoder": "te", "text_encoder_2": "te", "vae_decoder": "vae", "vae_encoder": "vae",
+COMPONENT_MODULE = {"unet": "diffusion", "transformer": "diffusion", "text_encoder": "te", "text_encoder_2": "te",
+                    "text_encoder_3": "te", "vae_decoder": "vae", "vae_encoder": "vae",
                     "controlnet": "controlnet"}
 # vendor names -> the vendor's first GPU
 VENDOR_NAMES = {"cuda": "nvidia", "nvidia": "nvidia", "rocm": "amd", "amd": "amd", "hip": "amd",

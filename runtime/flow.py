@@ -1,6 +1,8 @@
-"""Flow-matching Euler sampler (Flux, Chroma; SD3 later), in numpy.
+"""Flow-matching Euler sampler (Flux, Chroma, SD3), in numpy.
 
-Owns: the sigma schedule -- linspace(1, 1/steps, steps), then either a static shift
+Owns: the sigma schedule -- linspace(1, 1/steps, steps) (FluxPipeline's own sigmas; spacing
+"1/steps") or linspace(1, the training schedule's last sigma, steps) (the scheduler's default
+spacing, which StableDiffusion3Pipeline uses: "training"), then either a static shift
 sigma' = s*sigma / (1 + (s - 1)*sigma) or the resolution-dependent ("dynamic") exponential time
 shift sigma' = e^mu / (e^mu + 1/sigma - 1), with mu linear in the number of image tokens between
 (base_image_seq_len, base_shift) and (max_image_seq_len, max_shift) -- and the Euler update on the
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 
+SPACINGS = ("1/steps", "training")
+TRAIN_STEPS = 1000        # num_train_timesteps of every released flow-matching model
 LIMITS = {"shift": (1e-3, 1e3), "base_shift": (-10.0, 10.0), "max_shift": (-10.0, 10.0),
           "base_image_seq_len": (1, 1 << 24), "max_image_seq_len": (1, 1 << 24)}
 
@@ -27,6 +31,9 @@ def schedule_problem(sched: dict) -> str | None:
         if name == "use_dynamic_shifting":
             if not isinstance(value, bool):
                 return f"use_dynamic_shifting = {value!r}: expected true or false"
+        elif name == "spacing":
+            if value not in SPACINGS:
+                return f"spacing = {value!r}: expected {' or '.join(SPACINGS)}"
         elif name == "time_shift_type":
             if value != "exponential":
                 return f"time_shift_type = {value!r}: only exponential (Flux's) is supported"
@@ -50,6 +57,7 @@ class FlowSchedule:
     max_shift: float = 1.15
     base_image_seq_len: int = 256
     max_image_seq_len: int = 4096
+    spacing: str = "1/steps"
 
     @classmethod
     def from_config(cls, cfg: dict) -> "FlowSchedule":
@@ -65,7 +73,13 @@ class FlowEuler:
     """Euler on the flow ODE: `timesteps[i]` is what the transformer is fed at step i."""
 
     def __init__(self, schedule: FlowSchedule, steps: int, image_tokens: int):
-        sigmas = np.linspace(1.0, 1.0 / steps, steps).astype(np.float32)
+        if schedule.spacing == "training":     # down to the training schedule's last sigma (shifted if static)
+            last = 1.0 / TRAIN_STEPS
+            if not schedule.use_dynamic_shifting:
+                last = schedule.shift * last / (1 + (schedule.shift - 1) * last)
+            sigmas = np.linspace(1.0, np.float32(last), steps).astype(np.float32)
+        else:
+            sigmas = np.linspace(1.0, 1.0 / steps, steps).astype(np.float32)
         if schedule.use_dynamic_shifting:
             e = math.exp(schedule.mu(image_tokens))
             sigmas = (e / (e + (1 / sigmas - 1) ** 1.0)).astype(np.float32)

@@ -32,7 +32,7 @@ LATENT_SCALE = {"sd1": 0.18215, "sd2": 0.18215, "sdxl": 0.13025, "sdxl-refiner":
 NEEDED = {"sd1": ("text_encoder", "unet", "vae_decoder"), "sd2": ("text_encoder", "unet", "vae_decoder"),
           "sdxl": ("text_encoder", "text_encoder_2", "unet", "vae_decoder"),
           "sdxl-refiner": ("text_encoder_2", "unet", "vae_decoder")}
-TOKENIZER_FOLDER = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2"}
+TOKENIZER_FOLDER = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2", "text_encoder_3": "tokenizer_3"}
 
 
 def latent_factor(manifest) -> int:
@@ -55,6 +55,9 @@ def optimal_size(manifest) -> tuple[int, int]:
 
 def requests(manifest, batch: int, height: int, width: int, tokens: int = 77, cfg: bool = True) -> dict:
     """The input shapes each component will be called with."""
+    if manifest.model.get("family") == "sd3":
+        from .sd3_pipeline import sd3_requests
+        return sd3_requests(manifest, batch, height, width)
     if "transformer" in manifest.components:
         from .dit_pipeline import dit_requests
         return dit_requests(manifest, batch, height, width)

@@ -192,22 +192,30 @@ def doctor_cmd(bundle, backend, params_backend, size, strict, sysroot, as_json, 
     run_cli(go, as_json)
 
 
-def _open_pipeline(manifest, backend, params_backend, w, h, sysroot, strict, verify, lazy=True):
-    """The family's txt2img pipeline over the bundle (SD: Txt2Img, Flux / Chroma: FluxTxt2Img)."""
+def pipeline_class(manifest):
+    """The family's txt2img pipeline (SD 1.x/2.x/XL: Txt2Img, Flux / Chroma: FluxTxt2Img, SD3: SD3Txt2Img)."""
+    if manifest.model.get("family") == "sd3":
+        from .sd3_pipeline import SD3Txt2Img
+        return SD3Txt2Img
     if "transformer" in manifest.components:
-        from .dit_pipeline import FluxTxt2Img as Pipeline
-    else:
-        from .pipeline import Txt2Img as Pipeline
-    return Pipeline(manifest, backend, params_backend, width=w, height=h, sysroot=sysroot, strict=strict,
-                    verify=verify, lazy=lazy)
+        from .dit_pipeline import FluxTxt2Img
+        return FluxTxt2Img
+    from .pipeline import Txt2Img
+    return Txt2Img
+
+
+def _open_pipeline(manifest, backend, params_backend, w, h, sysroot, strict, verify, lazy=True):
+    return pipeline_class(manifest)(manifest, backend, params_backend, width=w, height=h, sysroot=sysroot,
+                                    strict=strict, verify=verify, lazy=lazy)
 
 
 def _missing_for_generate(manifest) -> list[str]:
     """Components `generate` needs for this bundle's family that the bundle does not have."""
     from .dit_pipeline import FAMILIES as DIT_NEEDS
     from .pipeline import NEEDED
+    from .sd3_pipeline import NEEDED as SD3_NEEDS
     family = manifest.model.get("family")
-    needed = NEEDED.get(family) or DIT_NEEDS.get(family) or ()
+    needed = NEEDED.get(family) or DIT_NEEDS.get(family) or (SD3_NEEDS if family == "sd3" else ())
     return [c for c in needed if c not in manifest.components]
 
 
@@ -215,18 +223,20 @@ def _missing_for_generate(manifest) -> list[str]:
 @click.argument("bundle", type=click.Path())
 @click.option("--prompt", required=True)
 @click.option("--negative", default="", show_default=True)
-@click.option("--steps", default=None, type=int, help="Denoising steps (default: SD 20; Flux dev 28, schnell 4; Chroma 35).")
+@click.option("--steps", default=None, type=int, help="Denoising steps (default: SD 20; Flux dev 28, schnell 4; Chroma 35; "
+                   "SD3 28, SD3.5 40, 3.5-large-turbo 4).")
 @click.option("--seed", default=0, show_default=True, type=int,
               help="Noise seed: 0 or more (negative seeds are refused, not wrapped).")
 @click.option("--size", default=None,
               help=f"WIDTHxHEIGHT in pixels (default: the bundle's optimal size, its denoiser profile's opt): "
-                   f"multiples of the bundle's pixels per latent (8 for SD; 16 for Flux / Chroma, which pack 2x2 latents), "
+                   f"multiples of the bundle's pixels per latent (8 for SD; 16 for Flux / Chroma / SD3, which read 2x2 latent patches), "
                    f"at most {MAX_SIDE} per side (or the bundle's largest profile).")
 @click.option("--guidance", default=None, type=float,
-              help="Guidance scale (finite): classifier-free for SD (default 7.5) and Chroma (5.0); Flux dev's "
+              help="Guidance scale (finite): classifier-free for SD (default 7.5), Chroma (5.0) and SD3 (7.0; SD3.5 "
+                   "4.5; turbo 1.0 = none); Flux dev's "
                    "distilled guidance (3.5); unused by schnell.")
 @click.option("--scheduler", default=None, type=click.Choice(_scheduler_names(), case_sensitive=False),
-              help="SD: euler (default) or dpm++2m. Flux / Chroma: flow-euler (the only one; euler means it too).")
+              help="SD: euler (default) or dpm++2m. Flux / Chroma / SD3: flow-euler (the only one; euler means it too).")
 @click.option("--out", required=True, type=click.Path(), help="PNG file to write.")
 @click.option("--backend", default=None, help=BACKEND_HELP)
 @click.option("--params-backend", default=None, help="Where weights live, e.g. cpu (offload).")
@@ -261,19 +271,18 @@ def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, schedule
         w, h = _size(size, manifest)
         sched = (scheduler or "").lower() or None
         family = manifest.model.get("family")
-        if dit and sched not in (None, "euler", SCHEDULER):
+        if dit and sched not in (None, "euler", SCHEDULER):   # Flux, Chroma, SD3
             raise UserError(f"--scheduler {scheduler}: {family} samples with flow-matching Euler "
                             "(the scheduler it was trained for); leave --scheduler out")
         if not dit and sched == SCHEDULER:
-            raise UserError(f"--scheduler {scheduler}: is Flux / Chroma's; {family} bundles take euler or dpm++2m")
+            raise UserError(f"--scheduler {scheduler}: is Flux / Chroma / SD3's; {family} bundles take euler or dpm++2m")
         if dit and negative and family == "flux":
             click.echo("warning: --negative is not used by Flux (distilled guidance, no negative prompt)", err=True)
         out_path = _check_out(out)
         t0 = time.perf_counter()
         if dit:
-            from .dit_pipeline import FluxTxt2Img
-            pipe = FluxTxt2Img(manifest, backend, params_backend, width=w, height=h, sysroot=sysroot, strict=strict,
-                               verify=verify.lower())
+            pipe = pipeline_class(manifest)(manifest, backend, params_backend, width=w, height=h, sysroot=sysroot,
+                                            strict=strict, verify=verify.lower())
             n_steps = pipe.defaults["steps"] if steps is None else steps
             used_guidance = pipe.defaults["guidance"] if guidance is None else guidance
             used_scheduler = SCHEDULER

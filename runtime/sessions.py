@@ -32,11 +32,12 @@ class OnnxRuntimeSession:
         if threads:
             opts.intra_op_num_threads = threads
         self._s = ort.InferenceSession(str(model_path), opts, providers=["CPUExecutionProvider"])
-        self.input_names = [i.name for i in self._s.get_inputs()]
-        self.input_shapes = {i.name: [d if isinstance(d, int) and d > 0 else None for d in i.shape]
-                             for i in self._s.get_inputs()}
+        # inputs with a default (the export's token_embeddings_extra) are inputs to precast too
+        ins = [*self._s.get_inputs(), *self._s.get_overridable_initializers()]
+        self.input_names = [i.name for i in ins]
+        self.input_shapes = {i.name: [d if isinstance(d, int) and d > 0 else None for d in i.shape] for i in ins}
         self.output_names = [o.name for o in self._s.get_outputs()]
-        self._types = {i.name: i.type for i in self._s.get_inputs()}
+        self._types = {i.name: i.type for i in ins}
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         outs = self._s.run(None, _cast(feeds, {k: _ORT_TYPES.get(v) for k, v in self._types.items()}))
@@ -52,6 +53,7 @@ class OpenVinoSession:
         core = ov.Core()
         if from_onnx:
             model = core.read_model(str(path))
+            restore_input_defaults(model, ov)
             if device.upper().startswith("CPU"):     # as the OpenVINO target does: half attention fused
                 from .openvino_attention import rewrite_attention
                 rewrite_attention(model)
@@ -83,6 +85,28 @@ class OpenVinoSession:
             arr = np.array(res[port])
             out[name] = from_bf16_bits(arr.view(np.uint16)) if name in self._bf16 else arr
         return out
+
+
+def restore_input_defaults(model, ov) -> int:
+    """An ONNX input with an initializer default (the text encoder's token_embeddings_extra, see
+    compiler/graphs/clip_text.py) is read by OpenVINO as a constant: made a parameter again (first
+    dimension dynamic), so precast's embeddings still reach the graph. Returns how many."""
+    from .embeddings import EXTRA_TOKENS_INPUT
+    if any(EXTRA_TOKENS_INPUT in p.get_names() for p in model.inputs):
+        return 0
+    count = 0
+    for op in model.get_ops():
+        if op.get_type_name() == "Constant" and EXTRA_TOKENS_INPUT in op.output(0).get_names():
+            shape = op.output(0).get_partial_shape()
+            param = ov.opset13.parameter(ov.PartialShape([-1, shape[1]]), op.output(0).get_element_type(),
+                                         name=EXTRA_TOKENS_INPUT)
+            param.output(0).set_names({EXTRA_TOKENS_INPUT})
+            op.output(0).replace(param.output(0))
+            model.add_parameters([param])
+            count += 1
+    if count:
+        model.validate_nodes_and_infer_types()
+    return count
 
 
 def to_bf16_bits(x: np.ndarray) -> np.ndarray:

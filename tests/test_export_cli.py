@@ -25,7 +25,9 @@ def test_two_exports_are_byte_identical(demo_ckpt, tmp_path, dtype):
     for name in ("a", "b"):
         precast("export", demo_ckpt, "--out", tmp_path / name, "--dtype", dtype, check=True)
     a, b = _digests(tmp_path / "a"), _digests(tmp_path / "b")
-    assert len(a) == 9 and a == b  # 4 x (model.onnx + model.onnx_data) + precast_export.json
+    # 4 x (model.onnx + model.onnx_data) + precast_export.json, then the diffusers-style files
+    # (compiler/interop.py): model_index.json, scheduler config, 4 x config.json, tokenizer (4 files)
+    assert len(a) == 19 and a == b
 
 
 def test_export_runs_without_torch(demo_ckpt, tmp_path):
@@ -204,7 +206,6 @@ def test_missing_and_unexpected_tensors_are_listed(demo_ckpt, tmp_path):
 
 
 @pytest.mark.parametrize("keys, family", [
-    ({"joint_blocks.0.context_block.attn.qkv.weight": [4, 4]}, "sd3"),
     ({"control_model.zero_convs.0.0.weight": [320, 320, 1, 1], "control_model.input_hint_block.0.weight": [16, 3, 3, 3]},
      "controlnet"),
 ])
@@ -213,6 +214,13 @@ def test_other_families_are_detected_and_refused(tmp_path, keys, family):
     proc = precast("export", path, "--out", tmp_path / "o")
     assert proc.returncode == 2
     assert f"detected {family}" in proc.stderr and "not supported yet" in proc.stderr, proc.stderr
+
+
+def test_a_damaged_sd3_file_is_one_line_naming_what_is_missing(tmp_path):
+    path = _zeros_file(tmp_path / "m.safetensors", {"joint_blocks.0.context_block.attn.qkv.weight": [4, 4]})
+    proc = precast("export", path, "--out", tmp_path / "o")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "no SD3 transformer" in proc.stderr and "x_embedder.proj.weight" in proc.stderr, proc.stderr
 
 
 def test_a_vae_alone_or_one_diffusers_component_is_pointed_to_the_right_input(tmp_path):

@@ -87,7 +87,7 @@ def _session(out, component):
 
 def _feed(sess, **arrays):
     """Cast each input to the dtype the graph declares (fp16 graphs take fp16 tensors)."""
-    types = {i.name: i.type for i in sess.get_inputs()}
+    types = {i.name: i.type for i in [*sess.get_inputs(), *sess.get_overridable_initializers()]}  # + inputs with defaults
     return {k: v.astype(np.float16) if types[k] == "tensor(float16)" else v for k, v in arrays.items()}
 
 

@@ -30,7 +30,7 @@ def test_a_vae_of_another_latent_width_is_refused_at_export(demo_ckpt, flux_file
 
 def test_a_text_encoder_file_is_refused_for_sd(demo_ckpt, flux_file, tmp_path):
     err = _one_line(precast("export", demo_ckpt, "--out", tmp_path / "o", "--text-encoder", flux_file))
-    assert "--text-encoder" in err and "Flux and Chroma" in err and "drop the flag" in err
+    assert "--text-encoder" in err and "Flux, Chroma and SD3" in err and "drop the flag" in err
 
 
 def test_reexporting_one_component_keeps_the_rest_of_the_same_model(demo_ckpt, tmp_path):
@@ -40,7 +40,7 @@ def test_reexporting_one_component_keeps_the_rest_of_the_same_model(demo_ckpt, t
     report = json.loads((out / "precast_export.json").read_text())
     dtypes = {c["name"]: c["dtype"] for c in report["components"]}
     assert dtypes == {"vae_decoder": "fp16", "text_encoder": "fp32", "unet": "fp32", "vae_encoder": "fp32"}
-    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted(dtypes)
+    assert sorted(p.name for p in out.iterdir() if (p / "model.onnx").is_file()) == sorted(dtypes)
 
 
 def test_an_export_of_another_model_leaves_no_stale_components(demo_ckpt, tmp_path):
@@ -52,7 +52,9 @@ def test_an_export_of_another_model_leaves_no_stale_components(demo_ckpt, tmp_pa
     precast("export", other, "--out", out, "--component", "unet", check=True)
     report = json.loads((out / "precast_export.json").read_text())
     assert [c["name"] for c in report["components"]] == ["unet"]
-    assert sorted(p.name for p in out.iterdir()) == ["precast_export.json", "unet"]
+    assert sorted(p.name for p in out.iterdir() if (p / "model.onnx").is_file()) == ["unet"]
+    index = json.loads((out / "model_index.json").read_text())          # the diffusers-style files follow
+    assert [k for k, v in index.items() if v == ["diffusers", "OnnxRuntimeModel"]] == ["unet"]
 
 
 def test_a_checkpoint_given_as_a_lora_is_named(demo_ckpt, tmp_path):

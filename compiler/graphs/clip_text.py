@@ -3,7 +3,8 @@
 
 Owns: the text-encoder graph for every family, its config inferred from tensor shapes, and
 which hidden state each family uses (SD 1.x: last layer + final LayerNorm; SD 2.x: penultimate
-+ final LayerNorm; SDXL: penultimate without it, plus bigG's projected pooled output). The fused
++ final LayerNorm; SDXL: penultimate without it, plus bigG's projected pooled output; SD3: the
+penultimate of CLIP-L and CLIP-G, both with projected pooled outputs). The fused
 OpenCLIP q/k/v projection is bound as one weight and split in the graph, not copied around.
 Heads are not in the weights: CLIP uses 64-wide heads; a diffusers folder's config.json or an
 override (`text_encoder.num_heads`) says otherwise.
@@ -16,7 +17,9 @@ import numpy as np
 
 from ..errors import BadInput
 from ..sources.config_fields import field
-from .onnx_graph import INT32, Graph
+from onnx import helper
+
+from .onnx_graph import INT32, NP_OF, Graph
 
 # Parameter names per layout: (token table, position table, final norm, layer prefix format).
 LAYOUTS = {
@@ -45,6 +48,7 @@ class ClipTextConfig:
     hidden_norm: bool = True         # final LayerNorm on that output
     hidden_name: str = "last_hidden_state"
     pooled: str = "pooler_output"    # pooler_output (from the hidden output) | text_embeds (last layer, projected) | none
+    projection: int = 0              # text_embeds width (0: no projected output)
 
     def describe(self) -> dict:
         return asdict(self)
@@ -60,7 +64,7 @@ def detect_layout(g: Graph) -> str:
 
 
 def clip_text_config(g: Graph, config_json: dict, overrides: dict, role: str = "sd1") -> ClipTextConfig:
-    """role: sd1 | sd2 | sdxl-l (SDXL's CLIP-L) | sdxl-g (SDXL's / the refiner's bigG)."""
+    """role: sd1 | sd2 | sdxl-l (SDXL's CLIP-L) | sdxl-g (SDXL's / the refiner's bigG) | sd3-l | sd3-g."""
     layout = detect_layout(g)
     L = LAYOUTS[layout]
     vocab, hidden = g.shape(L["tok"])
@@ -73,15 +77,15 @@ def clip_text_config(g: Graph, config_json: dict, overrides: dict, role: str = "
     heads = overrides.get("num_heads") or field(config_json, "num_attention_heads", "count", max(1, hidden // 64), where)
     if hidden % int(heads):
         raise BadInput(f"text_encoder.num_heads={heads} does not divide the hidden size {hidden}")
-    default_act = "quick_gelu" if layout == "hf" and role in ("sd1", "sdxl-l") else "gelu"
+    default_act = "quick_gelu" if layout == "hf" and role in ("sd1", "sdxl-l", "sd3-l") else "gelu"
     # SD 2.x single files hold all 24 OpenCLIP layers and use the penultimate; diffusers folders
     # already dropped the last one. SDXL reads the penultimate of both encoders, un-normalised.
     if role == "sd2":
         hidden_layer, norm, name, pooled = (layers - 1 if layout == "openclip" else layers), True, \
             "last_hidden_state", "pooler_output"
-    elif role in ("sdxl-l", "sdxl-g"):
+    elif role in ("sdxl-l", "sdxl-g", "sd3-l", "sd3-g"):
         hidden_layer, norm, name = layers - 1, False, f"hidden_states.{layers - 1}"
-        pooled = "text_embeds" if role == "sdxl-g" else "none"
+        pooled = "none" if role == "sdxl-l" else "text_embeds"
     else:
         hidden_layer, norm, name, pooled = layers, True, "last_hidden_state", "pooler_output"
     skip = int(overrides.get("clip_skip", 1)) - 1
@@ -95,7 +99,16 @@ def clip_text_config(g: Graph, config_json: dict, overrides: dict, role: str = "
         activation=overrides.get("activation") or config_json.get("hidden_act") or default_act,
         eps=float(field(config_json, "layer_norm_eps", "positive", 1e-5, where)),
         eos_token_id=int(overrides.get("eos_token_id", field(config_json, "eos_token_id", "index", None, where) or 49407)),
-        hidden_layer=hidden_layer, hidden_norm=norm, hidden_name=name, pooled=pooled)
+        hidden_layer=hidden_layer, hidden_norm=norm, hidden_name=name, pooled=pooled,
+        projection=_projection_width(g, L, layout) if pooled == "text_embeds" else 0)
+
+
+def _projection_width(g: Graph, L: dict, layout: str) -> int:
+    if not g.has(L["proj"]):
+        raise BadInput(f"{g.ckpt.path}: no {g.prefix}{L['proj']}: this model reads the text encoder's projected pooled "
+                       "output (CLIPTextModelWithProjection); give the encoder with its text_projection")
+    shape = g.shape(L["proj"])
+    return shape[0] if layout == "hf" else shape[-1]
 
 
 def _causal_mask(n: int) -> np.ndarray:
@@ -128,9 +141,15 @@ EXTRA_TOKENS_INPUT = "token_embeddings_extra"
 def _token_embeddings(g: Graph, ids: str, table: str, cfg: ClipTextConfig) -> str:
     """Token lookup with room for textual-inversion vectors supplied at run time: ids below the
     vocabulary read the table, ids vocab + k read row k of the `token_embeddings_extra` input
-    ([rows >= 1, hidden]; the runtime always appends one zero row, so it is never empty).
+    ([rows >= 1, hidden]; the runtime always appends one zero row, so it is never empty; in the
+    exported ONNX it defaults to that one zero row, so other tools may leave it out).
     Two Gathers and a Where: the table itself is never copied per call."""
     extra = g.input(EXTRA_TOKENS_INPUT, g.dtype, ["extra_tokens", cfg.hidden])
+    # its default, one zero row: tools that feed input_ids alone run it as is (ONNX Runtime reads an
+    # input with an initializer as optional). precast's targets strip the default before compiling
+    # (compiler/targets/base.py required_inputs), which OpenVINO and TensorRT would fold into a constant.
+    g.consts.append(helper.make_tensor(EXTRA_TOKENS_INPUT, g.dtype, [1, cfg.hidden],
+                                       b"\0" * (cfg.hidden * np.dtype(NP_OF[g.dtype]).itemsize), raw=True))
     vocab = g.const(np.array(cfg.vocab, np.int32))
     base = g.op("Gather", g.param(table), g.op("Min", ids, g.const(np.array(cfg.vocab - 1, np.int32))), axis=0)
     added = g.op("Gather", extra, g.op("Max", g.op("Sub", ids, vocab), g.const(np.array(0, np.int32))), axis=0)

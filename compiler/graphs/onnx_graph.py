@@ -11,7 +11,8 @@ written (onnx_writer.py).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -184,6 +185,17 @@ class Graph:
 
     def from_fp32(self, x: str) -> str:
         return x if self.dtype == FLOAT else self.cast(x, self.dtype)
+
+    @contextmanager
+    def computing_in(self, elem_type: int) -> Iterator[None]:
+        """Build the nodes inside the `with` as if the graph's dtype were `elem_type` (e.g. FLOAT for
+        a block that overflows fp16): weights first bound inside are stored in it, constants and the
+        fp32 policy follow it. The caller casts the tensors that cross the boundary."""
+        saved, self.dtype = self.dtype, elem_type
+        try:
+            yield
+        finally:
+            self.dtype = saved
 
     def scalar(self, value: float, elem_type: int | None = None) -> str:
         """A 0-d constant in the graph's dtype (or `elem_type`)."""

@@ -4,8 +4,9 @@ Owns: recognising the input (single-file .safetensors, diffusers folder, pickled
 refusing pickles without ever unpickling them, and mapping every layout to one canonical
 layout per architecture: the LDM single-file names (`model.diffusion_model.*`,
 `first_stage_model.*`, `cond_stage_model.transformer.text_model.*`) for SD models, Black Forest
-Labs' names under `model.diffusion_model.` for Flux / Chroma with ComfyUI's
-`text_encoders.clip_l.transformer.text_model.*` / `text_encoders.t5xxl.transformer.*` for their
+Labs' names under `model.diffusion_model.` for Flux / Chroma and Stability's (SAI/ComfyUI) for SD3,
+with ComfyUI's `text_encoders.clip_l.transformer.text_model.*`, `text_encoders.clip_g.transformer.text_model.*`
+(a CLIP's `text_projection` kept under `text_model.`) and `text_encoders.t5xxl.transformer.*` for their
 text encoders. A canonical tensor may be made of stored ones (`TensorRef.parts`: a fused q|k|v
 from diffusers' separate to_q, to_k, to_v) or carry a dequantization scale (ComfyUI's scaled
 fp8). Separate text-encoder and VAE files are added by content. Tensors are read one at a
@@ -24,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BadInput
-from . import diffusers_names, flux_names, fp8_decode
+from . import diffusers_names, flux_names, fp8_decode, sd3_names
 from .safetensors_file import SafetensorsFile
 
 PICKLE_SUFFIXES = {".ckpt", ".pt", ".pth", ".bin", ".pkl"}
@@ -38,6 +39,7 @@ DIT = UNET                                   # Flux / Chroma transformer (BFL na
 VAE = "first_stage_model."
 TEXT = "cond_stage_model.transformer.text_model."
 CLIP_L = "text_encoders.clip_l.transformer.text_model."
+CLIP_G = "text_encoders.clip_g.transformer.text_model."        # SD3's OpenCLIP bigG (HF names)
 T5 = "text_encoders.t5xxl.transformer."
 # A key only T5 / CLIP text encoders have, in HF names: where a file's encoder starts is the part before it.
 T5_MARKER = "encoder.block.0.layer.0.SelfAttention.q.weight"
@@ -188,6 +190,9 @@ def open_weights_file(path: Path, refusal: Callable[[Path], BadInput] = _refuse_
 
 BFL_TOP = {"double_blocks", "single_blocks", "img_in", "txt_in", "time_in", "vector_in", "guidance_in",
            "final_layer", "distilled_guidance_layer"}
+SAI_TOP = {"joint_blocks", "x_embedder", "pos_embed", "t_embedder", "y_embedder", "context_embedder", "final_layer"}
+# An all-in-one SD3 file keeps each CLIP's projection beside text_model.: canonical names put it inside.
+PROJECTIONS = {p[:-len("text_model.")] + "text_projection.weight": p + "text_projection.weight" for p in (CLIP_L, CLIP_G)}
 
 
 def is_weight_key(key: str) -> bool:
@@ -201,7 +206,8 @@ def _normalise_single_file(keys: list[str]) -> dict[str, str]:
     BFL Flux/Chroma transformers), ComfyUI's `vae.` prefix, and old SD1 files whose text encoder
     lacks `text_model.`."""
     bare_unet = any(k.startswith("input_blocks.") for k in keys) and not any(k.startswith(UNET) for k in keys)
-    bare_dit = any(k.startswith("double_blocks.") for k in keys) and not any(k.startswith(DIT) for k in keys)
+    bare_dit = any(k.startswith(("double_blocks.", "joint_blocks.")) for k in keys) and \
+        not any(k.startswith(DIT) for k in keys)
     comfy_vae = any(k.startswith("vae.") for k in keys) and not any(k.startswith(VAE) for k in keys)
     out = {}
     for k in keys:
@@ -209,8 +215,10 @@ def _normalise_single_file(keys: list[str]) -> dict[str, str]:
         top = k.split(".")[0]
         if bare_unet and top in {"input_blocks", "middle_block", "output_blocks", "time_embed", "out", "label_emb"}:
             c = UNET + k
-        elif bare_dit and top in BFL_TOP:
+        elif bare_dit and top in BFL_TOP | SAI_TOP:
             c = DIT + k
+        elif k in PROJECTIONS:
+            c = PROJECTIONS[k]
         elif comfy_vae and top == "vae":
             c = VAE + k[len("vae."):]
         elif k.startswith("cond_stage_model.transformer.") and not k.startswith(TEXT) and \
@@ -221,23 +229,25 @@ def _normalise_single_file(keys: list[str]) -> dict[str, str]:
 
 
 def _diffusers_dit_refs(files: dict[str, SafetensorsFile], where: str, prefix: str = "") -> dict[str, TensorRef]:
-    """A Flux/Chroma transformer in diffusers names (keys under `prefix`) -> BFL-named refs."""
+    """A Flux/Chroma (-> BFL names) or SD3 (-> SAI names) transformer in diffusers names, keys under `prefix`."""
     rel = [k[len(prefix):] for k in files if k.startswith(prefix) and is_weight_key(k)]
     shapes = {k: files[prefix + k].tensors[prefix + k].shape for k in rel}
-    parts, stray = flux_names.bfl_parts(rel, shapes)
+    sd3 = sd3_names.is_diffusers_sd3(rel)
+    parts, stray = (sd3_names.sai_parts if sd3 else flux_names.bfl_parts)(rel, shapes)
     if stray:
-        raise BadInput(f"{where}: {len(stray)} transformer tensor(s) have no place in a Flux/Chroma transformer, e.g. "
+        raise BadInput(f"{where}: {len(stray)} transformer tensor(s) have no place in a "
+                       f"{'SD3' if sd3 else 'Flux/Chroma'} transformer, e.g. "
                        f"{', '.join(stray[:5])}; the file is damaged or a variant precast does not support yet")
-    return {DIT + bfl: fused_ref(lambda k: files[k], srcs, prefix) for bfl, srcs in parts.items()}
+    return {DIT + canon: fused_ref(lambda k: files[k], srcs, prefix) for canon, srcs in parts.items()}
 
 
 def open_single_file(path: Path) -> Checkpoint:
     f = open_weights_file(path)
     keys = [k for k in f.keys() if is_weight_key(k)]
     refs: dict[str, TensorRef] = {}
-    if flux_names.is_diffusers_flux(keys):      # a diffusers-named Flux/Chroma transformer saved as one file
-        marker = next(k for k in keys if k.endswith("x_embedder.weight"))
-        prefix = marker[:-len("x_embedder.weight")]
+    if flux_names.is_diffusers_flux(keys) or sd3_names.is_diffusers_sd3(keys):   # a diffusers-named DiT as one file
+        end = "pos_embed.proj.weight" if sd3_names.is_diffusers_sd3(keys) else "x_embedder.weight"
+        prefix = next(k for k in keys if k.endswith(end))[:-len(end)]
         refs.update(_diffusers_dit_refs({k: f for k in f.keys()}, str(path), prefix))
         keys = [k for k in keys if not k.startswith(prefix)]
     names = _normalise_single_file(keys)
@@ -342,21 +352,44 @@ def text_encoder_kind(keys) -> tuple[str, str] | None:
     return None
 
 
-def _encoder_mapping(keys: list[str], kind: str, prefix: str) -> dict[str, str]:
-    """A text encoder's keys (under `prefix`) -> canonical names (T5 or Flux's CLIP-L)."""
-    canon = T5 if kind == "t5" else CLIP_L
-    return {k: canon + k[len(prefix):] for k in keys if k.startswith(prefix) and is_weight_key(k)}
+def _encoder_mapping(keys: list[str], kind: str, prefix: str, canon: str | None = None) -> dict[str, str]:
+    """A text encoder's keys (under `prefix`) -> canonical names (under `canon`: T5, or a CLIP's slot).
+    A CLIP's `text_projection` (CLIPTextModelWithProjection) sits beside `text_model.`: it goes inside."""
+    canon = canon or (T5 if kind == "t5" else CLIP_L)
+    out = {k: canon + k[len(prefix):] for k in keys if k.startswith(prefix) and is_weight_key(k)}
+    projection = prefix[:-len("text_model.")] + "text_projection.weight" if prefix.endswith("text_model.") else None
+    if kind == "clip" and projection in keys:
+        out[projection] = canon + "text_projection.weight"
+    return out
 
 
-DIT_CLASSES = ("FluxTransformer2DModel", "ChromaTransformer2DModel")
+def clip_slot(refs: dict, weights: dict, folder_name: str = "") -> str:
+    """Where a CLIP text encoder goes: a diffusers text_encoder_2/ (SD3's bigG) or a 1280-wide one is
+    CLIP-G, text_encoder/ or a 768-wide one CLIP-L; another width replaces the slot holding one that
+    wide, else fills the first empty slot (CLIP-L, then CLIP-G for an SD3 checkpoint)."""
+    if folder_name in ("text_encoder", "text_encoder_2"):
+        return CLIP_G if folder_name == "text_encoder_2" else CLIP_L
+    width = next((weights[k].tensors[k].shape[-1] for k in weights if k.endswith("token_embedding.weight")), None)
+    if width in (768, 1280):
+        return CLIP_L if width == 768 else CLIP_G
+    slots = (CLIP_L, CLIP_G) if any(k.startswith(DIT + "joint_blocks.") for k in refs) else (CLIP_L,)
+    table = "embeddings.token_embedding.weight"
+    same = [s for s in slots if s + table in refs and refs[s + table].shape[-1] == width]
+    empty = [s for s in slots if not any(k.startswith(s) for k in refs)]
+    return (same or empty or [CLIP_L])[0]
+
+
+CONFIG_OF = {T5: "t5", CLIP_L: "clip_l", CLIP_G: "clip_g"}     # Checkpoint.configs key of each encoder slot
+DIT_CLASSES = ("FluxTransformer2DModel", "ChromaTransformer2DModel", "SD3Transformer2DModel")
 
 
 def _dit_folder_refs(folder: Path, refs: dict, configs: dict, found: list) -> None:
-    """A DiT pipeline folder (Flux, Chroma): transformer/ in BFL names, text encoders by kind."""
+    """A DiT pipeline folder (Flux, Chroma: BFL names; SD3: SAI names): text encoders by kind, CLIPs by folder."""
     weights = _component_weights(folder, "transformer")
     configs["transformer"] = _read_config(folder, "transformer")
     cls = configs["transformer"].get("_class_name")
-    if cls not in DIT_CLASSES and not flux_names.is_diffusers_flux(list(weights)):
+    if cls not in DIT_CLASSES and not flux_names.is_diffusers_flux(list(weights)) and \
+            not sd3_names.is_diffusers_sd3(list(weights)):
         raise BadInput(f"{folder}/transformer: a {cls or 'transformer'} precast does not support yet "
                        f"(supported: {', '.join(DIT_CLASSES)})")
     refs.update(_diffusers_dit_refs(weights, f"{folder}/transformer"))
@@ -369,8 +402,9 @@ def _dit_folder_refs(folder: Path, refs: dict, configs: dict, found: list) -> No
         if kind is None:
             raise BadInput(f"{folder}/{name}: neither a T5 nor a CLIP text encoder (looked for {T5_MARKER} and "
                            f"{CLIP_MARKER})")
-        configs["t5" if kind[0] == "t5" else "clip_l"] = _read_config(folder, name)
-        for key, canon in _encoder_mapping(list(weights), *kind).items():
+        slot = T5 if kind[0] == "t5" else clip_slot(refs, weights, name)
+        configs[CONFIG_OF[slot]] = _read_config(folder, name)
+        for key, canon in _encoder_mapping(list(weights), *kind, slot).items():
             refs[canon] = tensor_ref(weights[key], key, canon)
         found.append(name)
 
@@ -430,8 +464,8 @@ def open_checkpoint(path: str | os.PathLike, vae: str | os.PathLike | None = Non
 
 
 def add_text_encoder(ckpt: Checkpoint, path: Path) -> None:
-    """A separate text-encoder file (T5-XXL or CLIP-L, HF names with or without a prefix, e.g.
-    comfyanonymous' t5xxl_fp16.safetensors / clip_l.safetensors), or a diffusers text_encoder*/
+    """A separate text-encoder file (T5-XXL, CLIP-L or SD3's CLIP-G, HF names with or without a prefix,
+    e.g. comfyanonymous' t5xxl_fp16.safetensors / clip_l.safetensors / clip_g.safetensors), or a diffusers text_encoder*/
     folder, in place of the checkpoint's own encoder of that kind."""
     flag = f"--text-encoder {path}"
     if not path.exists():
@@ -446,11 +480,11 @@ def add_text_encoder(ckpt: Checkpoint, path: Path) -> None:
     kind = text_encoder_kind(list(weights))
     if kind is None:
         raise BadInput(f"{flag}: neither a T5 nor a CLIP text encoder (looked for {T5_MARKER} / {CLIP_MARKER}; "
-                       f"found e.g. {', '.join(sorted(weights)[:3]) or 'no tensors'}); give the T5-XXL or CLIP-L file")
-    canon = T5 if kind[0] == "t5" else CLIP_L
+                       f"found e.g. {', '.join(sorted(weights)[:3]) or 'no tensors'}); give the T5-XXL, CLIP-L or CLIP-G file")
+    canon = T5 if kind[0] == "t5" else clip_slot(ckpt.refs, weights)
     for k in [k for k in ckpt.refs if k.startswith(canon)]:
         del ckpt.refs[k]
-    for key, name in _encoder_mapping(list(weights), *kind).items():
+    for key, name in _encoder_mapping(list(weights), *kind, canon).items():
         ckpt.refs[name] = tensor_ref(weights[key], key, name)
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ..errors import BadInput
 from .checkpoint import CLIP_MARKER, DIT, T5_MARKER, UNET, VAE, Checkpoint
 
-SUPPORTED = {"sd1", "sd2", "sdxl", "sdxl-refiner", "flux", "chroma"}
+SUPPORTED = {"sd1", "sd2", "sdxl", "sdxl-refiner", "flux", "chroma", "sd3"}
 LOOKED_FOR = (f"{UNET}input_blocks.0.0.weight (SD/SDXL UNet), joint_blocks.* (SD3), double_blocks.* (Flux), "
               f"zero_convs.* (ControlNet), {VAE}decoder.conv_in.weight (VAE)")
 
@@ -44,7 +44,7 @@ def _shape_of(ckpt: Checkpoint, suffix: str) -> tuple[int, ...] | None:
 def detect_family(ckpt: Checkpoint) -> Family:
     keys = ckpt.refs
     if _has(ckpt, "joint_blocks.0.context_block.attn.qkv.weight"):
-        return Family("sd3", "", "joint_blocks.0.context_block.attn.qkv.weight")
+        return _sd3_variant(ckpt)
     if _has(ckpt, "double_blocks.0.img_attn.norm.key_norm.scale"):
         return _flux_or_chroma(ckpt)
     if _has(ckpt, "zero_convs.0.0.weight") and _has(ckpt, "input_hint_block.0.weight"):
@@ -104,6 +104,22 @@ def _flux_or_chroma(ckpt: Checkpoint) -> Family:
     variant = "dev" if DIT + "guidance_in.in_layer.weight" in keys else "schnell"
     return Family("flux", variant, "double_blocks.0.img_attn.norm.key_norm.scale" +
                   (", guidance_in" if variant == "dev" else ", no guidance_in"))
+
+
+def _sd3_variant(ckpt: Checkpoint) -> Family:
+    """SD3-medium (no QK norm), SD3.5-medium (MMDiT-X: x_block.attn2 in the first blocks) or SD3.5-large
+    (QK norm, no attn2); large-turbo has large's shapes, so only its name (file, folder or
+    model_index) tells it apart."""
+    keys = ckpt.refs
+    ev = "joint_blocks.0.context_block.attn.qkv.weight"
+    if any(k.startswith(DIT + "joint_blocks.") and ".x_block.attn2." in k for k in keys):
+        return Family("sd3", "3.5-medium", ev + ", x_block.attn2 (MMDiT-X)")
+    if DIT + "joint_blocks.0.context_block.attn.ln_q.weight" not in keys:
+        return Family("sd3", "3-medium", ev + ", no QK norm")
+    names = [ckpt.path.lower(), str(ckpt.configs.get("model_index", {}).get("_name_or_path", "")).lower()]
+    if any("turbo" in n for n in names):
+        return Family("sd3", "3.5-large-turbo", ev + ", QK norm, 'turbo' in the name")
+    return Family("sd3", "3.5-large", ev + ", QK norm")
 
 
 def _sdxl_base_or_refiner(ckpt: Checkpoint, label_in: int, context: int | None) -> tuple[str, str]:

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BadInput
-from . import flux_names
-from .checkpoint import CLIP_L, CONVERT_HINT, DIT, T5, UNET, open_weights_file
+from . import flux_names, sd3_names
+from .checkpoint import CLIP_G, CLIP_L, CONVERT_HINT, DIT, T5, UNET, open_weights_file
 from .diffusers_names import RES_NAMES, UNET_TOP
 from .peft_metadata import pattern_matches, peft_config
 from .safetensors_file import FLOAT_DTYPES, SafetensorsFile
@@ -55,10 +55,12 @@ TEXT_ENCODERS = {
     "conditioner.embedders.0.transformer.text_model.": ("hf", ("lora_te1",), ("text_encoder",)),  # SDXL CLIP-L
     "conditioner.embedders.1.model.": ("openclip", ("lora_te2",), ("text_encoder_2",)),          # SDXL bigG
     "conditioner.embedders.1.transformer.text_model.": ("hf", ("lora_te2",), ("text_encoder_2",)),  # (folders)
-    CLIP_L: ("hf", ("lora_te1", "lora_te"), ("text_encoder",)),                                 # Flux CLIP-L
+    CLIP_L: ("hf", ("lora_te1", "lora_te"), ("text_encoder",)),                                 # Flux / SD3 CLIP-L
+    CLIP_G: ("hf", ("lora_te2",), ("text_encoder_2",)),                                          # SD3 CLIP-G
 }
-# T5 (Flux's text_encoder_2, Chroma's text_encoder): kohya sd-scripts' lora_te2 / lora_te3, diffusers/PEFT names
-T5_SPELLINGS = (("lora_te2", "lora_te3"), ("text_encoder_2", "text_encoder"))
+# T5 (Flux's text_encoder_2, Chroma's text_encoder, SD3's text_encoder_3): kohya sd-scripts' lora_te2 /
+# lora_te3, diffusers/PEFT names
+T5_SPELLINGS = (("lora_te2", "lora_te3"), ("text_encoder_2", "text_encoder", "text_encoder_3"))
 TE_ATTN_ALIASES = {"q_proj": ("to_q",), "k_proj": ("to_k",), "v_proj": ("to_v",), "out_proj": ("to_out", "to_out.0")}
 
 
@@ -203,9 +205,12 @@ def build_name_table(shapes: dict[str, tuple[int, ...]]) -> NameTable:
             for sp in (f"lora_unet_{diff}", f"unet.{diff}", diff):
                 table.add(sp, t)
     # Flux / Chroma transformer in diffusers / PEFT names: q, k, v (and a single block's proj_mlp) are
-    # row blocks of BFL's fused qkv / linear1; kohya over BFL paths is covered by the loop above.
-    if any(k.startswith(DIT + "double_blocks.") for k in keys):
-        for module, (key, rows) in flux_names.lora_targets(shapes, DIT).items():
+    # row blocks of BFL's fused qkv / linear1; kohya over BFL (and SAI) paths is covered by the loop above.
+    # SD3's MMDiT in diffusers / PEFT names the same way (to_q -> rows of joint_blocks.N.x_block.attn.qkv)
+    dit_names = flux_names if any(k.startswith(DIT + "double_blocks.") for k in keys) else \
+        sd3_names if any(k.startswith(DIT + "joint_blocks.") for k in keys) else None
+    if dit_names is not None:
+        for module, (key, rows) in dit_names.lora_targets(shapes, DIT).items():
             t = Target(key, rows)
             for sp in (f"transformer.{module}", module, f"lora_transformer_{module}", f"lora_unet_{module}",
                        f"base_model.model.{module}"):

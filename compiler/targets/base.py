@@ -7,10 +7,14 @@ the fingerprint class the artifact will serve, build(job, folder) -> metadata.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
+import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Iterator, Protocol
 
 from ...runtime.fingerprint import Fingerprint
 
@@ -64,3 +68,29 @@ class Target(Protocol):
     def fingerprint(self, spec: TargetSpec) -> Fingerprint: ...
 
     def build(self, job: BuildJob, spec: TargetSpec, folder: Path) -> dict: ...
+
+
+@contextmanager
+def required_inputs(job: BuildJob, folder: Path) -> Iterator[BuildJob]:
+    """The job with every graph input that has an initializer default (the text encoder's
+    `token_embeddings_extra`, optional for other tools) made required again: OpenVINO, TensorRT and
+    MIGraphX would fold such an input into a constant, and precast's runtime feeds it always.
+    The stripped graph is written to a temporary folder inside `folder`, its weights copied (text
+    encoders only: no other graph has an input default). OpenVINO instead restores the parameter
+    in memory (runtime/sessions.py restore_input_defaults)."""
+    import onnx
+    model = onnx.load(str(job.onnx_path), load_external_data=False)
+    inputs = {i.name for i in model.graph.input}
+    defaults = [t for t in model.graph.initializer if t.name in inputs]
+    if not defaults:
+        yield job
+        return
+    for t in defaults:
+        model.graph.initializer.remove(t)
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".required-") as tmp:
+        for name in {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}:
+            # copied: onnx (hence onnxsim) refuses hard-linked weights, OpenVINO and onnx symlinks out of the folder
+            shutil.copyfile(job.onnx_path.parent / name, Path(tmp) / name)
+        path = Path(tmp) / job.onnx_path.name
+        path.write_bytes(model.SerializeToString(deterministic=True))
+        yield dataclasses.replace(job, onnx_path=path)

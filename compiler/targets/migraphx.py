@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ...runtime.fingerprint import Fingerprint
 from ..errors import BadInput
-from .base import BuildJob, TargetSpec
+from .base import BuildJob, required_inputs, TargetSpec
 
 NO_ROCM = ("target migraphx: needs ROCm with MIGraphX's Python module (import migraphx) and the AMD GPU it "
            "compiles for; not found on this machine. Build this target on a machine with that GPU "
@@ -51,6 +51,10 @@ class MigraphxTarget:
         return Fingerprint("migraphx", f"{tc['migraphx']}+rocm{tc['rocm']}", "amd", "gpu", (str(gfx),))
 
     def build(self, job: BuildJob, spec: TargetSpec, folder: Path) -> dict:
+        with required_inputs(job, folder) as job:    # input defaults stripped (base.py)
+            return self._build(job, spec, folder)
+
+    def _build(self, job: BuildJob, spec: TargetSpec, folder: Path) -> dict:
         mx = self._mx()
         if not job.static:
             raise BadInput("target migraphx: compiles fixed input dims; give a static shape profile")

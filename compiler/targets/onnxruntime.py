@@ -21,7 +21,7 @@ from pathlib import Path
 from ...runtime.cpu import cpu_flags, isa_level
 from ...runtime.fingerprint import Fingerprint
 from ..errors import BadInput
-from .base import BuildJob, TargetSpec
+from .base import BuildJob, required_inputs, TargetSpec
 from .onnxruntime_groupnorm import rewrite_group_norms
 
 PROTOBUF_LIMIT = 2 << 30
@@ -59,6 +59,12 @@ class OnnxRuntimeTarget:
         return Fingerprint("onnxruntime", self.toolchain()["onnxruntime"], "any", "cpu", (arch,))
 
     def build(self, job: BuildJob, spec: TargetSpec, folder: Path) -> dict:
+        if not spec.get("optimize", True):   # the plain graph, input default kept (sessions.py lists it):
+            return self._build(job, spec, folder)   # byte-identical to the export, stored once in a bundle
+        with required_inputs(job, folder) as job:    # input defaults stripped (base.py) before pinning dims
+            return self._build(job, spec, folder)
+
+    def _build(self, job: BuildJob, spec: TargetSpec, folder: Path) -> dict:
         data = job.onnx_path.with_name(job.onnx_path.name + "_data")
         size = job.onnx_path.stat().st_size + (data.stat().st_size if data.exists() else 0)
         note = "not simplified (over protobuf's 2 GB limit)" if size >= PROTOBUF_LIMIT else ""

@@ -69,6 +69,8 @@ class OpenVinoTarget:
         core = ov.Core()
         _note(job, "read_model")
         model = core.read_model(str(job.onnx_path))
+        from ...runtime.sessions import restore_input_defaults
+        restore_input_defaults(model, ov)    # token_embeddings_extra: read as a constant, made an input again
         if job.static:
             model.reshape({name: ov.PartialShape(list(opt)) for name, (_, opt, _) in job.shapes.items()})
         else:

@@ -22,7 +22,7 @@ from pathlib import Path
 from ...runtime.fingerprint import Fingerprint
 from ...runtime.trt_header import CC_BITS, read_header
 from ..errors import BadInput
-from .base import BuildJob, TargetSpec
+from .base import BuildJob, required_inputs, TargetSpec
 
 DEFAULT_CCS = ("sm_80", "sm_86", "sm_89", "sm_120", "sm_121")  # what a build with no CC list serves
 KNOWN_CCS = ("sm_75",) + DEFAULT_CCS
@@ -208,6 +208,10 @@ class TensorRtRtxTarget:
         preflight(spec)
 
     def build(self, job: BuildJob, spec: TargetSpec, folder: Path) -> dict:
+        with required_inputs(job, folder) as job:    # input defaults stripped (base.py)
+            return self._build(job, spec, folder)
+
+    def _build(self, job: BuildJob, spec: TargetSpec, folder: Path) -> dict:
         trt = self._trt()
         preflight(spec)
         refit = bool(spec.get("refittable", False)) or bool(spec.get("strip_weights", False))

@@ -1,0 +1,230 @@
+"""Diffusers-style pipeline folders: what other tools need beside precast's ONNX graphs.
+
+Owns: turning what an export already records (precast_export.json, or a bundle manifest's model +
+components) into `model_index.json`, `scheduler/scheduler_config.json`, each component's
+`config.json` in diffusers / transformers form, and complete tokenizer folders, so that
+optimum's ORT*Pipeline, diffusers' OnnxStableDiffusionPipeline and optimum-intel load a precast
+export or a bundle's `onnx/` folder as written. Plain data, one table per family: adding a family
+is one PIPELINES entry. Component configs carry the fields those tools read; fields the graphs do
+not record (the VAE's block widths, which UNet levels attend) are nominal, marked `_precast_nominal`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ONNX_PART = ["diffusers", "OnnxRuntimeModel"]
+CLIP_TOKENIZER = ["transformers", "CLIPTokenizer"]
+T5_TOKENIZER = ["transformers", "T5TokenizerFast"]
+DIFFUSERS_VERSION = "0.30.0"
+
+# family -> pipeline class, scheduler class, tokenizer folders (name -> class), nominal sample size (latents)
+PIPELINES = {
+    "sd1": {"class": "OnnxStableDiffusionPipeline", "scheduler": "DPMSolverMultistepScheduler",
+            "tokenizers": {"tokenizer": CLIP_TOKENIZER}, "sample_size": 64},
+    "sd2": {"class": "OnnxStableDiffusionPipeline", "scheduler": "DPMSolverMultistepScheduler",
+            "tokenizers": {"tokenizer": CLIP_TOKENIZER}, "sample_size": 96},
+    "sdxl": {"class": "StableDiffusionXLPipeline", "scheduler": "DPMSolverMultistepScheduler",
+             "tokenizers": {"tokenizer": CLIP_TOKENIZER, "tokenizer_2": CLIP_TOKENIZER}, "sample_size": 128},
+    "sdxl-refiner": {"class": "StableDiffusionXLImg2ImgPipeline", "scheduler": "DPMSolverMultistepScheduler",
+                     "tokenizers": {"tokenizer_2": CLIP_TOKENIZER}, "sample_size": 128},
+    "flux": {"class": "FluxPipeline", "scheduler": "FlowMatchEulerDiscreteScheduler",
+             "tokenizers": {"tokenizer": CLIP_TOKENIZER, "tokenizer_2": T5_TOKENIZER}, "sample_size": 128},
+    "chroma": {"class": "ChromaPipeline", "scheduler": "FlowMatchEulerDiscreteScheduler",
+               "tokenizers": {"tokenizer": T5_TOKENIZER}, "sample_size": 128},
+    "sd3": {"class": "StableDiffusion3Pipeline", "scheduler": "FlowMatchEulerDiscreteScheduler",
+            "tokenizers": {"tokenizer": CLIP_TOKENIZER, "tokenizer_2": CLIP_TOKENIZER, "tokenizer_3": T5_TOKENIZER},
+            "sample_size": 128},
+}
+# SD-class pipelines also name these (diffusers' OnnxStableDiffusionPipeline requires the keys)
+OPTIONAL_PARTS = {"sd1": ("safety_checker", "feature_extractor"), "sd2": ("safety_checker", "feature_extractor")}
+
+
+def model_index(model: dict, components: list[str]) -> dict:
+    """model_index.json: the pipeline class and where each part comes from."""
+    spec = PIPELINES[model["family"]]
+    out = {"_class_name": spec["class"], "_diffusers_version": DIFFUSERS_VERSION,
+           "scheduler": ["diffusers", spec["scheduler"]], **{n: list(c) for n, c in spec["tokenizers"].items()}}
+    from .families import FAMILIES
+    out.update({name: [None, None] for name in FAMILIES.get(model["family"], {})})  # parts not in the folder
+    out.update({name: list(ONNX_PART) for name in components})
+    out.update({name: [None, None] for name in OPTIONAL_PARTS.get(model["family"], ())})
+    if model["family"].startswith("sdxl"):
+        out["force_zeros_for_empty_prompt"] = model["family"] == "sdxl"
+        out["requires_aesthetics_score"] = model["family"] == "sdxl-refiner"
+    return out
+
+
+def scheduler_config(model: dict) -> dict:
+    """`precast generate --scheduler dpm++2m`'s schedule in diffusers' form (DPM-Solver++ 2M, `leading`
+    spacing; flow families: their FlowMatch schedule). Not Euler, precast's default: diffusers'
+    numpy OnnxStableDiffusionPipeline cannot multiply its latents by Euler's tensor init_noise_sigma."""
+    spec = PIPELINES[model["family"]]
+    if spec["scheduler"] == "DPMSolverMultistepScheduler":
+        return {"_class_name": "DPMSolverMultistepScheduler", "_diffusers_version": DIFFUSERS_VERSION,
+                "algorithm_type": "dpmsolver++", "solver_order": 2, "solver_type": "midpoint",
+                "lower_order_final": True, "final_sigmas_type": "zero", "use_karras_sigmas": False,
+                "num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012,
+                "beta_schedule": "scaled_linear", "trained_betas": None,
+                "prediction_type": model.get("prediction", "epsilon"), "timestep_spacing": "leading",
+                "steps_offset": 1, "thresholding": False}
+    sched = dict(model.get("scheduler") or _flow_default(model))
+    out = {"_class_name": "FlowMatchEulerDiscreteScheduler", "_diffusers_version": DIFFUSERS_VERSION,
+           "num_train_timesteps": 1000, "shift": sched.get("shift", 1.0),
+           "use_dynamic_shifting": sched.get("use_dynamic_shifting", False)}
+    for k in ("base_shift", "max_shift", "base_image_seq_len", "max_image_seq_len"):
+        if k in sched:
+            out[k] = sched[k]
+    return out
+
+
+def _flow_default(model: dict) -> dict:
+    from .families import FLOW
+    found = FLOW.get((model["family"], model.get("variant", "")))
+    return dict(found[0]) if found else {}
+
+
+def clip_text_config(cfg: dict) -> dict:
+    """transformers CLIPTextConfig (with projection where the graph outputs text_embeds)."""
+    projected = cfg.get("pooled") == "text_embeds"
+    return {"architectures": ["CLIPTextModelWithProjection" if projected else "CLIPTextModel"],
+            "model_type": "clip_text_model", "vocab_size": cfg["vocab"], "hidden_size": cfg["hidden"],
+            "intermediate_size": cfg["intermediate"], "num_hidden_layers": cfg["layers"],
+            "num_attention_heads": cfg["heads"], "max_position_embeddings": cfg["max_positions"],
+            "hidden_act": cfg["activation"], "layer_norm_eps": cfg["eps"],
+            "projection_dim": cfg.get("projection") or cfg["hidden"], "bos_token_id": 49406,
+            "eos_token_id": cfg["eos_token_id"], "pad_token_id": 1, "torch_dtype": "float32"}
+
+
+def t5_config(cfg: dict) -> dict:
+    """transformers T5Config (encoder only)."""
+    return {"architectures": ["T5EncoderModel"], "model_type": "t5", "vocab_size": cfg["vocab"],
+            "d_model": cfg["d_model"], "d_kv": cfg["d_kv"], "d_ff": cfg["d_ff"], "num_layers": cfg["layers"],
+            "num_heads": cfg["heads"], "relative_attention_num_buckets": cfg["buckets"],
+            "relative_attention_max_distance": cfg["max_distance"], "layer_norm_epsilon": cfg["eps"],
+            "feed_forward_proj": "gated-gelu" if cfg.get("gated", True) else "relu",
+            "is_gated_act": bool(cfg.get("gated", True)), "dense_act_fn": "gelu_new" if cfg.get("gated", True) else "relu"}
+
+
+def unet_config(cfg: dict, model: dict) -> dict:
+    """diffusers UNet2DConditionModel config from the LDM layout precast records."""
+    levels, channels = cfg["levels"], cfg["channels"]
+    n = max(levels) + 1
+    widths = [[c for c, lv in zip(channels, levels) if lv == i][-1] for i in range(n)]
+    per_level = levels.count(0) - 1
+    xl = model["family"].startswith("sdxl")
+    attends = [i > 0 if xl else i < n - 1 for i in range(n)]
+    out = {"_class_name": "UNet2DConditionModel", "_diffusers_version": DIFFUSERS_VERSION,
+           "in_channels": cfg["in_channels"], "out_channels": cfg["out_channels"],
+           "sample_size": PIPELINES[model["family"]]["sample_size"], "block_out_channels": widths,
+           "layers_per_block": per_level, "cross_attention_dim": cfg["context_dim"],
+           "attention_head_dim": cfg["num_heads"],   # diffusers' name for the head count
+           "down_block_types": ["CrossAttnDownBlock2D" if a else "DownBlock2D" for a in attends],
+           "up_block_types": ["CrossAttnUpBlock2D" if a else "UpBlock2D" for a in reversed(attends)],
+           "use_linear_projection": cfg["use_linear_projection"], "norm_num_groups": cfg["groups"],
+           "norm_eps": cfg["norm_eps"], "flip_sin_to_cos": cfg["flip_sin_to_cos"], "freq_shift": cfg["freq_shift"],
+           "downsample_padding": cfg["downsample_padding"], "center_input_sample": cfg["center_input_sample"],
+           "time_cond_proj_dim": None, "_precast_nominal": ["down_block_types", "up_block_types"]}
+    if cfg.get("time_ids"):
+        out.update(addition_embed_type="text_time", addition_time_embed_dim=cfg["time_id_dim"],
+                   projection_class_embeddings_input_dim=cfg["adm_in_channels"])
+    return out
+
+
+def vae_config(cfg: dict, model: dict) -> dict:
+    """diffusers AutoencoderKL config; the level count (hence the latent factor) is exact, the widths nominal."""
+    n = cfg["decoder_levels"]
+    widths = ([128, 256, 512, 512] + [512] * n)[:n]
+    out = {"_class_name": "AutoencoderKL", "_diffusers_version": DIFFUSERS_VERSION,
+           "in_channels": cfg["image_channels"], "out_channels": cfg["image_channels"],
+           "latent_channels": cfg["latent_channels"], "block_out_channels": widths,
+           "down_block_types": ["DownEncoderBlock2D"] * cfg["encoder_levels"],
+           "up_block_types": ["UpDecoderBlock2D"] * n, "layers_per_block": 2, "norm_num_groups": cfg["groups"],
+           "act_fn": "silu", "sample_size": PIPELINES[model["family"]]["sample_size"] * 2 ** (n - 1),
+           "scaling_factor": model.get("latent_scale"), "force_upcast": model["family"].startswith("sdxl"),
+           "_precast_nominal": ["block_out_channels"]}
+    if model.get("latent_shift") is not None:
+        out["shift_factor"] = model["latent_shift"]
+    return out
+
+
+def transformer_config(cfg: dict, model: dict) -> dict:
+    """FluxTransformer2DModel / SD3Transformer2DModel: what the pipelines read (in_channels), then
+    precast's own record."""
+    name = "SD3Transformer2DModel" if model["family"] == "sd3" else "FluxTransformer2DModel"
+    return {"_class_name": name, "_diffusers_version": DIFFUSERS_VERSION,
+            "in_channels": cfg.get("in_channels"), "out_channels": cfg.get("out_channels"),
+            "guidance_embeds": bool(cfg.get("guidance", False)), "precast": cfg}
+
+
+def component_config(name: str, cfg: dict, model: dict) -> dict:
+    if name.startswith("text_encoder"):
+        return clip_text_config(cfg) if "layout" in cfg else t5_config(cfg)
+    if name == "unet":
+        return unet_config(cfg, model)
+    if name.startswith("vae_"):
+        return vae_config(cfg, model)
+    return transformer_config(cfg, model)
+
+
+def pipeline_files(model: dict, components: dict[str, dict]) -> dict[str, dict]:
+    """relative path -> JSON data: every file of the folder except the graphs and tokenizers.
+    `model`: family, prediction, latent_scale[, latent_shift, scheduler]; `components`: name -> config."""
+    files = {"model_index.json": model_index(model, sorted(components)),
+             "scheduler/scheduler_config.json": scheduler_config(model)}
+    for name, cfg in components.items():
+        files[f"{name}/config.json"] = component_config(name, cfg, model)
+    return files
+
+
+def tokenizer_extras(kind: list, pad_zero: bool) -> dict[str, dict]:
+    """tokenizer_config.json fields and special_tokens_map.json for a CLIP tokenizer folder."""
+    if kind != CLIP_TOKENIZER:
+        return {}
+    special = {"bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
+               "pad_token": "!" if pad_zero else "<|endoftext|>"}
+    return {"tokenizer_config.json": {"tokenizer_class": "CLIPTokenizer", "model_max_length": 77,
+                                      "do_lower_case": True, "clean_up_tokenization_spaces": True, **special},
+            "special_tokens_map.json": special}
+
+
+def write_json(path: Path, data: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def complete_tokenizer(folder: Path, kind: list, pad_zero: bool) -> list[Path]:
+    """Add what transformers needs to a tokenizer folder (its own tokenizer_config.json fields kept)."""
+    written = []
+    for name, data in tokenizer_extras(kind, pad_zero).items():
+        path = folder / name
+        mine = json.loads(path.read_text()) if path.is_file() else {}
+        written.append(write_json(path, {**data, **mine}))
+    return written
+
+
+def write_pipeline_folder(root: Path, model: dict, components: dict[str, dict], source: Path,
+                          writer=None) -> list[Path]:
+    """Write the pipeline files and tokenizers into `root` (an export, or a bundle's onnx/ with its
+    BundleWriter `writer`, which records them); returns the paths written."""
+    from ..runtime.manifest import file_record
+    from .bundle import BundleWriter, add_t5_tokenizer, add_tokenizer
+    root = Path(root)
+    if model.get("family") not in PIPELINES:
+        return []
+    written = [write_json(root / rel, data) for rel, data in pipeline_files(model, components).items()]
+    writer = writer or BundleWriter(root)
+    prefix = root.relative_to(writer.root).as_posix() if root != writer.root else ""
+    for folder, kind in PIPELINES[model["family"]]["tokenizers"].items():
+        rel = f"{prefix}/{folder}" if prefix else folder
+        pad_zero = model["family"] == "sd2" or folder == "tokenizer_2"
+        if kind == T5_TOKENIZER:
+            add_t5_tokenizer(writer, Path(source), rel, source_folder=folder)
+        else:
+            add_tokenizer(writer, Path(source), rel, pad_zero=pad_zero, source_folder=folder)
+            written += complete_tokenizer(root / folder, kind, pad_zero)
+        written += sorted((root / folder).iterdir())
+    for p in written:
+        writer.files[p.relative_to(writer.root).as_posix()] = file_record(p)
+    return sorted(set(written))

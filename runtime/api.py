@@ -1,0 +1,488 @@
+"""The Python API for apps: open a bundle, see what would run where and why, load and run components
+with numpy feeds, and generate images with the reference pipelines in one call.
+
+Owns: the API's types (`Bundle`, `Report` and `ComponentPlan` -- `precast doctor`'s report as data --,
+`Component`, `Pipeline`, `Image`), the `verify` argument's values ("auto" | "full", as `--verify`),
+each family's generation defaults as `precast generate` applies them, and the per-step hooks (a
+progress callback, a cancel hook raising `Cancelled`) wrapped around the pipelines' denoising loop.
+Selection, fallback and the `--backend` grammar are runtime/select.py's and runtime/assign.py's;
+the pipelines are runtime/pipeline.py's, dit_pipeline.py's and sd3_pipeline.py's, picked by family as
+`precast generate` picks them (run_commands.pipeline_class). Imports numpy and the
+runtime's own modules (the backends lazily, as they load); never the compiler, onnx or torch.
+
+    from precast.runtime.api import open_bundle
+    bundle = open_bundle("tiny-bundle")
+    print(bundle.plan("te=cpu,unet=gpu0"))          # what would run where, and why
+    image = bundle.txt2img("a red fox", steps=4, seed=1, on_step=lambda i, n: print(f"{i}/{n}"))
+    image.save("fox.png")
+"""
+from __future__ import annotations
+
+import io
+import math
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Union
+
+import numpy as np
+
+from .assign import COMPONENT_MODULE, Placement, assign_modules
+from .devices import Device, apply_device_override, discover_devices
+from .errors import Cancelled, UserError
+from .manifest import Manifest, read_manifest
+from .pipeline import BundleModel, check_steps, describe_where, optimal_size, requests, to_uint8
+from .select import (Candidate, component_report, installed_backends, load_component, nothing_runs,
+                     passed_text, select_all, select_component)
+
+__all__ = ["open_bundle", "Bundle", "Report", "ComponentPlan", "Option", "PassedOver", "Component", "Pipeline",
+           "Image", "Cancelled", "UserError", "Verify", "Size", "CancelHook", "StepCallback"]
+
+Verify = Literal["auto", "full"]
+Size = Union[str, tuple[int, int], None]           # "WIDTHxHEIGHT", (width, height), or the bundle's optimal
+StepCallback = Callable[[int, int], None]             # (steps done, total steps)
+CancelHook = Union[Callable[[], bool], threading.Event, None]
+DEFAULT_MODULES = ("te", "diffusion", "vae")          # what doctor assigns (assign_modules' default)
+SD_DEFAULTS = {"steps": 20, "guidance": 7.5}          # `precast generate`'s for SD 1.x/2.x/XL
+SD_SCHEDULER = "euler"
+
+
+# ---- the report: doctor's, as data ---------------------------------------------------------------
+@dataclass(frozen=True)
+class Option:
+    """One way to run a component: an artifact (an engine's id, or "onnx": the bundle's ONNX compiled
+    or loaded at run time) through a backend on a device."""
+    artifact: str
+    device: str
+    device_name: str
+    backend: str
+    how: str
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class PassedOver:
+    """An artifact, backend or assignment that was not used, and why."""
+    artifact: str | None
+    backend: str | None
+    device: str | None
+    reason: str
+
+    def __str__(self) -> str:
+        return passed_text(self.as_dict())
+
+    def as_dict(self) -> dict:
+        return {"artifact": self.artifact, "backend": self.backend, "device": self.device, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class ComponentPlan:
+    """Where one component runs (or would run) and why: the chosen option (None: nothing in the
+    bundle can run here), a one-line reason, what was passed over, and the options tried next if
+    the chosen one fails to load."""
+    component: str
+    module: str                              # te | diffusion | vae | ...: the --backend key
+    chosen: Option | None
+    why: str
+    passed_over: tuple[PassedOver, ...] = ()
+    then: tuple[Option, ...] = ()
+
+    @property
+    def artifact(self) -> str | None:
+        return self.chosen.artifact if self.chosen else None
+
+    @property
+    def device(self) -> str | None:
+        return self.chosen.device if self.chosen else None
+
+    @property
+    def backend(self) -> str | None:
+        return self.chosen.backend if self.chosen else None
+
+    def as_dict(self) -> dict:
+        """doctor --json's record for the component (plus "why")."""
+        return {**component_report(self.component, None, []), "module": self.module,
+                **(_option_dict(self.component, self.chosen) if self.chosen else {}), "why": self.why,
+                "passed_over": [p.as_dict() for p in self.passed_over],
+                "then": [_option_dict(self.component, o) for o in self.then]}
+
+
+@dataclass(frozen=True)
+class Report:
+    """What would run where, and why: `precast doctor BUNDLE --json` as data."""
+    bundle: str
+    family: str | None
+    size: tuple[int, int]                    # (width, height) the engines were checked against
+    devices: tuple[Device, ...]              # in rank order, the CPU last
+    device_warning: str | None
+    installed_backends: dict[str, str]       # backend -> version
+    assignment: dict[str, dict]              # module -> {device, backend, params, asked, fallback}
+    components: dict[str, ComponentPlan]
+    missing_for_generate: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict:
+        return {"bundle": self.bundle, "family": self.family, "size": f"{self.size[0]}x{self.size[1]}",
+                "devices": [d.describe() for d in self.devices], "device_warning": self.device_warning,
+                "installed_backends": dict(self.installed_backends), "assignment": dict(self.assignment),
+                "components": {c: p.as_dict() for c, p in self.components.items()},
+                "missing_for_generate": list(self.missing_for_generate)}
+
+    def __str__(self) -> str:
+        out = io.StringIO()
+        describe_where(self.as_dict(), out)
+        return out.getvalue().rstrip("\n")
+
+
+def _option(c: Candidate) -> Option:
+    d = c.describe()
+    return Option(d["artifact"], d["device"], d["device_name"], d["backend"], d["how"], d["note"])
+
+
+def _option_dict(component: str, o: Option) -> dict:
+    return {"component": component, "device": o.device, "device_name": o.device_name, "backend": o.backend,
+            "artifact": o.artifact, "how": o.how, "note": o.note}
+
+
+def _why(placement: Placement, chosen: Option | None, passed_over: list[dict]) -> str:
+    """One line: where the module was asked to run, and what runs it there."""
+    if chosen is None:
+        return "nothing in the bundle can run here: " + "; ".join(passed_text(r) for r in passed_over)
+    module = placement.module
+    if placement.fallback:
+        asked = placement.fallback
+    elif placement.asked:
+        asked = f"{module} assigned to {placement.target} (asked: {placement.asked!r})"
+    else:
+        asked = f"{module} on the first device in rank order, {placement.device.id} (nothing asked)"
+    what = (f"the bundle's ONNX through {chosen.backend}, compiled/loaded at run time" if chosen.artifact == "onnx"
+            else f"prebuilt {chosen.backend} engine {chosen.artifact} fits {chosen.device}")
+    return f"{asked}; {what}" + (f" ({chosen.note})" if chosen.note else "")
+
+
+def _plan(where: dict, placement: Placement, then: list[Candidate] = ()) -> ComponentPlan:
+    """A component's plan from its doctor/generate record (select.component_report) and placement."""
+    w = where
+    option = Option(w["artifact"], w["device"], w["device_name"], w["backend"], w["how"], w["note"]) \
+        if w["device"] is not None else None
+    return ComponentPlan(w["component"], w["module"], option, _why(placement, option, w["passed_over"]),
+                         tuple(PassedOver(**r) for r in w["passed_over"]), tuple(_option(c) for c in then))
+
+
+# ---- images --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Image:
+    """A generated image and the settings that made it."""
+    pixels: np.ndarray                       # float32 [H, W, 3] in [0, 1]
+    prompt: str
+    negative: str
+    seed: int
+    steps: int
+    guidance: float
+    scheduler: str
+    warnings: tuple[str, ...] = ()           # prompt cut off by a text encoder, unused negative prompt
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(width, height) in pixels."""
+        return self.pixels.shape[1], self.pixels.shape[0]
+
+    def to_uint8(self) -> np.ndarray:
+        """[H, W, 3] uint8, rounded as `precast generate` writes it."""
+        return to_uint8(self.pixels)
+
+    def png(self) -> bytes:
+        """The PNG file's bytes: the same bytes `precast generate --out` writes for this image."""
+        from .png import png_bytes
+        return png_bytes(self.to_uint8())
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Writes the PNG (temp file + rename: a failed write leaves nothing behind)."""
+        from .png import write_png
+        write_png(path, self.to_uint8())
+        return Path(path)
+
+
+# ---- components ----------------------------------------------------------------------------------
+class Component:
+    """One loaded component: `run({input: array}) -> {output: array}` on its backend and device."""
+
+    def __init__(self, bundle: "Bundle", name: str, session, plan: ComponentPlan):
+        self.bundle, self.name, self.session, self.plan = bundle, name, session, plan
+        spec = bundle.manifest.components[name]
+        self.inputs: dict[str, list] = {i["name"]: i.get("shape") for i in spec["inputs"]}     # manifest IO
+        self.outputs: dict[str, list] = {o["name"]: o.get("shape") for o in spec["outputs"]}
+
+    @property
+    def input_names(self) -> list[str]:
+        return list(self.session.input_names)
+
+    @property
+    def output_names(self) -> list[str]:
+        return list(self.session.output_names)
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Runs the component; each feed is cast to the dtype the artifact declares. A text encoder's
+        textual-inversion input (`token_embeddings_extra`) is filled in when only `input_ids` is fed."""
+        feeds = self._with_defaults({k: np.asarray(v) for k, v in feeds.items()})
+        names = self.input_names
+        missing = [n for n in names if n not in feeds]
+        unknown = sorted(set(feeds) - set(names))
+        if missing or unknown:
+            what = "; ".join(filter(None, [missing and f"missing {', '.join(missing)}",
+                                           unknown and f"no input named {', '.join(unknown)}"]))
+            raise UserError(f"{self.name}: {what} (it takes {', '.join(names)})")
+        return dict(self.session.run(feeds))
+
+    __call__ = run
+
+    def _with_defaults(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from .embeddings import EXTRA_TOKENS_INPUT, encoder_feeds
+        if EXTRA_TOKENS_INPUT in self.input_names and EXTRA_TOKENS_INPUT not in feeds and "input_ids" in feeds:
+            hidden = int(self.bundle.manifest.components[self.name].get("config", {}).get("hidden", 768))
+            feeds = {**encoder_feeds(self.session, self.name, feeds["input_ids"], None, hidden), **feeds}
+        return feeds
+
+    def __repr__(self) -> str:
+        return f"<Component {self.name}: {self.plan.artifact} via {self.plan.backend} on {self.plan.device}>"
+
+
+# ---- pipelines -----------------------------------------------------------------------------------
+def _stop_check(cancel: CancelHook) -> Callable[[], bool] | None:
+    if cancel is None:
+        return None
+    if isinstance(cancel, threading.Event) or hasattr(cancel, "is_set"):
+        return cancel.is_set
+    if callable(cancel):
+        return cancel
+    raise TypeError(f"cancel={cancel!r}: expected a callable returning True to stop, or a threading.Event")
+
+
+@contextmanager
+def _step_hooks(pipe: BundleModel, on_step: StepCallback | None, cancel: CancelHook) -> Iterator[None]:
+    """Wraps the pipeline's denoising loop (BundleModel.denoising) for one call: `cancel` is asked
+    before each step and before decoding (Cancelled if it says stop), `on_step(done, total)` is called
+    after each step."""
+    stop = _stop_check(cancel)
+    if on_step is None and stop is None:
+        yield
+        return
+    frame = type(pipe).denoising
+
+    def denoising(timesteps, progress):
+        total, steps = len(timesteps), frame(pipe, timesteps, progress)
+        try:
+            for i, t in steps:
+                if stop is not None and stop():
+                    raise Cancelled(i, total)
+                yield i, t
+                if on_step is not None:
+                    on_step(i + 1, total)
+            if stop is not None and stop():
+                raise Cancelled(total, total)
+        finally:
+            steps.close()                   # the progress bar closed, the loop's timings kept
+
+    pipe.denoising = denoising
+    try:
+        yield
+    finally:
+        del pipe.denoising
+
+
+class Pipeline:
+    """A bundle's reference txt2img pipeline, loaded once and called per image. `report` is what
+    was loaded where (load failures that fell back included)."""
+
+    def __init__(self, bundle: "Bundle", pipe: BundleModel):
+        self.bundle, self.pipe = bundle, pipe
+        self.family: str = pipe.family
+        self.size: tuple[int, int] = (pipe.width, pipe.height)
+        self.defaults: dict = dict(getattr(pipe, "defaults", SD_DEFAULTS))
+
+    @property
+    def dit(self) -> bool:
+        """A transformer denoiser (Flux, Chroma, SD3): flow-matching Euler only, as `generate` tells them."""
+        return "transformer" in self.pipe.manifest.components
+
+    @property
+    def report(self) -> Report:
+        r = self.pipe.report()
+        plans = {c: _plan(r["components"][c], self.pipe.placements[COMPONENT_MODULE[c]]) for c in self.pipe.needed}
+        return self.bundle._report(self.size, self.pipe.devices, self.pipe.device_warning, self.pipe.installed,
+                                   self.pipe.placements, plans)
+
+    def __call__(self, prompt: str, *, negative: str = "", steps: int | None = None, seed: int = 0,
+                 guidance: float | None = None, scheduler: str | None = None,
+                 on_step: StepCallback | None = None, cancel: CancelHook = None,
+                 show_progress: bool = False) -> Image:
+        """One image. `steps`/`guidance` default as `precast generate`'s (SD 20 / 7.5; Flux, Chroma and
+        SD3 from the bundle); `scheduler`: SD euler (default) or dpm++2m; Flux/Chroma/SD3 flow-euler only.
+        `on_step(done, total)` after each denoising step; `cancel` (a callable returning True, or a
+        threading.Event) is checked before each step and before decoding: Cancelled when set.
+        `show_progress`: the CLI's progress bar on stderr."""
+        steps = self.defaults["steps"] if steps is None else steps
+        guidance = self.defaults["guidance"] if guidance is None else guidance
+        _check_settings(prompt, negative, steps, seed, guidance)
+        kwargs = {"negative": negative, "steps": steps, "seed": seed, "guidance": guidance, "progress": show_progress}
+        warnings = []
+        if self.dit:
+            from .dit_pipeline import SCHEDULER
+            if (scheduler or "").lower() not in ("", "euler", SCHEDULER):
+                raise UserError(f"scheduler={scheduler!r}: {self.family} samples with {SCHEDULER} only")
+            used = SCHEDULER
+            if negative and self.family == "flux":
+                warnings.append("the negative prompt is not used by Flux (distilled guidance, no negative prompt)")
+        else:
+            used = kwargs["scheduler"] = (scheduler or SD_SCHEDULER).lower()
+        with _step_hooks(self.pipe, on_step, cancel):
+            pixels = self.pipe(prompt, **kwargs)
+        warnings += self.pipe.prompt_warnings(prompt, negative)
+        return Image(pixels, prompt, negative, seed, steps, float(guidance), used, tuple(warnings))
+
+
+def _check_settings(prompt: str, negative: str, steps: int | None, seed: int, guidance: float | None) -> None:
+    """The settings `precast generate` checks before loading anything (None: the default, checked later)."""
+    for name, text in (("prompt", prompt), ("negative", negative)):
+        if not isinstance(text, str):
+            raise UserError(f"{name}={text!r}: expected text (str)")
+    if steps is not None:
+        check_steps(steps)
+    if seed < 0:
+        raise UserError(f"seed={seed}: must be 0 or more (negative seeds are refused)")
+    if guidance is not None and not math.isfinite(guidance):
+        raise UserError(f"guidance={guidance}: must be a finite number, e.g. 7.5")
+
+
+# ---- bundles -------------------------------------------------------------------------------------
+@dataclass
+class _Machine:
+    devices: list[Device]
+    warning: str | None
+    placements: dict[str, Placement]
+    installed: dict[str, str]
+
+
+@dataclass(eq=False)
+class Bundle:
+    """An opened bundle (its manifest read and checked). Every method takes the `--backend` grammar
+    (runtime/assign.py: e.g. "te=cpu,vae=gpu0,unet=gpu0", "all=openvino", "unet=cpu:onnxruntime"),
+    `params_backend` ("cpu": weights offloaded where the engine streams them), `size` ("WIDTHxHEIGHT"
+    or (width, height); default: the bundle's optimal size) and `strict` (run where asked, or
+    UserError: no fallback)."""
+    path: Path
+    manifest: Manifest
+    verify: Verify = "auto"
+    sysroot: str = "/"
+    _pipelines: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def family(self) -> str | None:
+        return self.manifest.model.get("family")
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        return tuple(self.manifest.components)
+
+    @property
+    def optimal_size(self) -> tuple[int, int]:
+        """(width, height): the denoiser profile's opt, the default size."""
+        return optimal_size(self.manifest)
+
+    def plan(self, backend: str | None = None, *, params_backend: str | None = None, size: Size = None,
+             strict: bool = False) -> Report:
+        """What would load where, and why, for every component (nothing is loaded; files are verified
+        as `verify` says): `precast doctor BUNDLE` as data."""
+        w, h = self._size(size)
+        m = self._machine(backend, params_backend, strict)
+        sels = select_all(self.manifest, m.placements, m.devices, requests(self.manifest, 1, h, w), m.installed,
+                          self.verify)
+        if strict:
+            stuck = next((s for s in sels.values() if s.choice is None), None)
+            if stuck:
+                raise UserError(nothing_runs(stuck.component, stuck.target, stuck.refused))
+        plans = {c: _plan(component_report(c, s.choice, s.refused), m.placements[COMPONENT_MODULE.get(c, "diffusion")],
+                          s.viable[1:]) for c, s in sels.items()}
+        return self._report((w, h), m.devices, m.warning, m.installed, m.placements, plans)
+
+    def load(self, component: str, backend: str | None = None, *, params_backend: str | None = None,
+             size: Size = None, strict: bool = False) -> Component:
+        """One component, selected, verified and loaded as `precast generate` loads it (the next
+        candidate is tried when one fails to load; the reasons are in `Component.plan`)."""
+        if component not in self.manifest.components:
+            raise UserError(f"{self.path}: no component {component!r} (it has {', '.join(self.components)})")
+        w, h = self._size(size)
+        m = self._machine(backend, params_backend, strict)
+        placement = m.placements[COMPONENT_MODULE.get(component, "diffusion")]
+        request = requests(self.manifest, 1, h, w).get(component, {})
+        sel = select_component(self.manifest, component, placement, m.devices, request, m.installed, self.verify)
+        if strict and sel.choice is None:
+            raise UserError(nothing_runs(component, sel.target, sel.refused))
+        outputs = [o["name"] for o in self.manifest.components[component]["outputs"]]
+        session, cand, reasons = load_component(sel, outputs, placement.offload)
+        rest = sel.viable[sel.viable.index(cand) + 1:]
+        return Component(self, component, session, _plan(component_report(component, cand, reasons), placement, rest))
+
+    def pipeline(self, backend: str | None = None, *, params_backend: str | None = None, size: Size = None,
+                 strict: bool = False) -> Pipeline:
+        """The family's txt2img pipeline, loaded (kept: the same arguments return the same pipeline)."""
+        w, h = self._size(size)
+        key = (backend, params_backend, w, h, strict)
+        if key not in self._pipelines:
+            from .run_commands import pipeline_class     # the family's pipeline, as `precast generate` picks it
+            cls = pipeline_class(self.manifest)
+            pipe = cls(self.manifest, backend, params_backend, width=w, height=h, sysroot=self.sysroot,
+                       strict=strict, verify=self.verify)
+            self._pipelines[key] = Pipeline(self, pipe)
+        return self._pipelines[key]
+
+    def txt2img(self, prompt: str, *, negative: str = "", steps: int | None = None, seed: int = 0,
+                guidance: float | None = None, scheduler: str | None = None, size: Size = None,
+                backend: str | None = None, params_backend: str | None = None, strict: bool = False,
+                on_step: StepCallback | None = None, cancel: CancelHook = None,
+                show_progress: bool = False) -> Image:
+        """One image in one call: `pipeline(...)` (loaded once per backend/size) then `Pipeline.__call__`.
+        The same image as `precast generate` with the same settings."""
+        _check_settings(prompt, negative, steps, seed, guidance)
+        pipe = self.pipeline(backend, params_backend=params_backend, size=size, strict=strict)
+        return pipe(prompt, negative=negative, steps=steps, seed=seed, guidance=guidance, scheduler=scheduler,
+                    on_step=on_step, cancel=cancel, show_progress=show_progress)
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def _size(self, size: Size) -> tuple[int, int]:
+        if size is None:
+            return self.optimal_size
+        from .run_commands import parse_size
+        if not isinstance(size, str):
+            try:
+                w, h = size
+                size = f"{int(w)}x{int(h)}"
+            except (TypeError, ValueError):
+                raise UserError(f"size={size!r}: expected 'WIDTHxHEIGHT' or (width, height)") from None
+        return parse_size(size, self.manifest)
+
+    def _machine(self, backend: str | None, params_backend: str | None, strict: bool) -> _Machine:
+        devices, warning = apply_device_override(discover_devices(self.sysroot, os.environ), os.environ)
+        extra = tuple(dict.fromkeys(COMPONENT_MODULE.get(c, "diffusion") for c in self.manifest.components))
+        modules = DEFAULT_MODULES + tuple(x for x in extra if x not in DEFAULT_MODULES)
+        placements = assign_modules(devices, backend, params_backend, modules, strict=strict)
+        return _Machine(devices, warning, placements, installed_backends())
+
+    def _report(self, size, devices, warning, installed, placements, plans) -> Report:
+        from .run_commands import _missing_for_generate
+        return Report(str(self.path), self.family, tuple(size), tuple(devices), warning, dict(installed),
+                      {mod: p.describe() for mod, p in placements.items()}, plans,
+                      tuple(_missing_for_generate(self.manifest)))
+
+
+def open_bundle(path: str | os.PathLike, *, verify: Verify = "auto", sysroot: str = "/") -> Bundle:
+    """Reads and checks a bundle's manifest (UserError, one line, if it is not a bundle). `verify`, as
+    `--verify`: "auto" hashes each file once per file state (records trusted while the file is
+    unchanged), "full" hashes every file again on every load. `sysroot`: read devices from a recorded
+    tree (tests)."""
+    mode = str(verify).lower()
+    if mode not in ("auto", "full"):
+        raise UserError(f"verify={verify!r}: expected 'auto' or 'full'")
+    return Bundle(Path(path), read_manifest(path), mode, sysroot)
