@@ -84,10 +84,12 @@ def builder_digest() -> str:
 def cached_export(cache: Cache, source: Path, digest: str, component: str, dtype: str, overrides: dict,
                   progress: bool, vae: Path | None = None, vae_digest: str = "", loras: list | None = None,
                   lora_ids: list[dict] | None = None, text_encoders: tuple = (),
-                  te_digests: tuple = ()) -> tuple[Entry, bool]:
+                  te_digests: tuple = (), controlnet: tuple[str, str] | None = None,
+                  controlnet_digest: str = "") -> tuple[Entry, bool]:
     """One component's ONNX export, as a cache entry: (verified entry, hit). `loras` are merged
     ((path, strength, te_strength) each); `lora_ids` (digest + strength of each LoRA that touches
-    this component) go into the key; so do the digests of separate text-encoder files."""
+    this component) go into the key; so do the digests of separate text-encoder files, and of the
+    ControlNet file a `controlnet_<name>` component is made from ((path, name))."""
     from .export import export
     key_parts = {"kind": "export", "source_sha256": digest, "component": component, "dtype": dtype,
                  "overrides": overrides, "vae_sha256": vae_digest, "precast": PRECAST_VERSION,
@@ -96,12 +98,15 @@ def cached_export(cache: Cache, source: Path, digest: str, component: str, dtype
         key_parts["text_encoders_sha256"] = list(te_digests)
     if lora_ids:
         key_parts["loras"] = lora_ids
+    if controlnet:
+        key_parts["controlnet"] = {"sha256": controlnet_digest, "name": controlnet[1]}
     key = cache_key(key_parts)
 
     def build(folder: Path) -> dict:
         work = folder / "export"
         report = export(source, work, [component], dtype, overrides, progress=progress, vae_dtype=dtype,
-                        vae=vae, loras=loras if lora_ids else None, text_encoders=text_encoders)
+                        vae=vae, loras=loras if lora_ids else None, text_encoders=text_encoders,
+                        controlnets=[controlnet] if controlnet else ())
         for f in (work / component).iterdir():
             os.rename(f, folder / f.name)
         shutil.rmtree(work)
@@ -229,14 +234,20 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
         raise BadInput(f"{recipe.path}: family {recipe.family!r} but {source} is {family.name} ({family.evidence})")
     from .export import plan_graphs
     from .families import FAMILIES, FP32_VAE_FAMILIES, T5_TOKENS, flow_defaults, latent_factor_of
-    absent = [c for c in recipe.components if c not in FAMILIES[family.name]]
+    from .export import CONTROLNET_PREFIX, _with_residuals, plan_controlnets
+    model_comps = [c for c in recipe.components if not c.startswith(CONTROLNET_PREFIX)]
+    absent = [c for c in model_comps if c not in FAMILIES[family.name]]
     if absent:
         raise BadInput(f"{recipe.path}: components: {family.name} has no {', '.join(absent)} "
                        f"(it has {', '.join(FAMILIES[family.name])})")
     overrides = demo_overrides(recipe)
     # every graph built from the headers once: a missing part (T5), a mismatched one (a 4-channel VAE
-    # for Flux) or a damaged tensor is one error now, before anything is written
-    plan_graphs(ckpt, list(recipe.components), "fp32", overrides)
+    # for Flux), a ControlNet of another model or a damaged tensor is one error now, before anything is
+    # written. With ControlNets the UNet takes their residuals as inputs (one UNet for any number of them).
+    nets = {f"{CONTROLNET_PREFIX}{name}": (path, name) for path, name in recipe.controlnets}
+    planned_nets = plan_controlnets(ckpt, family, recipe.controlnets, "fp32", overrides)
+    unet_overrides = _with_residuals(overrides, planned_nets)
+    plan_graphs(ckpt, model_comps, "fp32", unet_overrides)
     t5 = T5_TOKENS.get(family.name, {}).get(family.variant)
     factor = latent_factor_of(ckpt.refs)
     profiles = [dataclasses.replace(p, t5_tokens=p.t5_tokens or ((t5, t5, t5) if t5 else None), latent_factor=factor)
@@ -256,6 +267,7 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
         lora_plan = plan_merge({k: tuple(r.shape) for k, r in ckpt.refs.items()},
                                [LoraSpec(l.path, l.strength, l.te_strength) for l in recipe.loras])
     lora_args = [(l.path, l.strength, l.te_strength) for l in recipe.loras]
+    net_digests = {comp: source_digest(Path(path)) for comp, (path, _) in nets.items()}
     vae_path = Path(recipe.vae) if recipe.vae else None
     vae_digest = source_digest(vae_path) if vae_path else ""
 
@@ -285,6 +297,10 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
                          f"{ckpt.path} scheduler/scheduler_config.json")
     if flow is not None:
         manifest["model"].update(flow)
+    if planned_nets:
+        manifest["model"]["controlnets"] = [{"name": name, "component": comp, "source": Path(path).name,
+                                             "sha256": net_digests[comp], "residuals": cfg["control_residuals"]}
+                                            for (comp, (path, name)), (_, _, cfg) in zip(nets.items(), planned_nets)]
     if lora_plan is not None:
         manifest["model"]["loras"] = [{k: d[k] for k in ("name", "sha256", "strength", "te_strength")}
                                       for d in lora_plan.describe()]
@@ -300,12 +316,14 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
             c0 = time.perf_counter()
             dtype, why = precision_of(comp)
             is_text = comp.startswith("text_encoder")
-            entry, hit = cached_export(cache, source, digest, comp, dtype, overrides, progress,
+            entry, hit = cached_export(cache, source, digest, comp, dtype,
+                                       unet_overrides if comp == "unet" else overrides, progress,
                                        vae_path if comp.startswith("vae_") else None,
                                        vae_digest if comp.startswith("vae_") else "", lora_args,
                                        component_loras(lora_plan, FAMILIES[family.name][comp].prefix_in(ckpt.refs))
-                                       if lora_plan is not None else None,
-                                       recipe.text_encoders if is_text else (), te_digests if is_text else ())
+                                       if lora_plan is not None and comp not in nets else None,
+                                       recipe.text_encoders if is_text else (), te_digests if is_text else (),
+                                       nets.get(comp), net_digests.get(comp, ""))
             meta = entry.metadata
             manifest["model"]["prediction"] = meta.get("prediction", "epsilon")
             manifest["model"]["latent_scale"] = meta.get("latent_scale")
@@ -410,13 +428,22 @@ def merge_bundles(inputs: list[str | Path], out: str | Path) -> dict:
     merged = {"schema": SCHEMA, "precast": first["precast"], "name": first["name"], "model": first["model"],
               "components": {}, "artifacts": [], "files": {}}
     seen = {}
+    for m in manifests:
+        for name, comp in m.components.items():
+            if merged["components"].setdefault(name, comp) != comp:
+                raise BadInput(f"{m.root}: component {name} differs from another shard's; rebuild the shards "
+                               "from one recipe with one precast version")
+    # onnx/'s pipeline files (model_index.json, configs) list the components a shard has: written again
+    from .interop import pipeline_files, write_json
+    derived = {f"onnx/{rel}": data for rel, data in pipeline_files(
+        first["model"], {c: v.get("config") or {} for c, v in merged["components"].items()}).items()}
     try:
+        for rel, data in derived.items():
+            merged["files"][rel] = file_record(write_json(staging / rel, data))
         for m in manifests:
-            for name, comp in m.components.items():
-                if merged["components"].setdefault(name, comp) != comp:
-                    raise BadInput(f"{m.root}: component {name} differs from another shard's; rebuild the shards "
-                                   "from one recipe with one precast version")
             for rel, rec in m.files.items():
+                if rel in derived:
+                    continue
                 if rel in merged["files"]:
                     if merged["files"][rel] != rec:
                         raise BadInput(f"{m.root}: {rel} differs from the same file in another shard")

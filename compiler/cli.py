@@ -40,6 +40,14 @@ def _parse_sets(values: tuple[str, ...]) -> dict:
     return out
 
 
+def _parse_controlnet(item: str) -> tuple[str, str | None]:
+    """'PATH' or 'PATH:NAME' (a path may itself hold ':'; the tail is a name only when PATH exists and ITEM does not)."""
+    path, colon, tail = item.rpartition(":")
+    if colon and path and not os.path.lexists(item) and os.path.exists(path):
+        return path, tail
+    return item, None
+
+
 def _parse_lora(item: str) -> tuple[str, float]:
     """'PATH' or 'PATH:STRENGTH' (a path may itself hold ':'; only a trailing number is a strength)."""
     path, colon, tail = item.rpartition(":")
@@ -81,9 +89,12 @@ def main() -> None:
               help="Strength for the text-encoder part of every --lora (default: each LoRA's own strength).")
 @click.option("--allow-unmatched", is_flag=True,
               help="Merge a LoRA even when some of its tensors name no weight of the model (they are listed).")
+@click.option("--controlnet", "controlnets", multiple=True, metavar="PATH[:NAME]",
+              help="A ControlNet (LDM .safetensors or diffusers folder/file) exported beside the model as "
+                   "controlnet_NAME (default: the file's name); the UNet then takes its residuals. Repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout.")
 def export_cmd(checkpoint, out, components, dtype, sets, vae_dtype, vae, text_encoders, loras, lora_te_strength,
-               allow_unmatched, as_json):
+               allow_unmatched, controlnets, as_json):
     """Export CHECKPOINT (.safetensors file or diffusers folder) to ONNX, without torch."""
     def go():
         from .export import export
@@ -91,7 +102,7 @@ def export_cmd(checkpoint, out, components, dtype, sets, vae_dtype, vae, text_en
         report = export(checkpoint, out, list(components) or None, dtype, _parse_sets(sets), progress=True,
                         vae_dtype=vae_dtype, loras=specs, allow_unmatched=allow_unmatched,
                         warn=lambda msg: click.echo(f"warning: {msg}", err=True), vae=vae,
-                        text_encoders=text_encoders)
+                        text_encoders=text_encoders, controlnets=[_parse_controlnet(c) for c in controlnets])
         if as_json:
             click.echo(json.dumps(report, indent=2))
         else:

@@ -43,6 +43,7 @@ class SD1Config:
     text2_intermediate: int = 0
     text2_projection: int = 0                       # SDXL bigG text_projection width
     adm_in_channels: int = 0                        # SDXL label_emb input (pooled + 256 x time ids)
+    in_channels: int = 4                            # UNet input: 4 latents, 9 for an inpainting UNet
 
 
 TINY = SD1Config()
@@ -62,6 +63,7 @@ SDXL = SD1Config(family="sdxl", model_channels=320, channel_mult=(1, 2, 4), atte
 SD15 = SD1Config(model_channels=320, channel_mult=(1, 2, 4, 4), num_res_blocks=2, attention_levels=(0, 1, 2),
                  context_dim=768, vae_ch=128, vae_mult=(1, 2, 4, 4), vae_res_blocks=2, text_layers=12,
                  text_intermediate=3072)
+TINY_INPAINT = SD1Config(in_channels=9)   # the tiny SD 1.x demo with an inpainting UNet (latents | mask | masked image)
 
 
 def _conv(d: dict, name: str, cout: int, cin: int, k: int) -> None:
@@ -117,7 +119,7 @@ def unet_layout(cfg: SD1Config) -> dict[str, tuple[int, ...]]:
         _lin(d, "label_emb.0.2", temb, temb)
     depth = cfg.depth_per_level or tuple(cfg.transformer_depth for _ in cfg.channel_mult)
     attn = lambda p, c, level: _unet_attn(d, p, c, cfg.context_dim, depth[level], cfg.use_linear)
-    _conv(d, "input_blocks.0.0", mc, 4, 3)
+    _conv(d, "input_blocks.0.0", mc, cfg.in_channels, 3)
     chans, ch, i = [mc], mc, 1
     for level, mult in enumerate(cfg.channel_mult):
         for _ in range(cfg.num_res_blocks):

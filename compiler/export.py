@@ -96,9 +96,11 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
            dtype: str = "fp32", overrides: dict | None = None, progress: bool = True,
            vae_dtype: str = "auto", loras: list | None = None, allow_unmatched: bool = False,
            warn: Callable[[str], None] | None = None, vae: str | os.PathLike | None = None,
-           text_encoders: tuple | list = ()) -> dict:
+           text_encoders: tuple | list = (), controlnets: tuple | list = ()) -> dict:
     """`loras`: (path, strength[, te_strength]) tuples or objects with those fields, merged into
-    the weights while they stream (compiler/lora_merge.py); checked before anything is written."""
+    the weights while they stream (compiler/lora_merge.py); checked before anything is written.
+    `controlnets`: (path, name or None) pairs (or paths): each becomes a `controlnet_<name>`
+    component, and the UNet is built with their residuals as inputs."""
     t0 = time.perf_counter()
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -113,8 +115,18 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
     if text_encoders and family.name not in T5_TOKENS:
         raise BadInput(f"--text-encoder {text_encoders[0]}: separate text-encoder files are read for Flux, Chroma and SD3; "
                        f"a {family.name} export takes its text encoders from {ckpt.path}: drop the flag")
-    names = list(components) if components else present_components(ckpt, family)
-    planned = plan_graphs(ckpt, names, dtype, overrides or {}, vae_dtype)
+    nets = plan_controlnets(ckpt, family, controlnets, dtype, overrides or {})
+    wanted = list(components) if components else None
+    names = [n for n in wanted if not n.startswith(CONTROLNET_PREFIX)] if wanted else \
+        present_components(ckpt, family)
+    unknown = [n for n in wanted or () if n.startswith(CONTROLNET_PREFIX) and n not in [c.name for c, _, _ in nets]]
+    if unknown:
+        raise BadInput(f"--component {unknown[0]}: no ControlNet of that name is given "
+                       f"({', '.join(c.name for c, _, _ in nets) or 'none'}); add it with --controlnet FILE[:NAME]")
+    # every ControlNet given, unless --component names some of them
+    picked = wanted is not None and any(n.startswith(CONTROLNET_PREFIX) for n in wanted)
+    planned = plan_graphs(ckpt, names, dtype, _with_residuals(overrides or {}, nets), vae_dtype) + \
+        [n for n in nets if not picked or n[0].name in wanted]
     merge = _lora_plan(ckpt, loras, allow_unmatched, warn) if loras else None
     total = sum(int(np.prod(w.shape, dtype=np.int64)) * np.dtype(NP_OF[w.elem_type]).itemsize
                 for _, g, _ in planned for w in g.weights.values())
@@ -137,16 +149,21 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
         report["text_encoders"] = [str(t) for t in text_encoders]
     if merge is not None:
         report["loras"] = merge.describe()
+    if nets:
+        report["controlnets"] = [{"name": c.name, "source": cfg["source"], "layout": g.ckpt.layout,
+                                  "source_identity": g.ckpt.identity(), "residuals": cfg["control_residuals"]}
+                                 for c, g, cfg in nets]
     try:
         with _progress(total, progress) as bar:
             for comp, g, cfg in planned:
                 folder = staging / comp.name
+                merged = merge if g.ckpt is ckpt else None       # LoRAs merge into the model's own components
                 model_path, data_path = save_model(g, str(folder), on_weight=bar.update, metadata={
                     "precast.family": family.name, "precast.component": comp.name, "precast.prefix": g.prefix,
-                    "precast.source_identity": report["source_identity"],
-                    **({"precast.loras": json.dumps(_lora_identity(report["loras"]))} if merge else {})},
-                    transform=merge.transform if merge else None,
-                    exact=frozenset(merge.touched()) if merge else frozenset())
+                    "precast.source_identity": report["source_identity"] if g.ckpt is ckpt else g.ckpt.identity(),
+                    **({"precast.loras": json.dumps(_lora_identity(report["loras"]))} if merged else {})},
+                    transform=merged.transform if merged else None,
+                    exact=frozenset(merged.touched()) if merged else frozenset())
                 graph = g.to_proto()
                 report["components"].append({
                     "name": comp.name, "path": comp.name + "/model.onnx", "config": cfg,
@@ -164,6 +181,70 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
     report["out"] = str(out)
     report["seconds"] = round(time.perf_counter() - t0, 3)
     return report
+
+
+CONTROLNET_PREFIX = "controlnet_"
+
+
+def controlnet_name(path, name: str | None = None) -> str:
+    """`name` if given (letters, digits, _), else the file's stem (a diffusers folder's name)
+    lower-cased with every other character run replaced by _."""
+    import re
+    if name:
+        if not re.fullmatch(r"[A-Za-z0-9_]+", name):
+            raise BadInput(f"--controlnet {path}:{name}: a name is letters, digits and _")
+        return name
+    p = Path(path)
+    stem = p.parent.name if p.name == "controlnet" and p.is_dir() else (p.stem if p.is_file() else p.name)
+    return re.sub(r"[^a-z0-9_]+", "_", stem.lower()).strip("_") or "net"
+
+
+def plan_controlnets(ckpt: Checkpoint, family: Family, controlnets, dtype: str,
+                     overrides: dict) -> list[tuple[Component, Graph, dict]]:
+    """Open each ControlNet, check that it fits the model's UNet (one line naming both files and the
+    field; fitting ones share the UNet's input blocks, so all give the same residual count) and
+    build its graph (header only), as `controlnet_<name>` components."""
+    if not controlnets:
+        return []
+    from .graphs import controlnet as cn
+    from .sources.controlnet import CONTROL, open_controlnet
+    unet = FAMILIES[family.name].get("unet")
+    prefix = unet.prefix_in(ckpt.refs) if unet else None
+    if prefix is None:
+        raise BadInput(f"--controlnet: {ckpt.path} has no SD UNet ({family.name}); ControlNets are built for SD 1.x, "
+                       "SD 2.x and SDXL models")
+    unet_overrides = overrides_for(family.name, unet, overrides)
+    unet_cfg = unet.make_config(Graph("unet", ckpt, prefix, dtype), ckpt.configs.get(unet.config_key, {}),
+                                unet_overrides).describe()
+    planned = []
+    for item in controlnets:
+        path, name = (item[0], item[1] if len(item) > 1 else None) if isinstance(item, (tuple, list)) else (item, None)
+        comp_name = CONTROLNET_PREFIX + controlnet_name(path, name)
+        if any(c.name == comp_name for c, _, _ in planned):
+            raise BadInput(f"--controlnet {path}: a second ControlNet named {comp_name[len(CONTROLNET_PREFIX):]!r}; "
+                           "name one of them with FILE:NAME")
+        net = open_controlnet(path)
+        g = Graph(comp_name, net, CONTROL, dtype)
+        try:
+            cfg = cn.controlnet_config(g, net.configs.get("controlnet", {}), unet_overrides)
+            cn.check_fits(family.name, unet_cfg, cfg.describe(), ckpt.path, str(path))
+            cn.build_controlnet(g, cfg)
+        except (ValueError, IndexError, TypeError, ZeroDivisionError, OverflowError) as e:
+            raise BadInput(f"--controlnet {path}: the tensors' shapes do not fit a ControlNet ({e}); the file may be "
+                           "damaged or of another architecture") from None
+        g.check_coverage([CONTROL], ignore=lambda k: k.endswith(IGNORED_SUFFIXES))
+        comp = Component(comp_name, (CONTROL,), "controlnet", cn.controlnet_config, cn.build_controlnet)
+        planned.append((comp, g, {**cfg.describe(), "source": str(path)}))
+    return planned
+
+
+def _with_residuals(overrides: dict, nets: list) -> dict:
+    """The overrides that build the UNet with one residual input per input block (+ the middle
+    block's) when ControlNets are exported beside it; unchanged without."""
+    if not nets:
+        return overrides
+    n = nets[0][2]["control_residuals"]
+    return {**overrides, "unet": {**overrides.get("unet", {}), "control_residuals": n}}
 
 
 def _lora_plan(ckpt: Checkpoint, loras: list, allow_unmatched: bool, warn):
@@ -218,7 +299,7 @@ def _keep_earlier(report: dict, earlier: dict) -> list[dict]:
     """An export into an earlier one of the same source (same file, weights, LoRAs, VAE and text
     encoders) keeps that export's other components, so `--component vae_decoder --dtype fp32`
     re-exports one part; an earlier export of anything else goes whole."""
-    same = ("source", "source_identity", "loras", "vae", "text_encoders", "family")
+    same = ("source", "source_identity", "loras", "vae", "text_encoders", "family", "controlnets")
     if not earlier or any(earlier.get(k) != report.get(k) for k in same):
         return []
     names = {c["name"] for c in report["components"]}

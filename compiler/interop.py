@@ -169,7 +169,9 @@ def component_config(name: str, cfg: dict, model: dict) -> dict:
 
 def pipeline_files(model: dict, components: dict[str, dict]) -> dict[str, dict]:
     """relative path -> JSON data: every file of the folder except the graphs and tokenizers.
-    `model`: family, prediction, latent_scale[, latent_shift, scheduler]; `components`: name -> config."""
+    `model`: family, prediction, latent_scale[, latent_shift, scheduler]; `components`: name -> config
+    (ControlNets, which no diffusers pipeline folder of these classes holds, are left out)."""
+    components = {n: c for n, c in components.items() if not n.startswith("controlnet_")}
     files = {"model_index.json": model_index(model, sorted(components)),
              "scheduler/scheduler_config.json": scheduler_config(model)}
     for name, cfg in components.items():

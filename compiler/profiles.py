@@ -83,7 +83,8 @@ class ShapeProfile:
     def input_shapes(self, component: str, inputs: list[dict]) -> dict[str, tuple[tuple[int, ...], ...]]:
         """{input name: (min, opt, max) shapes} for the component's declared inputs."""
         self.check()
-        b = tuple(2 * v for v in self.batch) if component == "unet" and self.cfg_doubling else self.batch
+        denoiser = component == "unet" or component.startswith("controlnet_")   # both read the latents
+        b = tuple(2 * v for v in self.batch) if denoiser and self.cfg_doubling else self.batch
         lh = tuple(v // self.latent_factor for v in self.height)
         lw = tuple(v // self.latent_factor for v in self.width)
         symbolic = {"batch": b, "steps": b, "sequence": self.tokens, "height": self.height, "width": self.width,
@@ -99,8 +100,12 @@ class ShapeProfile:
             symbolic["text_sequence"] = tuple(a + b for a, b in zip(self.tokens, self.t5_tokens))
         if "image_tokens" in dims:
             symbolic["image_tokens"] = self.image_tokens()
-        if component == "unet":
-            symbolic.update(height=lh, width=lw)
+        if denoiser:
+            symbolic.update(height=lh, width=lw, image_height=self.height, image_width=self.width)
+        for d in dims:        # ControlNet residuals at level l: the latents' sides after l stride-2 convs
+            base, _, k = d.partition("_div") if isinstance(d, str) else ("", "", "")
+            if base in ("height", "width") and k.isdigit() and int(k) > 0:
+                symbolic[d] = tuple(-(-v // int(k)) for v in symbolic[base])
         if "extra_tokens" in dims and all(symbolic[d][0] == symbolic[d][2] for d in dims
                                           if d in symbolic and d != "extra_tokens"):
             symbolic["extra_tokens"] = STATIC_EXTRA_TOKENS     # every other dimension fixed: a static engine

@@ -28,7 +28,7 @@ DEFAULT_COMPONENTS = {"sd1": ("text_encoder", "unet", "vae_encoder", "vae_decode
                       "sd3": ("text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae_encoder",
                               "vae_decoder")}
 PRECISIONS = ("fp32", "fp16", "bf16")
-TOP_FIELDS = {"name", "model", "components", "precision", "loras", "embeddings", "profiles", "targets"}
+TOP_FIELDS = {"name", "model", "components", "precision", "loras", "embeddings", "controlnets", "profiles", "targets"}
 MODEL_FIELDS = {"source", "family", "set", "vae", "prediction", "text_encoders"}
 PROFILE_FIELDS = {"batch", "height", "width", "tokens", "t5_tokens", "static"}
 # embedded tiny models (written on demand, no download): demo name -> family
@@ -63,6 +63,7 @@ class Recipe:
     targets: tuple[TargetSpec, ...]
     lines: dict = field(default_factory=dict, compare=False)
     assumed_components: bool = False   # no family, no components, no checkpoint to read: SD 1.x's assumed
+    controlnets: tuple[tuple[str, str], ...] = ()   # (file or folder, name): components controlnet_<name>
 
 
 class _Loader(yaml.SafeLoader):
@@ -369,6 +370,10 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
         loras.append(Lora(str((base / lora_path).resolve()), strength, te))
     embeddings = tuple(str((base / _string(doc, f"embeddings[{i}]", e, "an embedding file")).resolve())
                        for i, e in enumerate(_list(doc, "embeddings", data.get("embeddings"), "embedding files")))
+    controlnets = _controlnets(doc, data.get("controlnets"), base, check_files)
+    for _, net in controlnets:       # each its own component, built at the UNet's precision
+        comps.append(f"controlnet_{net}")
+        per_comp[f"controlnet_{net}"] = per_comp.get("unet", precision.get("default", "fp32"))
     overrides = _overrides(doc, model.get("set"))
     if prediction:
         overrides["model"] = {**overrides.get("model", {}), "prediction": prediction}
@@ -377,7 +382,29 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
     _check_target_dtypes(doc, targets, per_comp, explicit, family or DEMO_SOURCES.get(source))
     return Recipe(str(path), str(name), source, family, overrides, tuple(comps), per_comp, explicit, vae,
                   tuple(text_encoders), tuple(loras), embeddings, _profiles(doc, data.get("profiles")), targets,
-                  lines=doc.lines, assumed_components=assumed)
+                  lines=doc.lines, assumed_components=assumed, controlnets=controlnets)
+
+
+def _controlnets(doc: _Doc, value, base: Path, check_files: bool) -> tuple[tuple[str, str], ...]:
+    """`controlnets:` -- files / folders or {path, name}: (absolute path, component name suffix)."""
+    from .export import controlnet_name
+    out: list[tuple[str, str]] = []
+    for i, item in enumerate(_list(doc, "controlnets", value, "ControlNet files or {path, name}")):
+        w = f"controlnets[{i}]"
+        item = {"path": item} if isinstance(item, str) else _check_keys(doc, w, item, {"path", "name"})
+        path = (base / _string(doc, f"{w}.path" if "path" in item else w, item.get("path"),
+                               "{path: FILE, name: NAME}")).resolve()
+        if check_files and not path.exists():
+            raise doc.error(w, f"{path} does not exist")
+        try:
+            name = controlnet_name(path, None if item.get("name") is None else
+                                   _string(doc, f"{w}.name", item["name"], "a name: letters, digits and _"))
+        except BadInput as e:
+            raise doc.error(w, str(e)) from None
+        if any(name == n for _, n in out):
+            raise doc.error(w, f"a second ControlNet named {name!r}: give each one its own name")
+        out.append((str(path), name))
+    return tuple(out)
 
 
 def _check_target_dtypes(doc: _Doc, targets, precision: dict, explicit: frozenset, family: str | None) -> None:

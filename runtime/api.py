@@ -15,14 +15,17 @@ runtime's own modules (the backends lazily, as they load); never the compiler, o
     print(bundle.plan("te=cpu,unet=gpu0"))          # what would run where, and why
     image = bundle.txt2img("a red fox", steps=4, seed=1, on_step=lambda i, n: print(f"{i}/{n}"))
     image.save("fox.png")
+    bundle.img2img("a red fox, oil painting", "fox.png", strength=0.6).save("painted.png")
+    bundle.inpaint("a cat", "fox.png", "mask.png").save("cat.png")     # white = repaint
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,11 +33,12 @@ from typing import Literal, Union
 
 import numpy as np
 
-from .assign import COMPONENT_MODULE, Placement, assign_modules
+from .assign import COMPONENT_MODULE, Placement, assign_modules, module_of
 from .devices import Device, apply_device_override, discover_devices
 from .errors import Cancelled, UserError
 from .manifest import Manifest, read_manifest
-from .pipeline import BundleModel, check_steps, describe_where, optimal_size, requests, to_uint8
+from .pipeline import (BundleModel, check_image_mode, check_steps, describe_where, latent_factor, optimal_size,
+                       requests, to_uint8)
 from .select import (Candidate, component_report, installed_backends, load_component, nothing_runs,
                      passed_text, select_all, select_component)
 
@@ -43,6 +47,8 @@ __all__ = ["open_bundle", "Bundle", "Report", "ComponentPlan", "Option", "Passed
 
 Verify = Literal["auto", "full"]
 Size = Union[str, tuple[int, int], None]           # "WIDTHxHEIGHT", (width, height), or the bundle's optimal
+ImageInput = Union[str, os.PathLike, np.ndarray]     # a PNG path, or uint8 [H, W] / [H, W, C] (C 1 to 4)
+ControlSpec = tuple                                   # (ControlNet name, image[, scale[, start, end]])
 StepCallback = Callable[[int, int], None]             # (steps done, total steps)
 CancelHook = Union[Callable[[], bool], threading.Event, None]
 DEFAULT_MODULES = ("te", "diffusion", "vae")          # what doctor assigns (assign_modules' default)
@@ -183,6 +189,8 @@ class Image:
     guidance: float
     scheduler: str
     warnings: tuple[str, ...] = ()           # prompt cut off by a text encoder, unused negative prompt
+    mode: str = "txt2img"                    # txt2img | img2img | inpaint
+    strength: float | None = None            # img2img / inpaint: the share of the schedule run
 
     @property
     def size(self) -> tuple[int, int]:
@@ -310,23 +318,41 @@ class Pipeline:
     @property
     def report(self) -> Report:
         r = self.pipe.report()
-        plans = {c: _plan(r["components"][c], self.pipe.placements[COMPONENT_MODULE[c]]) for c in self.pipe.needed}
+        plans = {c: _plan(r["components"][c], self.pipe.placements[module_of(c)]) for c in self.pipe.needed}
         return self.bundle._report(self.size, self.pipe.devices, self.pipe.device_warning, self.pipe.installed,
                                    self.pipe.placements, plans)
 
     def __call__(self, prompt: str, *, negative: str = "", steps: int | None = None, seed: int = 0,
                  guidance: float | None = None, scheduler: str | None = None,
                  on_step: StepCallback | None = None, cancel: CancelHook = None,
-                 show_progress: bool = False) -> Image:
+                 show_progress: bool = False, init_image: ImageInput | None = None, mask: ImageInput | None = None,
+                 strength: float | None = None, controls: Sequence[ControlSpec] = (), guess_mode: bool = False) -> Image:
         """One image. `steps`/`guidance` default as `precast generate`'s (SD 20 / 7.5; Flux, Chroma and
         SD3 from the bundle); `scheduler`: SD euler (default) or dpm++2m; Flux/Chroma/SD3 flow-euler only.
         `on_step(done, total)` after each denoising step; `cancel` (a callable returning True, or a
         threading.Event) is checked before each step and before decoding: Cancelled when set.
-        `show_progress`: the CLI's progress bar on stderr."""
+        `show_progress`: the CLI's progress bar on stderr. `init_image` (img2img) and `mask` (inpainting,
+        white = repaint): a PNG path or a uint8 array, fitted to the pipeline's size (runtime/images.py);
+        they need a pipeline opened with image_input=True (Bundle.img2img / inpaint do that). `controls`:
+        (ControlNet name, control image[, scale[, start, end]]) each, the nets loaded by
+        bundle.pipeline(..., controlnets=names); `guess_mode` as `--guess-mode`."""
         steps = self.defaults["steps"] if steps is None else steps
         guidance = self.defaults["guidance"] if guidance is None else guidance
         _check_settings(prompt, negative, steps, seed, guidance)
+        mode, strength = check_image_mode(self.pipe.manifest, init_image is not None, mask is not None, strength,
+                                          steps, "api")
         kwargs = {"negative": negative, "steps": steps, "seed": seed, "guidance": guidance, "progress": show_progress}
+        if mode != "txt2img":
+            from . import images
+            if not getattr(self.pipe, "image_input", False):
+                raise UserError("init_image=: this pipeline was opened for txt2img (no VAE encoder loaded); open it with "
+                                "bundle.pipeline(..., image_input=True), or call bundle.img2img / bundle.inpaint")
+            init = kwargs["init_image"] = images.init_image(init_image, "init_image")
+            kwargs["mask"] = images.mask_image(mask, init, "mask") if mask is not None else None
+            kwargs["strength"] = strength
+        if controls or guess_mode:
+            kwargs["controls"] = self._controls(controls, guess_mode)
+            kwargs["guess_mode"] = guess_mode
         warnings = []
         if self.dit:
             from .dit_pipeline import SCHEDULER
@@ -340,7 +366,34 @@ class Pipeline:
         with _step_hooks(self.pipe, on_step, cancel):
             pixels = self.pipe(prompt, **kwargs)
         warnings += self.pipe.prompt_warnings(prompt, negative)
-        return Image(pixels, prompt, negative, seed, steps, float(guidance), used, tuple(warnings))
+        return Image(pixels, prompt, negative, seed, steps, float(guidance), used, tuple(warnings), mode, strength)
+
+
+    def _controls(self, controls: Sequence[ControlSpec], guess_mode: bool) -> list:
+        """runtime/control.py's plan of (name, image[, scale[, start, end]]) entries, the images read,
+        every net loaded in this pipeline; UserError (one line) otherwise."""
+        from .control import plan_controls
+        from .images import init_image
+        specs = [tuple(c) for c in controls]
+        if any(not 2 <= len(c) <= 5 or len(c) == 4 for c in specs):
+            raise UserError("controls=: each entry is (controlnet name, image[, scale[, start, end]])")
+        plan = plan_controls(self.pipe.manifest, [(c[1], float(c[2]) if len(c) > 2 else 1.0) for c in specs],
+                             [c[0] for c in specs], [c[3] for c in specs if len(c) == 5],
+                             [c[4] for c in specs if len(c) == 5])
+        if guess_mode and not plan:
+            raise UserError("guess_mode=True: give controls too")
+        missing = [c.component for c in plan if c.component not in self.pipe.needed]
+        if missing:
+            raise UserError(f"controls=: {missing[0]} is not loaded in this pipeline; open it with "
+                            f"bundle.pipeline(..., controlnets=[...]) or pass controls to bundle.txt2img")
+        return [dataclasses.replace(c, image=init_image(c.image, f"controls {c.component}")) for c in plan]
+
+
+def _net_names(controls: Sequence[ControlSpec]) -> tuple[str, ...]:
+    """The ControlNet names `controls` use (each entry's first item)."""
+    if isinstance(controls, (str, bytes)) or not all(isinstance(c, (tuple, list)) and c for c in controls):
+        raise UserError("controls=: a list of (controlnet name, image[, scale[, start, end]]) tuples")
+    return tuple(str(c[0]) for c in controls)
 
 
 def _check_settings(prompt: str, negative: str, steps: int | None, seed: int, guidance: float | None) -> None:
@@ -426,15 +479,30 @@ class Bundle:
         return Component(self, component, session, _plan(component_report(component, cand, reasons), placement, rest))
 
     def pipeline(self, backend: str | None = None, *, params_backend: str | None = None, size: Size = None,
-                 strict: bool = False) -> Pipeline:
-        """The family's txt2img pipeline, loaded (kept: the same arguments return the same pipeline)."""
+                 strict: bool = False, image_input: bool = False, controlnets: Sequence[str] = ()) -> Pipeline:
+        """The family's pipeline, loaded (kept: the same arguments return the same pipeline).
+        `image_input`: the VAE encoder loaded too, for img2img and inpainting (SD 1.x/2.x/XL bundles that
+        have one); such a pipeline also serves txt2img. `controlnets`: the bundle's ControlNets (by name)
+        to load for `controls=` calls."""
         w, h = self._size(size)
-        key = (backend, params_backend, w, h, strict)
+        nets = tuple(sorted(set(controlnets)))
+        key = (backend, params_backend, w, h, strict, nets)
+        if (*key, True) in self._pipelines and not image_input:
+            return self._pipelines[(*key, True)]
+        key = (*key, image_input)
         if key not in self._pipelines:
             from .run_commands import pipeline_class     # the family's pipeline, as `precast generate` picks it
             cls = pipeline_class(self.manifest)
+            extra = {"image_input": True} if image_input else {}
+            if nets:
+                from .control import bundle_nets
+                unknown = [n for n in nets if n not in bundle_nets(self.manifest)]
+                if unknown:
+                    raise UserError(f"controlnets=: {unknown[0]} is not in the bundle (it has "
+                                    f"{', '.join(bundle_nets(self.manifest)) or 'no ControlNet'})")
+                extra["controlnets"] = tuple(f"controlnet_{n}" for n in nets)
             pipe = cls(self.manifest, backend, params_backend, width=w, height=h, sysroot=self.sysroot,
-                       strict=strict, verify=self.verify)
+                       strict=strict, verify=self.verify, **extra)
             self._pipelines[key] = Pipeline(self, pipe)
         return self._pipelines[key]
 
@@ -442,13 +510,63 @@ class Bundle:
                 guidance: float | None = None, scheduler: str | None = None, size: Size = None,
                 backend: str | None = None, params_backend: str | None = None, strict: bool = False,
                 on_step: StepCallback | None = None, cancel: CancelHook = None,
-                show_progress: bool = False) -> Image:
+                show_progress: bool = False, controls: Sequence[ControlSpec] = (), guess_mode: bool = False) -> Image:
         """One image in one call: `pipeline(...)` (loaded once per backend/size) then `Pipeline.__call__`.
-        The same image as `precast generate` with the same settings."""
+        The same image as `precast generate` with the same settings. `controls`: ControlNets, each
+        (name, image[, scale[, start, end]]) as `--controlnet NAME --control IMAGE:SCALE`."""
         _check_settings(prompt, negative, steps, seed, guidance)
-        pipe = self.pipeline(backend, params_backend=params_backend, size=size, strict=strict)
+        check_image_mode(self.manifest, False, False, None, 1, "api")   # an inpainting UNet needs an image and mask
+        pipe = self.pipeline(backend, params_backend=params_backend, size=size, strict=strict,
+                             controlnets=_net_names(controls))
         return pipe(prompt, negative=negative, steps=steps, seed=seed, guidance=guidance, scheduler=scheduler,
-                    on_step=on_step, cancel=cancel, show_progress=show_progress)
+                    on_step=on_step, cancel=cancel, show_progress=show_progress, controls=controls,
+                    guess_mode=guess_mode)
+
+    def img2img(self, prompt: str, image: ImageInput, *, strength: float | None = None, negative: str = "",
+                steps: int | None = None, seed: int = 0, guidance: float | None = None, scheduler: str | None = None,
+                size: Size = None, backend: str | None = None, params_backend: str | None = None,
+                strict: bool = False, on_step: StepCallback | None = None, cancel: CancelHook = None,
+                show_progress: bool = False, controls: Sequence[ControlSpec] = (), guess_mode: bool = False) -> Image:
+        """img2img in one call (SD 1.x/2.x/XL bundles with a vae_encoder): `image` (a PNG path or a uint8
+        array) encoded, noised to the first of the int(steps x strength) steps it runs (strength: more
+        than 0, at most 1; default 0.8), then denoised as txt2img. `size`: default the image's own
+        (multiples of 8); another size centre-crops the image to its aspect ratio and resizes it.
+        `precast generate --init-image` with the same settings writes the same PNG."""
+        return self._image_mode(prompt, image, None, strength, negative, steps, seed, guidance, scheduler, size,
+                                backend, params_backend, strict, on_step, cancel, show_progress, controls, guess_mode)
+
+    def inpaint(self, prompt: str, image: ImageInput, mask: ImageInput, *, strength: float | None = None,
+                negative: str = "", steps: int | None = None, seed: int = 0, guidance: float | None = None,
+                scheduler: str | None = None, size: Size = None, backend: str | None = None,
+                params_backend: str | None = None, strict: bool = False, on_step: StepCallback | None = None,
+                cancel: CancelHook = None, show_progress: bool = False, controls: Sequence[ControlSpec] = (),
+                guess_mode: bool = False) -> Image:
+        """Inpainting in one call: `mask` (the image's size; white = repaint, luma >= 128) says what is
+        painted anew. An inpainting UNet (9 input channels) sees the mask and the masked image; a plain
+        UNet inpaints by latent blending. `strength` default 1.0 (from pure noise); otherwise as img2img.
+        `precast generate --init-image --mask` with the same settings writes the same PNG."""
+        if mask is None:
+            raise UserError("mask=: inpainting needs a mask (white = repaint); for img2img call bundle.img2img")
+        return self._image_mode(prompt, image, mask, strength, negative, steps, seed, guidance, scheduler, size,
+                                backend, params_backend, strict, on_step, cancel, show_progress, controls, guess_mode)
+
+    def _image_mode(self, prompt, image, mask, strength, negative, steps, seed, guidance, scheduler, size, backend,
+                    params_backend, strict, on_step, cancel, show_progress, controls=(), guess_mode=False) -> Image:
+        """Everything checked before any engine loads: settings, the mode against the bundle, the images."""
+        from . import images
+        _check_settings(prompt, negative, steps, seed, guidance)
+        check_image_mode(self.manifest, True, mask is not None, strength,
+                         SD_DEFAULTS["steps"] if steps is None else steps, "api")
+        init = images.init_image(image, "init_image")
+        mask_px = images.mask_image(mask, init, "mask") if mask is not None else None
+        if size is None:
+            size = images.output_size(init, "init_image", image if not isinstance(image, np.ndarray) else None,
+                                      latent_factor(self.manifest))
+        pipe = self.pipeline(backend, params_backend=params_backend, size=size, strict=strict, image_input=True,
+                             controlnets=_net_names(controls))
+        return pipe(prompt, negative=negative, steps=steps, seed=seed, guidance=guidance, scheduler=scheduler,
+                    on_step=on_step, cancel=cancel, show_progress=show_progress, init_image=init, mask=mask_px,
+                    strength=strength, controls=controls, guess_mode=guess_mode)
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _size(self, size: Size) -> tuple[int, int]:

@@ -31,6 +31,13 @@ MODULES = {"diffusion": ("diffusion", "model", "unet", "dit"),
            "controlnet": ("controlnet", "control"),
            "upscaler": ("upscaler",)}
 ALIAS = {alias: module for module, aliases in MODULES.items() for alias in aliases}
+def module_of(component: str) -> str:
+    """The module a bundle component runs as (`controlnet_<name>`: controlnet)."""
+    return "controlnet" if component.startswith("controlnet_") else COMPONENT_MODULE[component]
+
+
+# a module no --backend entry names runs where this one does (a ControlNet beside its UNet)
+FOLLOWS = {"controlnet": "diffusion"}
 COMPONENT_MODULE = {"unet": "diffusion", "transformer": "diffusion", "text_encoder": "te", "text_encoder_2": "te",
                     "text_encoder_3": "te", "vae_decoder": "vae", "vae_encoder": "vae",
                     "controlnet": "controlnet"}
@@ -214,7 +221,7 @@ def assign_modules(devices: list[Device], backend: str | None = None, params_bac
     params = _entries(params_backend, "--params-backend")
     out = {}
     for m in modules:
-        typed, asked = runs.get(m, runs.get("*", ("", "")))
+        typed, asked = runs.get(m, runs.get(FOLLOWS.get(m, "*"), runs.get("*", ("", ""))))
         try:
             dev, pin, why = resolve(asked, devices, strict)
         except UserError as e:

@@ -1,5 +1,7 @@
-"""Reference txt2img pipeline over a bundle (SD 1.x, SD 2.x, SDXL base and refiner): tokenize,
-encode, denoise with classifier-free guidance, decode, PNG.
+"""Reference pipeline over a bundle (SD 1.x, SD 2.x, SDXL base and refiner): tokenize, encode,
+denoise with classifier-free guidance, decode, PNG; txt2img, img2img and inpainting (an init image
+encoded by the VAE encoder and noised to the strength's first step; inpainting with a 9-channel
+inpainting UNet, or a plain UNet by latent blending), as diffusers' StableDiffusion(Img2Img|Inpaint)Pipeline.
 
 Owns: the request shapes each component sees, each family's conditioning (SD 2.x v-prediction;
 SDXL's two encoders, pooled embeds and micro-conditioning time ids: original size, crop, target
@@ -19,11 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .assign import COMPONENT_MODULE, assign_modules
+from .assign import assign_modules, module_of
 from .devices import apply_device_override, discover_devices
 from .errors import UserError
 from .manifest import Manifest, read_manifest
-from .schedulers import NoiseSchedule, make_sampler
+from .schedulers import NoiseSchedule, make_sampler, start_index
 from .select import (component_report, installed_backends, load_component, passed_text, select_all,
                      select_component)
 from .verified import verify_mode
@@ -41,6 +43,63 @@ def latent_factor(manifest) -> int:
 
 
 DENOISERS = ("unet", "transformer")
+
+
+def unet_in_channels(manifest) -> int:
+    """The UNet's input channels: 4 latents, or 9 for an inpainting UNet (latents | mask | masked image)."""
+    for i in manifest.components.get("unet", {}).get("inputs", []):
+        if i["name"] == "sample" and len(i.get("shape") or []) > 1 and isinstance(i["shape"][1], int):
+            return i["shape"][1]
+    return 4
+
+
+DEFAULT_STRENGTH = {"img2img": 0.8, "inpaint": 1.0}      # as precast generate and the Python API default them
+OPTION_NAMES = {"cli": {"init": "--init-image", "mask": "--mask", "strength": "--strength", "steps": "--steps"},
+                "api": {"init": "init_image=", "mask": "mask=", "strength": "strength=", "steps": "steps="}}
+
+
+def check_image_mode(manifest, init: bool, mask: bool, strength: float | None, steps: int,
+                     names: str = "cli") -> tuple[str, float | None]:
+    """(mode, strength) for a run with or without an init image and mask, checked against the bundle
+    before anything loads: txt2img | img2img | inpaint, and the strength (default 0.8 img2img, 1.0
+    inpainting) in (0, 1] leaving at least one step. One-line UserErrors otherwise."""
+    n = OPTION_NAMES[names]
+    family = manifest.model.get("family")
+    channels = unet_in_channels(manifest) if family in LATENT_SCALE else 4
+    if channels not in (4, 9):      # e.g. 8: InstructPix2Pix, whose image conditioning is not run here
+        raise UserError(f"{manifest.root}: its UNet takes {channels} input channels; precast runs 4 (plain) "
+                        "and 9 (inpainting) channel UNets")
+    inpaint_unet = channels == 9
+    if mask and not init:
+        raise UserError(f"{n['mask']}: inpainting needs the image the mask applies to: give {n['init']} too")
+    if not init:
+        if strength is not None:
+            raise UserError(f"{n['strength']}: applies to img2img and inpainting; give {n['init']} too")
+        if inpaint_unet:
+            raise UserError(f"{manifest.root}: has an inpainting UNet (9 input channels: latents, mask, masked "
+                            f"image): give {n['init']} and {n['mask']} (white = repaint)")
+        return "txt2img", None
+    if family not in LATENT_SCALE:
+        raise UserError(f"{n['init']}: img2img and inpainting are for SD 1.x/2.x/XL bundles now; this one is {family}")
+    if inpaint_unet and not mask:
+        raise UserError(f"{manifest.root}: has an inpainting UNet (9 input channels): give {n['mask']} too "
+                        "(white = repaint), or use a bundle with a plain UNet for img2img")
+    if "vae_encoder" not in manifest.components:
+        raise UserError(f"{manifest.root}: img2img and inpainting encode the image with the VAE encoder, which this "
+                        "bundle lacks: rebuild it with vae_encoder in the recipe's components")
+    mode = "inpaint" if mask else "img2img"
+    strength = DEFAULT_STRENGTH[mode] if strength is None else strength
+    try:
+        strength = float(strength)
+    except (TypeError, ValueError):
+        raise UserError(f"{n['strength']} {strength!r}: expected a number more than 0 and at most 1") from None
+    if not 0 < strength <= 1:    # NaN fails this too
+        raise UserError(f"{n['strength']} {strength:g}: must be more than 0 and at most 1 "
+                        "(the share of the schedule run from the noised image; 1 = from pure noise)")
+    if start_index(steps, strength) >= steps:
+        raise UserError(f"{n['strength']} {strength:g} with {steps} steps runs no step (int(steps x strength) = 0): "
+                        f"raise {n['strength']} or {n['steps']}")
+    return mode, strength
 
 
 def optimal_size(manifest) -> tuple[int, int]:
@@ -63,15 +122,20 @@ def requests(manifest, batch: int, height: int, width: int, tokens: int = 77, cf
         return dit_requests(manifest, batch, height, width)
     f = latent_factor(manifest)
     lat = (batch, 4, height // f, width // f)
+    sample = (batch, unet_in_channels(manifest), height // f, width // f)
     unet_inputs = {i["name"]: i["shape"] for i in manifest.components.get("unet", {}).get("inputs", [])}
     ctx = (unet_inputs.get("encoder_hidden_states") or [0, 0, 768])[-1]
     ub = 2 * batch if cfg else batch
-    unet = {"sample": (ub,) + lat[1:], "timestep": (ub,), "encoder_hidden_states": (ub, tokens, ctx)}
+    unet = {"sample": (ub,) + sample[1:], "timestep": (ub,), "encoder_hidden_states": (ub, tokens, ctx)}
     for name in ("text_embeds", "time_ids"):
         if name in unet_inputs:
             unet[name] = (ub, unet_inputs[name][-1])
-    return {"text_encoder": {"input_ids": (batch, tokens)}, "text_encoder_2": {"input_ids": (batch, tokens)},
-            "unet": unet, "vae_decoder": {"latent_sample": lat}, "vae_encoder": {"sample": (batch, 3, height, width)}}
+    out = {"text_encoder": {"input_ids": (batch, tokens)}, "text_encoder_2": {"input_ids": (batch, tokens)},
+           "unet": unet, "vae_decoder": {"latent_sample": lat}, "vae_encoder": {"sample": (batch, 3, height, width)}}
+    for comp in (c for c in manifest.components if c.startswith("controlnet_")):   # the UNet's batch and inputs
+        out[comp] = {**{k: v for k, v in unet.items() if k != "sample"}, "sample": (ub,) + lat[1:],
+                     "controlnet_cond": (ub, 3, height, width)}
+    return out
 
 
 def load_tokenizer(manifest, folder: str):
@@ -174,14 +238,17 @@ class BundleModel:
         self.manifest, self.needed = manifest, needed
         missing = [c for c in needed if c not in manifest.components]
         if missing:
-            raise UserError(f"{manifest.root}: txt2img needs {', '.join(needed)}; the bundle lacks {', '.join(missing)}")
+            what = "img2img / inpainting" if "vae_encoder" in needed else "txt2img"
+            raise UserError(f"{manifest.root}: {what} needs {', '.join(needed)}; the bundle lacks {', '.join(missing)}")
         self.stages: dict = {}
         self.run_stages: dict = {}      # the last call's: encode, first_step, denoise, wait_vae, decode
         with timed(self.stages, "discover"):
             devices = discover_devices(sysroot, env)
             self.devices, self.device_warning = apply_device_override(devices, env)
         with timed(self.stages, "assign"):
-            self.placements = assign_modules(self.devices, backend, params_backend, strict=strict)
+            modules = ("te", "diffusion", "vae") + (("controlnet",) if any(c.startswith("controlnet_") for c in needed)
+                                                    else ())
+            self.placements = assign_modules(self.devices, backend, params_backend, modules, strict=strict)
         with timed(self.stages, "backends"):
             self.installed = installed_backends()
         with timed(self.stages, "tokenizers"):
@@ -221,7 +288,7 @@ class BundleModel:
         the sha256 checks), then load the first candidate that loads (load_component tries the
         fallbacks in order)."""
         t0 = time.perf_counter()
-        placement = self.placements[COMPONENT_MODULE[comp]]
+        placement = self.placements[module_of(comp)]
         if verify:
             sel = select_component(manifest, comp, placement, self.devices, request, self.installed, True)
             self.selections[comp] = sel
@@ -308,11 +375,14 @@ class Txt2Img(BundleModel):
 
     def __init__(self, bundle: str | Path | Manifest, backend: str | None = None, params_backend: str | None = None,
                  width: int | None = None, height: int | None = None, sysroot: str = "/", env=None,
-                 verify: bool | str = True, strict: bool = False, lazy: bool = True):
+                 verify: bool | str = True, strict: bool = False, lazy: bool = True, image_input: bool = False,
+                 controlnets: tuple[str, ...] = ()):
         """`bundle`: a bundle folder, or its manifest already read (and so checked) by read_manifest.
         `width`/`height` default to the bundle's optimal size (optimal_size). `strict`: every module
         runs where `backend` assigns it, or a UserError (no fallback). `lazy`: the VAE decoder goes
-        on loading while the prompt is encoded and denoised (False: everything loaded on return)."""
+        on loading while the prompt is encoded and denoised (False: everything loaded on return).
+        `image_input`: the VAE encoder is loaded too (img2img and inpainting; the bundle must have it).
+        `controlnets`: the bundle's ControlNet components (controlnet_<name>) to load for `controls`."""
         env = os.environ if env is None else env
         t0 = time.perf_counter()
         manifest = bundle if isinstance(bundle, Manifest) else read_manifest(bundle)
@@ -326,12 +396,16 @@ class Txt2Img(BundleModel):
         if width % f or height % f:
             raise UserError(f"--size {width}x{height}: width and height must be multiples of {f}")
         self.width, self.height = width, height
-        super().__init__(manifest, NEEDED[family], requests(manifest, 1, height, width), backend, params_backend,
+        needed = NEEDED[family] + (("vae_encoder",) if image_input else ()) + tuple(controlnets)
+        self.image_input = image_input
+        super().__init__(manifest, needed, requests(manifest, 1, height, width), backend, params_backend,
                          sysroot, env, verify, strict, later=("vae_decoder",) if lazy else ())
         self.stages = {"manifest": manifest_s, **self.stages}
         self.tokenizer = self.tokenizers.get("text_encoder") or self.tokenizers["text_encoder_2"]
         self.latent_scale = float(manifest.model.get("latent_scale") or LATENT_SCALE[family])
         self.prediction = manifest.model.get("prediction") or "epsilon"
+        self.unet_channels = unet_in_channels(manifest)
+        self.unet_inputs = manifest.components["unet"]["inputs"]
 
     def _encoder(self, comp: str, prompt: str) -> dict[str, np.ndarray]:
         from .embeddings import encoder_feeds
@@ -366,19 +440,54 @@ class Txt2Img(BundleModel):
         tail = [aesthetic] if self.family == "sdxl-refiner" else [self.height, self.width]
         return np.array([[h, w, crop[0], crop[1], *tail]], np.float32)
 
+    def encode_image(self, pixels: np.ndarray) -> np.ndarray:
+        """[1, 3, H, W] in [-1, 1] -> scaled latents [1, 4, H/f, W/f]: the VAE encoder's distribution's
+        MEAN (diffusers samples it by default; the mean is its mode, deterministic) x latent_scale."""
+        params = self.component("vae_encoder").session.run({"sample": pixels.astype(np.float32)})
+        params = next(iter(params.values())).astype(np.float32)
+        return params[:, :params.shape[1] // 2] * np.float32(self.latent_scale)
+
     def __call__(self, prompt: str, negative: str = "", steps: int = 20, seed: int = 0, guidance: float = 7.5,
                  scheduler: str = "euler", latents: np.ndarray | None = None, progress: bool = True,
                  original_size: tuple[int, int] | None = None, crop: tuple[int, int] = (0, 0),
-                 aesthetic_score: float = 6.0, negative_aesthetic_score: float = 2.5) -> np.ndarray:
-        """Returns the decoded image as float32 [H, W, 3] in [0, 1]."""
+                 aesthetic_score: float = 6.0, negative_aesthetic_score: float = 2.5,
+                 init_image: np.ndarray | None = None, mask: np.ndarray | None = None,
+                 strength: float | None = None, controls: list | None = None, guess_mode: bool = False) -> np.ndarray:
+        """Returns the decoded image as float32 [H, W, 3] in [0, 1]. `latents`: the initial noise
+        [1, 4, h, w] instead of the seed's. `init_image` (uint8 [H, W, 3], any size: fitted to the
+        pipeline's by runtime/images.py's rule) makes it img2img; `mask` (uint8 [H, W] luma, the init
+        image's size; white = repaint) inpainting; `strength` defaults to 0.8 / 1.0 (check_image_mode).
+        `controls`: runtime/control.py Control entries (their nets loaded: `controlnets=` when opened);
+        `guess_mode` as diffusers'. A ControlNet bundle's UNet gets zero residuals without controls."""
         check_steps(steps)
+        mode, strength = check_image_mode(self.manifest, init_image is not None, mask is not None, strength, steps,
+                                          "api")
+        if mode != "txt2img" and not self.image_input:
+            raise UserError("img2img / inpainting need the VAE encoder loaded: open the pipeline with image_input=True")
         f = latent_factor(self.manifest)
         shape = (1, 4, self.height // f, self.width // f)
         sampler = make_sampler(scheduler, steps, NoiseSchedule(prediction_type=self.prediction))
         noise = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) if latents is None else latents
-        x = noise.astype(np.float32) * np.float32(sampler.init_noise_sigma)
+        noise = noise.astype(np.float32)
         run = self.run_stages = {}
         t0 = time.perf_counter()
+        first, image_latents, m_lat, cond = 0, None, None, []
+        if mode == "txt2img":
+            x = noise * np.float32(sampler.init_noise_sigma)
+        else:
+            from .images import image_tensor, mask_tensor
+            first = start_index(steps, strength)
+            pixels = image_tensor(init_image, self.width, self.height)
+            m = mask_tensor(mask, self.width, self.height) if mask is not None else None
+            if m is not None:       # the mask at latent size: torch's nearest interpolate (every f-th pixel)
+                m_lat = np.ascontiguousarray(m[:, :, ::f, ::f])
+            from_noise = mode == "inpaint" and strength == 1.0     # as diffusers' is_strength_max
+            if not from_noise or self.unet_channels == 4:
+                image_latents = self.encode_image(pixels)
+            if self.unet_channels == 9:
+                cond = [m_lat, self.encode_image(pixels * (m < 0.5))]       # mask | masked image latents
+            x = noise * np.float32(sampler.init_noise_sigma) if from_noise else \
+                sampler.add_noise(image_latents, noise, first)
         ctx, pooled = self.encode(prompt)
         if self.family == "sdxl" and not negative:  # SDXL base: an empty negative prompt means zeros
             neg_ctx, neg_pooled = np.zeros_like(ctx), (np.zeros_like(pooled) if pooled is not None else None)
@@ -391,13 +500,26 @@ class Txt2Img(BundleModel):
                                                 self.time_ids(aesthetic_score, original_size, crop)], axis=0)
         context = np.concatenate([neg_ctx, ctx], axis=0)
         unet = self.component("unet").session
+        from .control import ControlNets, zero_residuals
+        nets = ControlNets(self, controls, self.width, self.height, guess_mode) if controls else None
+        zeros = zero_residuals(self.unet_inputs, 2, shape[2], shape[3])
         run["encode"] = round(time.perf_counter() - t0, 3)
-        for i, t in self.denoising(sampler.timesteps, progress):
-            model_in = np.concatenate([sampler.scale_model_input(x, i)] * 2, axis=0)
-            eps = unet.run({"sample": model_in, "timestep": np.full((2,), t, np.float32),
-                            "encoder_hidden_states": context, **extra})["out_sample"].astype(np.float32)
-            uncond, cond = eps[:1], eps[1:]
-            x = sampler.step(uncond + np.float32(guidance) * (cond - uncond), i, x)
+        last = len(sampler.timesteps) - 1
+        for k, t in self.denoising(sampler.timesteps[first:], progress):
+            i = first + k
+            model_in = np.concatenate([sampler.scale_model_input(x, i), *cond], axis=1) if cond else \
+                sampler.scale_model_input(x, i)
+            timestep = np.full((2,), t, np.float32)
+            residuals = nets.residuals(k, len(sampler.timesteps) - first, np.concatenate(
+                [sampler.scale_model_input(x, i)] * 2, axis=0), timestep, context, extra, self.unet_inputs) \
+                if nets else zeros
+            eps = unet.run({"sample": np.concatenate([model_in] * 2, axis=0), "timestep": timestep,
+                            "encoder_hidden_states": context, **extra, **residuals})["out_sample"].astype(np.float32)
+            uncond, cond_eps = eps[:1], eps[1:]
+            x = sampler.step(uncond + np.float32(guidance) * (cond_eps - uncond), i, x)
+            if m_lat is not None and self.unet_channels == 4:   # latent blending: keep the unmasked region
+                kept = image_latents if i == last else sampler.add_noise(image_latents, noise, i + 1)
+                x = ((1 - m_lat) * kept + m_lat * x).astype(np.float32)
         image = self.decode(x / np.float32(self.latent_scale))
         return np.clip(image / 2 + 0.5, 0.0, 1.0)
 

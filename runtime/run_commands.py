@@ -237,6 +237,27 @@ def _missing_for_generate(manifest) -> list[str]:
                    "distilled guidance (3.5); unused by schnell.")
 @click.option("--scheduler", default=None, type=click.Choice(_scheduler_names(), case_sensitive=False),
               help="SD: euler (default) or dpm++2m. Flux / Chroma / SD3: flow-euler (the only one; euler means it too).")
+@click.option("--init-image", "init_image", default=None, type=click.Path(),
+              help="img2img (SD 1.x/2.x/XL): start from this PNG, encoded by the bundle's VAE encoder. Without "
+                   "--size the output has the image's size (multiples of 8); with --size the image is "
+                   "centre-cropped to that aspect ratio and resized (bilinear, antialiased).")
+@click.option("--mask", default=None, type=click.Path(),
+              help="Inpainting: a PNG the init image's size, white = repaint, black = keep (luma >= 128 "
+                   "repaints; alpha ignored). Works with inpainting UNets (9 channels) and plain ones.")
+@click.option("--strength", default=None, type=float,
+              help="img2img / inpainting: share of the schedule run from the noised image, more than 0 and at "
+                   "most 1 (default 0.8 img2img, 1.0 inpainting; steps run = int(steps x strength)).")
+@click.option("--control", "controls", multiple=True, metavar="IMAGE[:SCALE]",
+              help="ControlNet (SD 1.x/2.x/XL bundles built with `controlnets:`): a control image (PNG, e.g. canny "
+                   "edges) and its conditioning scale (default 1.0); repeatable, one per ControlNet.")
+@click.option("--controlnet", "controlnet_names", multiple=True, metavar="NAME",
+              help="Which of the bundle's ControlNets each --control feeds, in order (not needed with one).")
+@click.option("--control-start", "control_starts", multiple=True, type=float,
+              help="Fraction of the steps before a ControlNet starts (per --control, default 0).")
+@click.option("--control-end", "control_ends", multiple=True, type=float,
+              help="Fraction of the steps after which a ControlNet stops (per --control, default 1).")
+@click.option("--guess-mode", is_flag=True, help="ControlNet guess mode (diffusers'): control on the conditional "
+                                                 "half only, residuals scaled from 0.1 (shallow) to 1.0 (mid).")
 @click.option("--out", required=True, type=click.Path(), help="PNG file to write.")
 @click.option("--backend", default=None, help=BACKEND_HELP)
 @click.option("--params-backend", default=None, help="Where weights live, e.g. cpu (offload).")
@@ -245,15 +266,17 @@ def _missing_for_generate(manifest) -> list[str]:
               type=click.Choice(["auto", "full"], case_sensitive=False), help=VERIFY_HELP)
 @click.option("--sysroot", default="/", hidden=True)
 @click.option("--json", "as_json", is_flag=True, help="Print what ran where, and the settings, as JSON (errors too).")
-def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, scheduler, out, backend, params_backend,
-                 strict, sysroot, as_json, verify):
-    """Text to image with BUNDLE, each module on its device; prints what ran where."""
+def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, scheduler, init_image, mask, strength,
+                 controls, controlnet_names, control_starts, control_ends, guess_mode, out,
+                 backend, params_backend, strict, sysroot, as_json, verify):
+    """Text to image with BUNDLE (or img2img with --init-image, inpainting with --mask), each module on
+    its device; prints what ran where."""
     def go():
         import time
         from .assign import parse_assignment
         from .dit_pipeline import SCHEDULER
         from .manifest import read_manifest
-        from .pipeline import Txt2Img, check_steps, describe_where, to_uint8
+        from .pipeline import Txt2Img, check_image_mode, check_steps, describe_where, latent_factor, to_uint8
         t_start = time.perf_counter()
         # Every option is checked here, before any engine is verified or loaded.
         if steps is not None:
@@ -268,7 +291,31 @@ def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, schedule
         _check_text("--negative", negative)
         manifest = read_manifest(bundle)
         dit = "transformer" in manifest.components
-        w, h = _size(size, manifest)
+        mode, used_strength = check_image_mode(manifest, init_image is not None, mask is not None, strength,
+                                               20 if steps is None else steps)
+        from .control import parse_control, plan_controls
+        if controls and dit:
+            raise UserError(f"--control: ControlNets run with SD 1.x/2.x/XL bundles; this one is {manifest.model.get('family')}")
+        plan = plan_controls(manifest, [parse_control(c) for c in controls], list(controlnet_names),
+                             list(control_starts), list(control_ends))
+        if guess_mode and not plan:
+            raise UserError("--guess-mode: give a control image with --control")
+        from .images import init_image as read_control
+        for c in plan:              # read (and so check) the control images now too
+            read_control(c.image, f"--control {c.image}")
+        init_px = mask_px = None
+        if mode != "txt2img":       # read (and so check) the images before any engine loads
+            from . import images
+            init_px = images.init_image(init_image)
+            mask_px = images.mask_image(mask, init_px) if mask is not None else None
+        if size or init_px is None:
+            w, h = _size(size, manifest)
+        else:                       # the init image's own size
+            iw, ih = images.output_size(init_px, "--init-image", init_image, latent_factor(manifest))
+            try:
+                w, h = parse_size(f"{iw}x{ih}", manifest)
+            except UserError as e:
+                raise UserError(f"--init-image {init_image} sets the output size: {e}; give --size") from None
         sched = (scheduler or "").lower() or None
         family = manifest.model.get("family")
         if dit and sched not in (None, "euler", SCHEDULER):   # Flux, Chroma, SD3
@@ -293,14 +340,20 @@ def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, schedule
             used_guidance = 7.5 if guidance is None else guidance
             used_scheduler = sched or "euler"
             pipe = Txt2Img(manifest, backend, params_backend, width=w, height=h, sysroot=sysroot, strict=strict,
-                           verify=verify.lower())
+                           verify=verify.lower(), image_input=mode != "txt2img",
+                           controlnets=tuple(dict.fromkeys(c.component for c in plan)))
             t1 = time.perf_counter()
-            image = pipe(prompt, negative, n_steps, seed, used_guidance, used_scheduler, progress=not as_json)
+            image = pipe(prompt, negative, n_steps, seed, used_guidance, used_scheduler, progress=not as_json,
+                         init_image=init_px, mask=mask_px, strength=used_strength, controls=plan,
+                         guess_mode=guess_mode)
         _write_image(out_path, to_uint8(image))
         t2 = time.perf_counter()
         warnings = pipe.prompt_warnings(prompt, negative)
         report = {"bundle": bundle, "out": out, "prompt": prompt, "negative": negative, "size": f"{w}x{h}",
                   "steps": n_steps, "seed": seed, "scheduler": used_scheduler, "guidance": used_guidance,
+                  "mode": mode, "init_image": init_image, "mask": mask, "strength": used_strength,
+                  "controls": [{"controlnet": c.component[len("controlnet_"):], "image": str(c.image), "scale": c.scale,
+                                "start": c.start, "end": c.end} for c in plan], "guess_mode": guess_mode,
                   "strict": strict, "warnings": warnings, **pipe.report(),
                   "seconds": {"check": round(t0 - t_start, 3), "load": round(t1 - t0, 3),
                               "generate": round(t2 - t1, 3), "total": round(t2 - t_start, 3),
@@ -311,7 +364,8 @@ def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, schedule
             for line in ([pipe.device_warning] if pipe.device_warning else []) + warnings:
                 click.echo(f"warning: {line}", err=True)
             describe_where(report, sys.stdout)
-            click.echo(f"wrote {out} ({w}x{h}, {n_steps} steps, seed {seed}, {used_scheduler}, guidance "
+            how = "" if mode == "txt2img" else f"{mode} from {init_image}, strength {used_strength:g}, "
+            click.echo(f"wrote {out} ({how}{w}x{h}, {n_steps} steps, seed {seed}, {used_scheduler}, guidance "
                        f"{used_guidance:g}) in {report['seconds']['load']:.1f} s load + "
                        f"{report['seconds']['generate']:.1f} s")
     run_cli(go, as_json)

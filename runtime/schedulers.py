@@ -4,7 +4,10 @@ Owns: the SD noise schedule (scaled-linear betas), timestep spacing (leading / l
 trailing, with steps_offset), and each sampler's update, following the published algorithms
 as diffusers' EulerDiscreteScheduler and DPMSolverMultistepScheduler (dpmsolver++, order 2,
 midpoint, final sigma zero) configure them, so results can be compared with diffusers.
-epsilon and v-prediction.
+epsilon and v-prediction. Starting mid-schedule (img2img, inpainting): `start_index` is diffusers'
+get_timesteps (the steps a strength keeps), `add_noise(x0, noise, i)` noises clean latents to step i's
+level as the schedulers' add_noise does with begin_index set; the loop then runs steps i.. of the
+same schedule (a multistep solver's first step is first order, as diffusers' lower_order_nums makes it).
 """
 from __future__ import annotations
 
@@ -55,6 +58,10 @@ class Euler:
     def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
         return x / np.float32((self.sigmas[i] ** 2 + 1) ** 0.5)
 
+    def add_noise(self, x0: np.ndarray, noise: np.ndarray, i: int) -> np.ndarray:
+        """x0 noised to step i's level: x0 + sigma_i * noise (the sampler's own scale, not unit variance)."""
+        return (x0 + noise * self.sigmas[i]).astype(np.float32)
+
     def step(self, model_output: np.ndarray, i: int, x: np.ndarray) -> np.ndarray:
         sigma = self.sigmas[i]
         if self.s.prediction_type == "v_prediction":
@@ -93,6 +100,11 @@ class DpmPP2M:
     def scale_model_input(self, x: np.ndarray, i: int) -> np.ndarray:
         return x
 
+    def add_noise(self, x0: np.ndarray, noise: np.ndarray, i: int) -> np.ndarray:
+        """x0 noised to step i's level: alpha_i * x0 + sigma_i * noise (variance preserving)."""
+        alpha, sigma = self._alpha_sigma(float(self.sigmas[i]))
+        return (np.float32(alpha) * x0 + np.float32(sigma) * noise).astype(np.float32)
+
     def step(self, model_output: np.ndarray, i: int, x: np.ndarray) -> np.ndarray:
         alpha_s, sigma_s = self._alpha_sigma(float(self.sigmas[i]))
         if self.s.prediction_type == "v_prediction":
@@ -114,6 +126,12 @@ class DpmPP2M:
                 out = out - 0.5 * alpha_t * np.expm1(-h) * d1
         self._previous_x0 = x0
         return np.asarray(out, dtype=np.float32)
+
+
+def start_index(steps: int, strength: float) -> int:
+    """The first step an img2img/inpainting run takes of a `steps`-step schedule: diffusers'
+    get_timesteps (init_timestep = min(int(steps * strength), steps); t_start = steps - init_timestep)."""
+    return max(steps - min(int(steps * strength), steps), 0)
 
 
 SAMPLERS = {"euler": Euler, "dpm++2m": DpmPP2M}

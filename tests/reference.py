@@ -17,7 +17,7 @@ from precast.compiler.demo_model import SD1Config, random_tensor
 
 def unet_diffusers_config(cfg: SD1Config, heads=8) -> dict:
     n = len(cfg.channel_mult)
-    return dict(sample_size=16, in_channels=4, out_channels=4, layers_per_block=cfg.num_res_blocks,
+    return dict(sample_size=16, in_channels=cfg.in_channels, out_channels=4, layers_per_block=cfg.num_res_blocks,
                 block_out_channels=[cfg.model_channels * m for m in cfg.channel_mult],
                 down_block_types=["CrossAttnDownBlock2D" if i in cfg.attention_levels else "DownBlock2D"
                                   for i in range(n)],
@@ -165,3 +165,30 @@ def run_unet_xl(unet, sample, t, ctx, text_embeds, time_ids):
     return unet(torch.from_numpy(sample), torch.from_numpy(t), torch.from_numpy(ctx),
                 added_cond_kwargs={"text_embeds": torch.from_numpy(text_embeds),
                                    "time_ids": torch.from_numpy(time_ids)}).sample.numpy()
+
+
+def controlnet_config(unet_cfg: dict, hint=(8, 8, 16, 16)) -> dict:
+    """diffusers ControlNetModel's config for a UNet config (the tiny demos' hint channels)."""
+    import inspect
+    from diffusers import ControlNetModel
+    fields = set(inspect.signature(ControlNetModel.__init__).parameters)
+    return {**{k: v for k, v in unet_cfg.items() if k in fields}, "conditioning_embedding_out_channels": hint}
+
+
+def controlnet_from_ldm(path, unet_cfg: dict):
+    """diffusers' reading of an LDM ControlNet file (its single-file converter; SDXL's label_emb by hand,
+    which the converter does not map)."""
+    from diffusers import ControlNetModel
+    from diffusers.loaders import single_file_utils as sfu
+    from safetensors.torch import load_file
+    sd = {k: v.float() for k, v in load_file(str(path)).items()}
+    cfg = controlnet_config(unet_cfg)
+    net = ControlNetModel(**cfg)
+    conv = sfu.convert_controlnet_checkpoint(sd, cfg)
+    for i in (0, 2):
+        for p in ("weight", "bias"):
+            key = f"control_model.label_emb.0.{i}.{p}"
+            if key in sd:
+                conv[f"add_embedding.linear_{1 + i // 2}.{p}"] = sd[key]
+    net.load_state_dict(conv, strict=True)
+    return net.eval()

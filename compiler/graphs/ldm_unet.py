@@ -40,9 +40,13 @@ class UNetConfig:
     norm_eps: float = RES_EPS        # ResBlocks' and the output's GroupNorm
     downsample_padding: int = 1      # 0: pad right/bottom by one, then a stride-2 conv without padding
     center_input_sample: bool = False  # diffusers: the sample is mapped to 2 * sample - 1 first
+    control_residuals: int = 0       # > 0: the UNet takes ControlNet residuals as inputs (one per input block + mid)
 
     def describe(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not d["control_residuals"]:      # a UNet without ControlNet inputs describes itself as before
+            del d["control_residuals"]
+        return d
 
 
 # diffusers UNet2DConditionModel fields whose other values change the computation in ways this
@@ -77,6 +81,15 @@ def _context_width(g: Graph) -> list[int]:
 
 
 def unet_config(g: Graph, config_json: dict, overrides: dict) -> UNetConfig:
+    fields = encoder_fields(g, config_json, overrides)
+    return UNetConfig(**fields, out_channels=g.shape("out.2.weight")[0], n_output_blocks=g.count("output_blocks.{}"),
+                      control_residuals=int(overrides.get("control_residuals", 0)))
+
+
+def encoder_fields(g: Graph, config_json: dict, overrides: dict, fixed: dict = FIXED_FIELDS,
+                   blocks: dict = BLOCK_TYPES) -> dict:
+    """The config fields the encoder half (time embedding, input blocks, middle block) reads from the
+    shapes and a diffusers config: shared by the UNet and its ControlNets."""
     if not g.has("input_blocks.0.0.weight"):
         raise BadInput(f"{g.ckpt.path}: no {g.prefix}input_blocks.0.0.weight")
     mc, in_ch = g.shape("input_blocks.0.0.weight")[:2]
@@ -99,7 +112,7 @@ def unet_config(g: Graph, config_json: dict, overrides: dict) -> UNetConfig:
         raise BadInput(f"{g.ckpt.path}: the UNet has no cross-attention (no attn2.to_k weights), so it takes no "
                        "text conditioning; unconditional UNets are not supported")
     if config_json:
-        refuse_unbuilt(config_json, where, FIXED_FIELDS, BLOCK_TYPES, ("only_cross_attention",))
+        refuse_unbuilt(config_json, where, fixed, blocks, ("only_cross_attention",))
     # heads: --set num_heads, else --set head_dim, else the folder's config (diffusers'
     # attention_head_dim holds the number of heads), else the family's convention
     heads, head_dim = overrides.get("num_heads"), overrides.get("head_dim")
@@ -121,16 +134,16 @@ def unet_config(g: Graph, config_json: dict, overrides: dict) -> UNetConfig:
     if adm and adm <= n_ids * id_dim:
         raise BadInput(f"{g.ckpt.path}: label_emb takes {adm} inputs, not more than {n_ids} time ids x {id_dim}; "
                        "set unet.time_ids / unet.addition_time_embed_dim")
-    return UNetConfig(in_channels=in_ch, out_channels=g.shape("out.2.weight")[0], model_channels=mc,
-                      context_dim=ctx[0] if ctx else 0, channels=channels, levels=levels, num_heads=heads,
-                      groups=int(overrides.get("groups") or field(config_json, "norm_num_groups", "count", 32, where)),
-                      use_linear_projection=bool(proj) and len(proj[0]) == 2,
-                      n_output_blocks=g.count("output_blocks.{}"), adm_in_channels=adm, time_ids=n_ids,
-                      time_id_dim=id_dim, flip_sin_to_cos=field(config_json, "flip_sin_to_cos", "bool", True, where),
-                      freq_shift=float(field(config_json, "freq_shift", "finite", 0, where)),
-                      norm_eps=float(field(config_json, "norm_eps", "positive", RES_EPS, where)),
-                      downsample_padding=int(field(config_json, "downsample_padding", "index", 1, where, (0, 1))),
-                      center_input_sample=field(config_json, "center_input_sample", "bool", False, where))
+    return dict(in_channels=in_ch, model_channels=mc,
+                context_dim=ctx[0] if ctx else 0, channels=channels, levels=levels, num_heads=heads,
+                groups=int(overrides.get("groups") or field(config_json, "norm_num_groups", "count", 32, where)),
+                use_linear_projection=bool(proj) and len(proj[0]) == 2,
+                adm_in_channels=adm, time_ids=n_ids,
+                time_id_dim=id_dim, flip_sin_to_cos=field(config_json, "flip_sin_to_cos", "bool", True, where),
+                freq_shift=float(field(config_json, "freq_shift", "finite", 0, where)),
+                norm_eps=float(field(config_json, "norm_eps", "positive", RES_EPS, where)),
+                downsample_padding=int(field(config_json, "downsample_padding", "index", 1, where, (0, 1))),
+                center_input_sample=field(config_json, "center_input_sample", "bool", False, where))
 
 
 def timestep_embedding(g: Graph, t: str, dim: int, cos_first: bool = True, shift: float = 0.0) -> str:
@@ -196,10 +209,17 @@ def spatial_transformer(g: Graph, x: str, ctx: str, p: str, heads: int, cfg: UNe
     return g.op("Add", h, x)
 
 
-def build_unet(g: Graph, cfg: UNetConfig) -> None:
+def denoiser_inputs(g: Graph, cfg: UNetConfig) -> tuple[str, str, str]:
+    """sample, timestep, encoder_hidden_states: the inputs a UNet and its ControlNets share."""
     sample = g.input("sample", g.dtype, ["batch", cfg.in_channels, "height", "width"])
     t = g.input("timestep", FLOAT, ["steps"])
     ctx = g.input("encoder_hidden_states", g.dtype, ["batch", "sequence", cfg.context_dim])
+    return sample, t, ctx
+
+
+def time_embedding(g: Graph, cfg: UNetConfig, t: str) -> str:
+    """The embedding every ResBlock reads: the timestep's, plus (SDXL) the embedded pooled text and
+    micro-conditioning ids, whose inputs text_embeds and time_ids are declared here."""
     t_emb = timestep_embedding(g, t, cfg.model_channels, cfg.flip_sin_to_cos, cfg.freq_shift)
     emb = g.linear(g.silu(g.linear(t_emb, "time_embed.0")), "time_embed.2")
     if cfg.adm_in_channels:  # SDXL micro-conditioning: pooled text embeds + embedded sizes/crops
@@ -211,6 +231,13 @@ def build_unet(g: Graph, cfg: UNetConfig) -> None:
         ids = g.op("Reshape", ids, g.ints(-1, cfg.time_ids * cfg.time_id_dim))
         y = g.op("Concat", text_embeds, ids, axis=1)
         emb = g.op("Add", emb, g.linear(g.silu(g.linear(y, "label_emb.0.0")), "label_emb.0.2"))
+    return emb
+
+
+def encoder_half(g: Graph, cfg: UNetConfig, sample: str, emb: str, ctx: str,
+                 hint: str | None = None) -> tuple[str, list[str]]:
+    """Input blocks and middle block: (the middle block's output, each input block's output). A
+    ControlNet's embedded hint is added after the first conv (`input_blocks.0.0`)."""
     h, skips = sample, []
     if cfg.center_input_sample:
         h = g.op("Sub", g.op("Mul", h, g.const(np.array(2.0), g.dtype)), g.const(np.array(1.0), g.dtype))
@@ -218,6 +245,8 @@ def build_unet(g: Graph, cfg: UNetConfig) -> None:
         p = f"input_blocks.{i}"
         if i == 0:
             h = g.conv2d(h, f"{p}.0")
+            if hint is not None:
+                h = g.op("Add", h, hint)
         elif g.has(f"{p}.0.op.weight"):
             pads = (1, 1, 1, 1) if cfg.downsample_padding else (0, 0, 1, 1)   # ONNX order: top, left, bottom, right
             h = g.conv2d(h, f"{p}.0.op", stride=2, pad=pads)
@@ -234,6 +263,34 @@ def build_unet(g: Graph, cfg: UNetConfig) -> None:
         else:
             h = spatial_transformer(g, h, ctx, f"middle_block.{j}", cfg.num_heads[level], cfg)
         j += 1
+    return h, skips
+
+
+def residual_dims(level: int) -> list[str]:
+    """Height and width names of a tensor at a resolution level (level 0: the latents' own)."""
+    return ["height", "width"] if level == 0 else [f"height_div{2 ** level}", f"width_div{2 ** level}"]
+
+
+def down_residual_name(i: int) -> str:
+    return f"down_block_{i}_additional_residual"
+
+
+MID_RESIDUAL = "mid_block_additional_residual"
+
+
+def build_unet(g: Graph, cfg: UNetConfig) -> None:
+    sample, t, ctx = denoiser_inputs(g, cfg)
+    emb = time_embedding(g, cfg, t)
+    h, skips = encoder_half(g, cfg, sample, emb, ctx)
+    level = cfg.levels[-1]
+    if cfg.control_residuals:   # diffusers: residuals added to the skips and to the middle block's output
+        if cfg.control_residuals != len(skips):
+            raise BadInput(f"{g.ckpt.path}: the ControlNets give {cfg.control_residuals} down residuals; the UNet has "
+                           f"{len(skips)} input blocks")
+        skips = [g.op("Add", s, g.input(down_residual_name(i), g.dtype,
+                                        ["batch", cfg.channels[i], *residual_dims(cfg.levels[i])]))
+                 for i, s in enumerate(skips)]
+        h = g.op("Add", h, g.input(MID_RESIDUAL, g.dtype, ["batch", cfg.channels[-1], *residual_dims(level)]))
     for i in range(cfg.n_output_blocks):
         if not skips:
             raise BadInput(f"{g.ckpt.path}: more output_blocks than input_blocks (output_blocks.{i})")
