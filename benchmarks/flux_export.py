@@ -82,6 +82,7 @@ TIME_FLOOR = 2.0                  # at most 2x the plain copy of the same bytes
 ALL_PARTS = ("flux-bf16", "peer", "flux-fp8", "flux-fp8-scaled", "t5")
 PEER_VARIANTS = ("defaults", "from_single_file", "mmap")
 MARKER = ".flux_export_work"      # a work folder this script made (and may delete)
+PEER_CLASS = "FluxTransformer2DModel"   # named in run_peer's progress line (benchmarks/sd3_export.py sets its own)
 DISK_MARGIN = 4 * GB
 COPY_CHUNK = 8 << 20
 
@@ -712,7 +713,7 @@ def run_peer(variant: str, src: Path, work: Path, logs: Path, cap: int, timeout:
         if cap_mode == "rlimit-data":    # a hard limit on private writable memory (private file maps count too)
             resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
 
-    print(f"peer {variant}: diffusers FluxTransformer2DModel + torch.onnx.export, cap {cap / 2**30:.0f} GiB "
+    print(f"peer {variant}: diffusers {PEER_CLASS} + torch.onnx.export, cap {cap / 2**30:.0f} GiB "
           f"({cap_mode}) ...", flush=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--peer-child", variant, str(src), str(out), str(phase_file),
            json.dumps(cfg)]
