@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 # The tests add their references: torch (CPU build, on local disk), diffusers, transformers, pytest.
 $(TEST_STAMP): $(STAMP)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[compiler,onnxruntime,openvino,tensorrt-rtx,test]'
+	$(BIN)/pip install -q -e '.[compiler,onnxruntime,openvino,tensorrt-rtx,quantize,test]'
 	touch $(TEST_STAMP)
 
 setup: $(STAMP)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..runtime.manifest import MANIFEST, SCHEMA, file_record, read_manifest, sha256_file, verify_bundle
 from .bundle_archive import MANIFEST_LIMIT, check_out
+from .bundle_records import changed_since, record_written, snapshot
 from .cache import Cache, Entry, cache_key
 from .engines import PRECAST_VERSION, ExportedComponent, compile_component
 from .errors import BadInput
@@ -128,6 +129,8 @@ class BundleWriter:
     def __init__(self, root: Path):
         self.root = root
         self.files: dict[str, dict] = {}
+        self.linked: set[str] = set()    # hard links to cache files (verified when served; bundle_records.py)
+        self.copied: set[str] = set()    # copies: bytes never hashed here, so not recorded as verified
 
     def _folder_with(self, records: dict[str, dict]) -> str | None:
         """A folder already in the bundle holding every one of these files (same names, same bytes)."""
@@ -147,8 +150,10 @@ class BundleWriter:
             target = self.root / dest / name
             try:
                 os.link(src / name, target)      # cache files are never written in place
+                self.linked.add(f"{dest}/{name}")
             except OSError:
                 shutil.copyfile(src / name, target)
+                self.copied.add(f"{dest}/{name}")
             self.files[f"{dest}/{name}"] = dict(rec)     # size, sha256 and piece digests
         return {n: f"{dest}/{n}" for n in records}
 
@@ -212,7 +217,8 @@ def commit_bundle(staging: Path, out: Path) -> None:
 
 def _artifact_metadata(meta: dict) -> dict:
     keep = ("compile_config", "device", "precision", "static", "compute_capabilities", "header", "weight_streaming",
-            "refittable", "simplified", "gfx", "input_dims", "fp16", "rewrites")
+            "refittable", "simplified", "gfx", "input_dims", "fp16", "rewrites",
+            "weights")   # weight-only quantization: format and how (compiler/targets/quantize.py)
     return {k: meta[k] for k in keep if k in meta}
 
 
@@ -368,7 +374,9 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
         write_pipeline_folder(staging / "onnx", manifest["model"],  # diffusers-style folder (compiler/interop.py)
                               {c: v["config"] for c, v in manifest["components"].items()}, source, writer)
         write_manifest(staging, manifest)
+        staged = snapshot(staging, writer.files, skip=writer.copied)       # verification records: bundle_records.py
         commit_bundle(staging, out)
+        record_written(out, writer.files, staged, whole=set(staged) - writer.linked)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return {"bundle": str(out), "artifacts": report, "seconds": round(time.perf_counter() - t0, 3)}
@@ -411,7 +419,7 @@ def merge_bundles(inputs: list[str | Path], out: str | Path) -> dict:
     out = Path(out)
     check_out(out)
     check_replaceable(out)
-    manifests = []
+    manifests, hashed_from = [], time.time_ns()     # hashed_from: for bundle_records.changed_since
     for b in inputs:
         problems = verify_bundle(b)
         if problems:
@@ -427,7 +435,7 @@ def merge_bundles(inputs: list[str | Path], out: str | Path) -> dict:
     staging.mkdir(parents=True)
     merged = {"schema": SCHEMA, "precast": first["precast"], "name": first["name"], "model": first["model"],
               "components": {}, "artifacts": [], "files": {}}
-    seen = {}
+    seen, unproven = {}, set()  # shard files copied, or changed since hashed: not recorded as verified
     for m in manifests:
         for name, comp in m.components.items():
             if merged["components"].setdefault(name, comp) != comp:
@@ -449,10 +457,13 @@ def merge_bundles(inputs: list[str | Path], out: str | Path) -> dict:
                         raise BadInput(f"{m.root}: {rel} differs from the same file in another shard")
                     continue
                 (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+                if changed_since(m.root / rel, hashed_from):
+                    unproven.add(rel)
                 try:
                     os.link(m.root / rel, staging / rel)
                 except OSError:
                     shutil.copyfile(m.root / rel, staging / rel)
+                    unproven.add(rel)
                 merged["files"][rel] = rec
             for a in m.data["artifacts"]:
                 if a["id"] in seen and seen[a["id"]] != a:
@@ -461,7 +472,9 @@ def merge_bundles(inputs: list[str | Path], out: str | Path) -> dict:
                     seen[a["id"]] = a
                     merged["artifacts"].append(a)
         write_manifest(staging, merged)
+        staged = snapshot(staging, merged["files"], skip=unproven)  # verify_bundle hashed each whole above
         commit_bundle(staging, out)
+        record_written(out, merged["files"], staged, whole=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return {"bundle": str(out), "artifacts": len(merged["artifacts"]), "files": len(merged["files"])}

@@ -381,5 +381,26 @@ def bundle_inspect(bundle, as_json):
     _run(go)
 
 
+# --- export-openvino-genai (issue 18 item 3; the work is in compiler/openvino_genai.py) -----------------
+@main.command("export-openvino-genai")
+@click.argument("export_dir", type=click.Path())
+@click.option("--out", required=True, type=click.Path(), help="OpenVINO GenAI model folder to write.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout.")
+def export_openvino_genai_cmd(export_dir, out, as_json):
+    """Write EXPORT_DIR (a `precast export`) as an OpenVINO GenAI folder (optimum-cli's OpenVINO layout)
+    that openvino_genai.Text2ImagePipeline(OUT, device) runs, with the Euler scheduler. SD 1.x / 2.x, SDXL."""
+    def go():
+        from .openvino_genai import export_openvino_genai
+        report = export_openvino_genai(export_dir, out, progress=None if as_json else
+                                       (lambda msg: click.echo(msg, err=True)))
+        if as_json:
+            click.echo(json.dumps(report, indent=2))
+        else:
+            click.echo(f"{report['family']} -> {report['out']} (OpenVINO GenAI, {report['scheduler']}) "
+                       f"in {report['seconds']:.1f} s")
+    _run(go, as_json=as_json)
+# --- end export-openvino-genai -------------------------------------------------------------------------
+
+
 if __name__ == "__main__":
     main()

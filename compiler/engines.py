@@ -18,6 +18,7 @@ from .errors import BadInput
 from .profiles import ShapeProfile
 from ..runtime.progress import heartbeat
 from .targets import BuildJob, TargetSpec, check_buildable, get_target, io_dtype
+from .targets.quantize import quantizer_versions
 
 PRECAST_VERSION = "0.1.0"
 
@@ -132,6 +133,7 @@ def artifact_key(comp: ExportedComponent, spec: TargetSpec, shapes: dict, toolch
         "target": spec.describe(),
         "fingerprint": fingerprint,
         "toolchain": {**toolchain, "precast": PRECAST_VERSION},
+        **({"quantizer": quantizer_versions(spec)} if spec.get("weights") else {}),   # weight-only quantization
     })
 
 

@@ -25,6 +25,7 @@ from .interop import write_pipeline_folder
 from .sources.checkpoint import Checkpoint, open_checkpoint
 from .sources.config_fields import field
 from .sources.detect import Family, detect_family, require_supported
+from .sources.gguf_file import source_quantization
 
 
 IGNORED_SUFFIXES = ("position_ids", "attn_mask", "logit_scale")  # buffers some saves carry; not weights
@@ -143,6 +144,8 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
     if family.name in T5_TOKENS:
         report["t5_tokens"] = T5_TOKENS[family.name].get(family.variant, 512)
         report["latent_factor"] = latent_factor_of(ckpt.refs)   # for `precast compile` of a transformer alone
+    if quantization := source_quantization(ckpt.refs):    # a GGUF source: tensors per GGUF type
+        report["source_quantization"] = quantization
     if vae is not None:
         report["vae"] = str(vae)
     if text_encoders:

@@ -11,6 +11,7 @@ not record (the VAE's block widths, which UNet levels attend) are nominal, marke
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 ONNX_PART = ["diffusers", "OnnxRuntimeModel"]
@@ -191,8 +192,12 @@ def tokenizer_extras(kind: list, pad_zero: bool) -> dict[str, dict]:
 
 
 def write_json(path: Path, data: dict) -> Path:
+    """Written to a temporary name and renamed over `path`: a bundle's file may be a hard link into
+    the cache (an export entry holds its config.json too), which must never be written in place."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
     return path
 
 

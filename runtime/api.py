@@ -67,6 +67,7 @@ class Option:
     backend: str
     how: str
     note: str = ""
+    memory: dict | None = None    # weights against the device's budget: plan resident / stream / ... (doctor's)
 
 
 @dataclass(frozen=True)
@@ -144,12 +145,12 @@ class Report:
 
 def _option(c: Candidate) -> Option:
     d = c.describe()
-    return Option(d["artifact"], d["device"], d["device_name"], d["backend"], d["how"], d["note"])
+    return Option(d["artifact"], d["device"], d["device_name"], d["backend"], d["how"], d["note"], d.get("memory"))
 
 
 def _option_dict(component: str, o: Option) -> dict:
     return {"component": component, "device": o.device, "device_name": o.device_name, "backend": o.backend,
-            "artifact": o.artifact, "how": o.how, "note": o.note}
+            "artifact": o.artifact, "how": o.how, "note": o.note, **({"memory": o.memory} if o.memory else {})}
 
 
 def _why(placement: Placement, chosen: Option | None, passed_over: list[dict]) -> str:
@@ -171,7 +172,7 @@ def _why(placement: Placement, chosen: Option | None, passed_over: list[dict]) -
 def _plan(where: dict, placement: Placement, then: list[Candidate] = ()) -> ComponentPlan:
     """A component's plan from its doctor/generate record (select.component_report) and placement."""
     w = where
-    option = Option(w["artifact"], w["device"], w["device_name"], w["backend"], w["how"], w["note"]) \
+    option = Option(w["artifact"], w["device"], w["device_name"], w["backend"], w["how"], w["note"], w.get("memory")) \
         if w["device"] is not None else None
     return ComponentPlan(w["component"], w["module"], option, _why(placement, option, w["passed_over"]),
                          tuple(PassedOver(**r) for r in w["passed_over"]), tuple(_option(c) for c in then))

@@ -15,7 +15,10 @@ A device that is not here (`gpu` on a machine without one, `cuda1` with one NVID
 the placement, unless `strict` (then it is a UserError); a name that is no device at all, or a
 backend on a device it does not run on (`cpu:tensorrt-rtx`), is always a UserError.
 `--params-backend` uses the same grammar (devices only); `cpu` there means offload (e.g.
-TensorRT-RTX weight streaming) where the backend supports it.
+TensorRT-RTX weight streaming) where the backend supports it. It also takes memory budgets, one
+per device, as entries DEVICE:SIZE (`--params-backend cuda0:8G,cpu:16G`; SIZE in bytes or with
+K/M/G/T, binary units, as --max-vram tools take them); the selection (runtime/select.py,
+`memory_plan`) holds each component's weights against them.
 """
 from __future__ import annotations
 
@@ -194,6 +197,35 @@ def _ids(devices: list[Device]) -> str:
     return ", ".join(f"{d.id} ({d.name})" for d in devices)
 
 
+_SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(?:i?b)?", re.I)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int | None:
+    """'8G' / '8GiB' / '512M' / '1.5g' / '1048576' -> bytes; None when it is no size."""
+    m = _SIZE.fullmatch(text.strip())
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()]) if m else None
+
+
+def split_budgets(text: str | None, devices: list[Device]) -> tuple[str, dict[str, int]]:
+    """--params-backend 'te=cpu,cuda0:8G,cpu:16G' -> ('te=cpu', {'cuda0': 8 GiB, 'cpu': 16 GiB}):
+    the DEVICE:SIZE entries taken out as budgets (device id -> bytes), the rest left as it was."""
+    rest, budgets = [], {}
+    for part in (text or "").split(","):
+        dev, sep, size = part.rpartition(":")
+        amount = parse_size(size) if sep and "=" not in part else None
+        if amount is None:
+            rest.append(part)
+            continue
+        try:
+            budgets[_find_device(dev, devices).id] = amount
+        except _Absent as e:
+            raise UserError(f"--params-backend {part.strip()}: a budget for {e}") from None
+        except UserError as e:
+            raise UserError(f"--params-backend {part.strip()}: {e}") from None
+    return ",".join(rest), budgets
+
+
 @dataclass(frozen=True)
 class Placement:
     module: str
@@ -204,6 +236,7 @@ class Placement:
     asked: str = ""              # the --backend value for this module as typed ("" = the default)
     fallback: str = ""           # why the module is not where it was asked to run ("" = it is)
     strict: bool = False         # --strict: run where asked or refuse; never fall back
+    budgets: tuple = ()          # ((device id, bytes), ...): --params-backend DEVICE:SIZE memory budgets
 
     @property
     def target(self) -> str:
@@ -212,12 +245,14 @@ class Placement:
 
     def describe(self) -> dict:
         return {"device": self.device.id, "backend": self.backend, "params": self.params.id,
-                "asked": self.asked or None, "fallback": self.fallback or None}
+                "asked": self.asked or None, "fallback": self.fallback or None,
+                **({"budgets": dict(self.budgets)} if self.budgets else {})}
 
 
 def assign_modules(devices: list[Device], backend: str | None = None, params_backend: str | None = None,
                    modules: tuple[str, ...] = ("te", "diffusion", "vae"), strict: bool = False) -> dict[str, Placement]:
     runs = _entries(backend, "--backend")
+    params_backend, budgets = split_budgets(params_backend, devices)
     params = _entries(params_backend, "--params-backend")
     out = {}
     for m in modules:
@@ -243,5 +278,6 @@ def assign_modules(devices: list[Device], backend: str | None = None, params_bac
                                                    f"weights stay on {dev.id}"]))
             else:
                 p = p_dev
-        out[m] = Placement(m, dev, p, offload=p.id != dev.id, backend=pin, asked=asked, fallback=why, strict=strict)
+        out[m] = Placement(m, dev, p, offload=p.id != dev.id, backend=pin, asked=asked, fallback=why, strict=strict,
+                           budgets=tuple(sorted(budgets.items())))
     return out

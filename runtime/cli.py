@@ -20,11 +20,12 @@ import click
 
 from .errors import UserError
 
-BUILD_COMMANDS = ("bundle", "build", "cache", "compile", "demo-model", "export", "plan")
+BUILD_COMMANDS = ("bundle", "build", "cache", "compile", "demo-model", "export", "export-openvino-genai", "plan")
 # Modules the build side imports, and the pyproject extra that installs each.
 EXTRA_OF = {"onnx": "compiler", "safetensors": "compiler", "yaml": "compiler", "platformdirs": "compiler",
             "filelock": "compiler", "ml_dtypes": "compiler", "onnxsim": "compiler", "onnxruntime": "onnxruntime",
-            "openvino": "openvino", "tensorrt_rtx": "tensorrt-rtx", "zstandard": "zstd"}
+            "openvino": "openvino", "tensorrt_rtx": "tensorrt-rtx", "zstandard": "zstd",
+            "openvino_tokenizers": "openvino-genai", "gguf": "gguf"}
 # checked before any build command starts (onnxsim only where an ONNX Runtime target needs it)
 COMPILER_MODULES = tuple(m for m, extra in EXTRA_OF.items() if extra == "compiler" and m != "onnxsim")
 

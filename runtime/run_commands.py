@@ -99,7 +99,7 @@ def _size(size: str | None, manifest) -> tuple[int, int]:
 @main.command("doctor")
 @click.argument("bundle", required=False, type=click.Path())
 @click.option("--backend", default=None, help=BACKEND_HELP)
-@click.option("--params-backend", default=None, help="Where weights live, e.g. cpu (offload).")
+@click.option("--params-backend", default=None, help="Where weights live, e.g. cpu (offload); memory budgets as DEVICE:SIZE, e.g. cuda0:8G,cpu:16G.")
 @click.option("--size", default=None, help="WIDTHxHEIGHT to check engines against (default: the bundle's optimal "
                                            "size, its denoiser profile's opt).")
 @click.option("--strict", is_flag=True, help=STRICT_HELP)
@@ -260,7 +260,7 @@ def _missing_for_generate(manifest) -> list[str]:
                                                  "half only, residuals scaled from 0.1 (shallow) to 1.0 (mid).")
 @click.option("--out", required=True, type=click.Path(), help="PNG file to write.")
 @click.option("--backend", default=None, help=BACKEND_HELP)
-@click.option("--params-backend", default=None, help="Where weights live, e.g. cpu (offload).")
+@click.option("--params-backend", default=None, help="Where weights live, e.g. cpu (offload); memory budgets as DEVICE:SIZE, e.g. cuda0:8G,cpu:16G.")
 @click.option("--strict", is_flag=True, help=STRICT_HELP)
 @click.option("--verify", "verify", default="auto", show_default=True,
               type=click.Choice(["auto", "full"], case_sensitive=False), help=VERIFY_HELP)

@@ -80,12 +80,93 @@ class Candidate:
     entry: Path
     note: str = ""
     pending: tuple = ()              # (manifest, file): sha256 checked just before loading
+    memory: dict | None = None       # memory_plan(): weights against the device's budget
+    weight_budget: int | None = None  # TensorRT-RTX weight streaming: bytes of weights kept on the GPU
 
     def describe(self) -> dict:
         return {"component": self.component, "device": self.device.id, "device_name": self.device.name,
                 "backend": self.backend, "artifact": self.artifact.id if self.artifact else "onnx",
                 "how": "prebuilt engine" if self.artifact else "compile/load the bundle's ONNX at run time",
-                "note": self.note}
+                "note": self.note, **({"memory": self.memory} if self.memory else {})}
+
+
+# --- memory budgets (--params-backend DEVICE:SIZE) ---------------------------------------------
+
+def device_budget(device: Device, budgets: dict[str, int], devices: list[Device]) -> tuple[int | None, str]:
+    """(bytes, where the number comes from) the weights on `device` may take: the user's budget,
+    else a discrete GPU's memory, else for an integrated GPU half the host memory it shares (the
+    driver's usual limit); the CPU has none unless given (None)."""
+    if device.id in budgets:
+        return budgets[device.id], "--params-backend budget"
+    if device.kind == "discrete" and device.memory:
+        return device.memory, "device memory"
+    if device.kind == "integrated":
+        host = next((d.memory for d in devices if d.kind == "cpu"), 0)
+        if device.memory:
+            return device.memory, "device memory"
+        if host:
+            return host // 2, "half of the host memory it shares"
+    return None, "no budget"
+
+
+def memory_plan(weights: int, device: Device, budget: int | None, source: str, streams: bool) -> dict:
+    """What a component's weights (bytes, from the manifest's file sizes) do on `device` under
+    `budget`: `resident` (they fit), `stream` (a TensorRT-RTX engine built with weight_streaming
+    keeps `budget` bytes on the GPU and streams the rest from host memory), or `too-big` (nothing
+    of the backend's own can make them fit: the selection passes the candidate over, and the next
+    one -- usually the CPU -- runs it). Activations are not counted: the budget is for weights."""
+    out = {"device": device.id, "weights": weights, "budget": budget, "budget_from": source}
+    if budget is None or weights <= budget:
+        return {**out, "plan": "resident"}
+    if streams:
+        return {**out, "plan": "stream", "streamed": weights - budget}
+    return {**out, "plan": "too-big"}
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+def _apply_budgets(sel: "Selection", manifest: Manifest, placement: Placement, devices: list[Device]) -> None:
+    """Each viable candidate held against its device's budget: fits, streams, or passed over."""
+    budgets = dict(placement.budgets)
+    keep = []
+    for c in sel.viable:
+        files = c.artifact.files if c.artifact else manifest.components[c.component]["files"]
+        weights = sum(manifest.files.get(rel, {}).get("size", 0) for rel in files)
+        budget, source = device_budget(c.device, budgets, devices)
+        streams = bool(c.artifact and c.artifact.metadata.get("weight_streaming"))
+        c.memory = memory_plan(weights, c.device, budget, source, streams)
+        if c.memory["plan"] == "too-big":
+            why = (f"weights {_gib(weights)} exceed {c.device.id}'s budget {_gib(budget)} ({source})"
+                   + ("; the engine was not built with weight_streaming" if c.backend == "tensorrt-rtx" else
+                      f"; {c.backend} cannot stream weights"))
+            sel.refused.append(passed(why, c.artifact.id if c.artifact else "onnx", c.backend, c.device.id))
+            continue
+        if c.memory["plan"] == "stream":
+            c.weight_budget = budget
+            c.note = "; ".join(filter(None, [c.note, f"streams {_gib(c.memory['streamed'])} of {_gib(weights)} "
+                                                     f"weights from host memory ({_gib(budget)} on {c.device.id})"]))
+        keep.append(c)
+    sel.viable = keep
+
+
+def _share_budgets(sels: dict[str, "Selection"], placements: dict[str, Placement], devices: list[Device]) -> None:
+    """Components that each fit but together exceed a device's budget are loaded one at a time
+    (each released before the next is loaded): said on each of them."""
+    by_device: dict[str, list[Candidate]] = {}
+    for s in sels.values():
+        c = s.choice
+        if c is not None and c.memory and c.memory["plan"] == "resident" and c.memory["budget"] is not None:
+            by_device.setdefault(c.device.id, []).append(c)
+    for dev, chosen in by_device.items():
+        total = sum(c.memory["weights"] for c in chosen)
+        budget = chosen[0].memory["budget"]
+        if total > budget and len(chosen) > 1:
+            for c in chosen:
+                c.memory = {**c.memory, "plan": "one-at-a-time", "together": total}
+                c.note = "; ".join(filter(None, [c.note, f"loaded one at a time: {len(chosen)} components need "
+                                                         f"{_gib(total)} together, {dev}'s budget is {_gib(budget)}"]))
 
 
 def passed(reason: str, artifact: str | None = None, backend: str | None = None, device: str | None = None) -> dict:
@@ -208,6 +289,7 @@ def select_component(manifest: Manifest, component: str, placement: Placement, d
             if not usable:
                 sel.refused.append(passed("no CPU fallback: neither openvino nor onnxruntime is installed",
                                           "onnx", None, cpu.id))
+    _apply_budgets(sel, manifest, placement, devices)
     if pin or placement.strict:
         def asked(c: Candidate) -> bool:
             return c.device.id == placement.device.id and (pin is None or c.backend == pin)
@@ -240,6 +322,7 @@ def select_all(manifest: Manifest, placements: dict[str, Placement], devices: li
         module = COMPONENT_MODULE.get(component, "diffusion")
         out[component] = select_component(manifest, component, placements[module], devices,
                                           requests.get(component, {}), installed, verify)
+    _share_budgets(out, placements, devices)
     return out
 
 
@@ -255,7 +338,7 @@ def open_candidate(c: Candidate, output_names: list[str], offload: bool = False)
         return sessions.OnnxRuntimeSession(c.entry)
     meta = {"backend": c.backend, "entry": c.artifact.entry, **c.artifact.metadata}
     index = int("".join(ch for ch in c.device.id if ch.isdigit()) or 0)
-    budget = 0 if offload and c.artifact.metadata.get("weight_streaming") else None
+    budget = 0 if offload and c.artifact.metadata.get("weight_streaming") else c.weight_budget
     device = "CPU" if c.device.kind == "cpu" else f"GPU.{index}"
     return sessions.open_artifact(_bundle_root(c), meta,
                                   device=device if c.backend == "openvino" else None,

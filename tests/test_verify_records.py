@@ -203,3 +203,125 @@ def test_a_read_only_bundle_folder_keeps_its_records_in_the_user_cache(tiny_bund
     assert not (bundle / RECORD_FILE).exists()
     stored = list((cache / "verified").iterdir())
     assert len(stored) == 1 and json.loads(stored[0].read_text())["files"]
+
+
+# ---- bundles the compiler writes: `precast build` and `precast bundle merge` record their files ----------------
+
+TINY_RECIPE = ("model: {source: demo:tiny-sd15}\ncomponents: [text_encoder, unet, vae_decoder]\n"
+               "profiles: {batch: 1, height: 64, width: 64}\ntargets: [onnxruntime, {openvino: {device: CPU}}]\n")
+
+COUNT_CLI = """
+import atexit, sys
+from precast.runtime.manifest import bytes_hashed
+atexit.register(lambda: sys.stderr.write(f"\\nHASHED {bytes_hashed()}\\n"))
+from precast.runtime.cli import main
+main(sys.argv[1:], prog_name="precast")
+"""
+
+
+def cli_counting(*args, env=None):
+    """(CompletedProcess, bytes hashed) of one real `precast` command, in its own process."""
+    proc = subprocess.run([sys.executable, "-c", COUNT_CLI, *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})
+    counts = [int(line.split()[1]) for line in proc.stderr.splitlines() if line.startswith("HASHED ")]
+    assert counts, proc.stderr
+    return proc, counts[-1]
+
+
+@pytest.fixture
+def build_env(tmp_path):
+    """A recipe and a cache of this test's own (the bundles it builds link the cache's files)."""
+    (tmp_path / "tiny.yaml").write_text(TINY_RECIPE)
+    return tmp_path / "tiny.yaml", {"PRECAST_CACHE": str(tmp_path / "cache")}
+
+
+def test_a_freshly_built_bundle_opens_without_hashing(build_env, tmp_path):
+    """The build checked every file it placed (cache entries are hashed when served, what it wrote
+    it hashed): it records them, taken after the rename into place, and the first `generate` or
+    `doctor --load` hashes nothing. So does a rebuild over the same folder (all cache hits; removing
+    the old bundle, which shared the cache's inodes, moves their ctime, so the records are taken
+    after that)."""
+    recipe, env = build_env
+    out = tmp_path / "b"
+    for attempt in ("misses", "hits"):
+        precast("build", recipe, "--out", out, env=env, check=True)
+        files = json.loads((out / "manifest.json").read_text())["files"]
+        assert set(json.loads((out / RECORD_FILE).read_text())["files"]) == set(files), attempt
+        proc, hashed = cli_counting("generate", out, "--prompt", "a cat", "--steps", "1", "--out", tmp_path / "g.png")
+        assert proc.returncode == 0 and hashed == 0, (attempt, hashed, proc.stderr)
+        proc, hashed = cli_counting("doctor", out, "--load", "--json")
+        assert proc.returncode == 0 and hashed == 0, (attempt, hashed, proc.stderr)
+    assert precast("bundle", "verify", out).returncode == 0
+
+
+def test_a_file_changed_after_the_build_is_still_found(build_env, tmp_path):
+    """A build's records hold the file states it left: a byte flipped afterwards with the mtime put
+    back moves the ctime, and the open hashes that file and passes the engine over."""
+    recipe, env = build_env
+    out = tmp_path / "b"
+    precast("build", recipe, "--out", out, env=env, check=True)
+    report, hashed = open_counting(out)
+    assert hashed == 0
+    rel = artifact_entry(out, report, "unet")
+    st = os.stat(out / rel)
+    flip_byte(out / rel, st.st_size // 2)
+    os.utime(out / rel, ns=(st.st_atime_ns, st.st_mtime_ns))
+    report2, hashed = open_counting(out)
+    assert hashed >= st.st_size
+    reasons = [r["reason"] for r in report2["components"]["unet"]["passed_over"]
+               if r["artifact"] == report["components"]["unet"]["artifact"]]
+    assert reasons and f"{rel}: sha256 differs from the manifest" in reasons[0]
+    vocab = out / "tokenizer/vocab.json"
+    st = os.stat(vocab)
+    flip_byte(vocab, 100, mask=1)
+    os.utime(vocab, ns=(st.st_atime_ns, st.st_mtime_ns))
+    proc, _ = cli_counting("generate", out, "--prompt", "a cat", "--steps", "1", "--out", tmp_path / "g.png")
+    assert proc.returncode == 2 and "tokenizer/vocab.json: sha256 differs from the manifest" in proc.stderr
+
+
+def test_a_merged_bundle_opens_without_hashing_and_finds_a_change(build_env, tmp_path):
+    recipe, env = build_env
+    shards = [tmp_path / f"shard{i}" for i in (1, 2)]
+    for i, s in enumerate(shards, 1):
+        precast("build", recipe, "--out", s, "--shard", f"{i}/2", env=env, check=True)
+    merged = tmp_path / "merged"
+    precast("bundle", "merge", *shards, "--out", merged, check=True)
+    files = json.loads((merged / "manifest.json").read_text())["files"]
+    assert set(json.loads((merged / RECORD_FILE).read_text())["files"]) == set(files)
+    proc, hashed = cli_counting("doctor", merged, "--load", "--json")
+    assert proc.returncode == 0 and hashed == 0, proc.stderr
+    report, hashed = open_counting(merged)
+    assert hashed == 0
+    rel = artifact_entry(merged, report, "vae_decoder")
+    st = os.stat(merged / rel)
+    flip_byte(merged / rel, st.st_size // 2)
+    os.utime(merged / rel, ns=(st.st_atime_ns, st.st_mtime_ns))
+    report2, hashed = open_counting(merged)
+    assert hashed >= st.st_size
+    assert report2["components"]["vae_decoder"]["artifact"] != report["components"]["vae_decoder"]["artifact"]
+
+
+def test_files_copied_into_a_build_are_not_recorded(build_env, tmp_path, monkeypatch):
+    """Where the cache's files cannot be hard-linked (another file system) they are copied; a copy's
+    bytes were never hashed, so it is left unrecorded and the first open hashes exactly those."""
+    import precast.compiler.bundle as bundle_mod
+    from precast.compiler.cache import Cache
+    from precast.compiler.recipe import load_recipe
+    recipe, env = build_env
+
+    def no_link(src, dst, *a, **kw):
+        raise OSError(18, "Invalid cross-device link")
+    monkeypatch.setattr(bundle_mod.os, "link", no_link)
+    out = tmp_path / "b"
+    bundle_mod.build_bundle(load_recipe(recipe), out, progress=False, cache=Cache(env["PRECAST_CACHE"]))
+    monkeypatch.undo()
+    files = json.loads((out / "manifest.json").read_text())["files"]
+    recorded = set(json.loads((out / RECORD_FILE).read_text())["files"])
+    copied = {rel for rel in files if rel.rsplit("/", 1)[1] in ("model.onnx", "model.onnx_data", "model.blob")}
+    unrecorded = set(files) - recorded       # the copies (and the cache's config.json files, copied then rewritten)
+    assert copied and copied <= unrecorded and all(rel.startswith(("onnx/", "artifacts/")) for rel in unrecorded)
+    assert "tokenizer/vocab.json" in recorded and "onnx/model_index.json" in recorded
+    time.sleep(2 * RACY_NS / 1e9)
+    _, hashed = open_counting(out)
+    assert 0 < hashed <= sum(files[rel]["size"] for rel in unrecorded)
+    assert open_counting(out)[1] == 0

@@ -100,7 +100,7 @@ class Graph:
             ref = self.ckpt.refs[full]
             for f, k in ref.stored:
                 stored = f.tensors[k].dtype
-                if stored not in FLOAT_DTYPES:
+                if stored not in getattr(f, "float_dtypes", FLOAT_DTYPES):   # a GGUF file: its (de)quantized types
                     raise BadInput(f"{f.path}: {k} is stored as {stored}; a weight must be a float tensor "
                                    f"({', '.join(FLOAT_DTYPES)}): the file is damaged or not a model checkpoint")
             if ref.scale is not None and ref.file.tensors[ref.scale].shape not in ((), (1,)):

@@ -1,6 +1,6 @@
 """Opens what a user points precast at and presents it as one set of canonical tensor names.
 
-Owns: recognising the input (single-file .safetensors, diffusers folder, pickled checkpoint),
+Owns: recognising the input (single-file .safetensors or .gguf, diffusers folder, pickled checkpoint),
 refusing pickles without ever unpickling them, and mapping every layout to one canonical
 layout per architecture: the LDM single-file names (`model.diffusion_model.*`,
 `first_stage_model.*`, `cond_stage_model.transformer.text_model.*`) for SD models, Black Forest
@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BadInput
-from . import diffusers_names, flux_names, fp8_decode, sd3_names
+from . import diffusers_names, flux_names, fp8_decode, gguf_file, sd3_names
+from .gguf_file import GGUFFile
 from .safetensors_file import SafetensorsFile
 
 PICKLE_SUFFIXES = {".ckpt", ".pt", ".pth", ".bin", ".pkl"}
@@ -52,7 +53,7 @@ NOT_WEIGHTS = ("scaled_fp8", ".scale_input", ".input_scale") + SCALE_SUFFIXES
 
 @dataclass(frozen=True)
 class TensorRef:
-    file: SafetensorsFile
+    file: SafetensorsFile | GGUFFile
     key: str                      # the name inside that file (the first part's, for a fused tensor)
     shape: tuple[int, ...]        # the canonical shape (may differ by a reshape, e.g. Linear -> 1x1 conv)
     parts: tuple["TensorRef", ...] = ()   # a fused tensor: these, concatenated along axis 0
@@ -84,6 +85,8 @@ class TensorRef:
         if target is not None and stored in fp8_decode.KINDS:
             scale = float(self.file.read(self.scale).astype(np.float32).reshape(())) if self.scale else None
             arr = fp8_decode.decode_fp8(self.file.read(self.key, raw=True), stored, target, scale)
+        elif isinstance(self.file, GGUFFile):   # GGUF: quantized blocks dequantize (float32) and cast to `target`
+            arr = self.file.read(self.key, raw=raw, target=target)
         else:
             arr = self.file.read(self.key, raw=raw and self.scale is None)
             if self.scale is not None:
@@ -174,10 +177,13 @@ def _refuse_pickle(path: Path) -> BadInput:
     return BadInput(f"{path}: pickled checkpoint refused. {CONVERT_HINT}")
 
 
-def open_weights_file(path: Path, refusal: Callable[[Path], BadInput] = _refuse_pickle) -> SafetensorsFile:
-    """A .safetensors file, or `refusal(path)` for a pickle: by its suffix, or by its first bytes
-    when it does not parse as safetensors (a safetensors header length may start with 0x80 too,
-    so the sniff only explains a failure, it never decides)."""
+def open_weights_file(path: Path, refusal: Callable[[Path], BadInput] = _refuse_pickle) -> SafetensorsFile | GGUFFile:
+    """A .safetensors file, a .gguf file (by its suffix or magic; its names are the model's own,
+    mapped below as a .safetensors file's are), or `refusal(path)` for a pickle: by its suffix, or
+    by its first bytes when it does not parse as safetensors (a safetensors header length may start
+    with 0x80 too, so the sniff only explains a failure, it never decides)."""
+    if gguf_file.is_gguf(path):
+        return GGUFFile(path)
     if path.suffix.lower() in PICKLE_SUFFIXES:
         raise refusal(path)
     try:

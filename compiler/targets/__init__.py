@@ -24,10 +24,12 @@ ALIASES = {"ort": "onnxruntime", "ov": "openvino", "trt": "tensorrt-rtx", "tenso
 BOOL = (True, False)
 OV_PRECISION_ALIASES = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}   # recipe `precision` words -> OpenVINO's
 OPTIONS: dict[str, dict[str, tuple]] = {   # option -> allowed values (empty: free-form)
-    "onnxruntime": {"simplify": BOOL, "optimize": BOOL},
+    "onnxruntime": {"simplify": BOOL, "optimize": BOOL, "weights": (), "block_size": (16, 32, 64, 128, 256)},
     "openvino": {"device": (), "precision": ("f32", "bf16", "f16"), "performance_hint": ("LATENCY", "THROUGHPUT"),
-                 "num_streams": (), "threads": (), "ir": BOOL, "compress_to_fp16": BOOL, "winograd": BOOL},
-    "tensorrt-rtx": {"compute_capabilities": (), "weight_streaming": BOOL, "refittable": BOOL, "strip_weights": BOOL},
+                 "num_streams": (), "threads": (), "ir": BOOL, "compress_to_fp16": BOOL, "winograd": BOOL,
+                 "weights": (), "group_size": (32, 64, 128)},
+    "tensorrt-rtx": {"compute_capabilities": (), "weight_streaming": BOOL, "refittable": BOOL, "strip_weights": BOOL,
+                     "weights": ()},
     "migraphx": {"gfx": (), "fp16": BOOL, "fast_math": BOOL},
 }
 
@@ -39,6 +41,8 @@ OPTION_TYPES: dict[str, tuple[str, object]] = {   # free-form option -> (what it
     "gfx": ("a gfx name such as gfx1100", _text),
     "threads": (f"an integer from 0 to {MAX_COUNT} (0: OpenVINO decides)", lambda v: _count(v, 0)),
     "num_streams": (f"an integer from 1 to {MAX_COUNT} or AUTO", lambda v: _count(v, 1) or v == "AUTO"),
+    "weights": ("a weight format: int8 or int4 (openvino, onnxruntime), fp8 or int8 (tensorrt-rtx)",
+                lambda v: v in ("int8", "int4", "fp8")),
     "compute_capabilities": ("a list such as [sm_86, sm_89]",
                              lambda v: _text(v) or (isinstance(v, list) and all(
                                  _text(c) or _count(c, 0) or type(c) is float for c in v))),
@@ -74,6 +78,7 @@ def parse_target(text: str, options: dict | None = None) -> TargetSpec:
         if k in OPTION_TYPES and not OPTION_TYPES[k][1](v):
             raise BadInput(f"target {target.name}: {k}={v!r}; expected {OPTION_TYPES[k][0]}")
     opts = _normalized(target.name, opts)
+    _check_weights(target.name, opts)
     frozen = {k: tuple(v) if isinstance(v, list) else v for k, v in opts.items()}
     return TargetSpec(target.name, tuple(sorted(frozen.items())))
 
@@ -101,6 +106,21 @@ def _normalized(backend: str, opts: dict) -> dict:
         raise BadInput("target openvino: compress_to_fp16 applies to the saved IR only; add ir=true, "
                        "or drop compress_to_fp16 (the compiled blob's precision is the precision option)")
     return out
+
+
+def _check_weights(backend: str, opts: dict) -> None:
+    """Weight-only quantization (option `weights`, quantize.py): a format the backend cannot build, FP8
+    for a GPU without FP8 tensor cores, or a group/block size without weights, refused in one line."""
+    from .quantize import weights_problem
+    weights = opts.get("weights")
+    sized = next((k for k in ("group_size", "block_size") if k in opts), None)
+    if sized and weights is None:
+        raise BadInput(f"target {backend}: {sized} applies to quantized weights only; add weights=int4 or int8")
+    if backend == "openvino" and sized and weights != "int4":
+        raise BadInput(f"target openvino: group_size applies to weights=int4 (int8 is per channel); drop it")
+    why = weights_problem(backend, weights, normalize_ccs(opts.get("compute_capabilities") or ()))
+    if why:
+        raise BadInput(f"target {backend}: {why}")
 
 
 DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}

@@ -23,6 +23,7 @@ from ...runtime.fingerprint import Fingerprint
 from ..errors import BadInput
 from .base import BuildJob, required_inputs, TargetSpec
 from .onnxruntime_groupnorm import rewrite_group_norms
+from .quantize import quantize_onnxruntime, quantized
 
 PROTOBUF_LIMIT = 2 << 30
 OPTIMIZED = "all"       # metadata `optimized`: the level the saved graph went through
@@ -71,10 +72,21 @@ class OnnxRuntimeTarget:
         optimize = bool(spec.get("optimize", True))
         with tempfile.TemporaryDirectory(dir=folder, prefix=".simplified-") as tmp:
             source = job.onnx_path
+            simplified = False
             if spec.get("simplify", True) and not note and self.toolchain()["onnxsim"] != "absent":
                 _note(job, "onnxsim")
                 source = _simplified(job.onnx_path, Path(tmp), job.shapes if optimize else {}) or source
+            simplified = source != job.onnx_path
             rewrites = {}
+            weights = spec.get("weights") if quantized(job.component) else None
+            compression = None
+            if weights:     # weight-only MatMulNBits (quantize.py): after onnxsim, before ONNX Runtime's optimization
+                _note(job, f"quantize {weights}")
+                quantized_path = Path(tmp) / "quantized" / "model.onnx"
+                quantized_path.parent.mkdir()
+                compression = {"format": weights, **quantize_onnxruntime(source, quantized_path, weights,
+                                                                         spec.get("block_size"))}
+                source = quantized_path
             if optimize:
                 _note(job, "optimize")
                 rewrites = _optimized(source, folder / "model.onnx", job.shapes)
@@ -82,7 +94,7 @@ class OnnxRuntimeTarget:
                 for name in ("model.onnx", "model.onnx_data"):
                     if source.with_name(name).exists():
                         shutil.copyfile(source.with_name(name), folder / name)
-        return {"entry": "model.onnx", "simplified": source != job.onnx_path, "note": note,
+        return {"entry": "model.onnx", "simplified": simplified, "note": note, "weights": compression,
                 "optimized": OPTIMIZED if optimize else "none", "static": optimize and job.static,
                 "rewrites": rewrites}
 

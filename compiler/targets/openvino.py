@@ -17,6 +17,7 @@ from ...runtime.cpu import cpu_flags, default_precision, isa_level
 from ...runtime.fingerprint import Fingerprint
 from ..errors import BadInput
 from .base import BuildJob, TargetSpec
+from .quantize import compress_openvino, quantized
 
 REWRITES = "winograd-f4x4-1,attention-f32-1"   # bump when a model rewrite changes: it is part of the cache key
 
@@ -85,10 +86,15 @@ class OpenVinoTarget:
             from ...runtime.openvino_attention import rewrite_attention
             if count := rewrite_attention(model):
                 rewrites["attention_f32"] = count
+        weights = spec.get("weights") if quantized(job.component) else None
         if device == "CPU" and job.static and config["INFERENCE_PRECISION_HINT"] == "f32" \
-                and spec.get("winograd", True):
+                and spec.get("winograd", True) and weights is None:    # quantized weights: convolutions as NNCF left them
             from .openvino_winograd import rewrite_convolutions
             rewrites["winograd"] = rewrite_convolutions(model)
+        compression = None
+        if weights:        # weight-only int8 / int4 (quantize.py): NNCF on the ov.Model, before compiling
+            _note(job, f"compress_weights {weights}")
+            model, compression = compress_openvino(model, weights, spec.get("group_size"))
         _note(job, "compile_model")
         compiled = core.compile_model(model, device, config)
         del model
@@ -98,7 +104,7 @@ class OpenVinoTarget:
         del blob
         return {"entry": "model.blob", "device": device, "compile_config": config, "static": job.static,
                 "precision": compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name(),
-                "rewrites": rewrites}
+                "rewrites": rewrites, "weights": {"format": weights, **compression} if weights else None}
 
 
 def _note(job: BuildJob, phase: str) -> None:

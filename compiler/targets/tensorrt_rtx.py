@@ -23,6 +23,7 @@ from ...runtime.fingerprint import Fingerprint
 from ...runtime.trt_header import CC_BITS, read_header
 from ..errors import BadInput
 from .base import BuildJob, required_inputs, TargetSpec
+from .quantize import qdq_weights, quantized, weights_problem
 
 DEFAULT_CCS = ("sm_80", "sm_86", "sm_89", "sm_120", "sm_121")  # what a build with no CC list serves
 KNOWN_CCS = ("sm_75",) + DEFAULT_CCS
@@ -86,6 +87,9 @@ def preflight(spec: TargetSpec) -> None:
     if refit and not _has_driver():
         raise BadInput("tensorrt-rtx refittable / weight-stripped builds need an NVIDIA GPU driver at build "
                        "time (no libcuda here); build them on a machine with a GPU, or drop the option")
+    why = weights_problem("tensorrt-rtx", spec.get("weights"), requested_ccs(spec))
+    if why:
+        raise BadInput(f"target tensorrt-rtx: {why}")
     if refit and len(requested_ccs(spec)) != 1:
         raise BadInput("tensorrt-rtx refittable builds serve one compute capability; list exactly one")
 
@@ -209,7 +213,17 @@ class TensorRtRtxTarget:
 
     def build(self, job: BuildJob, spec: TargetSpec, folder: Path) -> dict:
         with required_inputs(job, folder) as job:    # input defaults stripped (base.py)
-            return self._build(job, spec, folder)
+            weights = spec.get("weights") if quantized(job.component) else None
+            if not weights:
+                return {**self._build(job, spec, folder), "weights": None}
+            # weight-only fp8 / int8 (quantize.py): DequantizeLinear on each MatMul weight, in the ONNX parsed
+            import dataclasses
+            import tempfile
+            with tempfile.TemporaryDirectory(dir=folder, prefix=".qdq-") as tmp:
+                path = Path(tmp) / "model.onnx"
+                info = qdq_weights(job.onnx_path, path, weights)
+                meta = self._build(dataclasses.replace(job, onnx_path=path), spec, folder)
+            return {**meta, "weights": {"format": weights, **info}}
 
     def _build(self, job: BuildJob, spec: TargetSpec, folder: Path) -> dict:
         trt = self._trt()

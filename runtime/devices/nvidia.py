@@ -45,6 +45,13 @@ NVIDIA_NAMES = {
 }
 
 
+# Board memory by PCI device id, for ids sold with one memory size only (an RTX 3060 comes with 8 or 12
+# GB: not listed); without NVML this is what a memory budget starts from (runtime/select.py).
+NVIDIA_MEMORY = {0x2882: 8 << 30, 0x28A0: 8 << 30, 0x28E0: 8 << 30,      # RTX 4060 / 4060 Laptop
+                 0x2786: 12 << 30, 0x2704: 16 << 30, 0x2684: 24 << 30,   # RTX 4070, 4080, 4090
+                 0x2B85: 32 << 30}                                       # RTX 5090
+
+
 def nvidia_arch(device_id: int) -> str:
     for first, last, arch in NVIDIA_ARCH_RANGES:
         if first <= device_id <= last:
@@ -127,7 +134,7 @@ def _nvidia(root: str, pcis: dict[str, _Pci], probe_nvml: bool) -> list[Device]:
     from_sysfs = {}
     for addr, p in _gpus_of(pcis, "nvidia").items():
         name = _nvidia_proc_model(root, addr) or NVIDIA_NAMES.get(p.device) or f"NVIDIA GPU 10de:{p.device:04x}"
-        from_sysfs[addr] = Device("", name, "nvidia", "discrete", nvidia_arch(p.device), 0, driver, addr,
+        from_sysfs[addr] = Device("", name, "nvidia", "discrete", nvidia_arch(p.device), NVIDIA_MEMORY.get(p.device, 0), driver, addr,
                                   BACKENDS["nvidia"])
     nvml = _nvml_devices() if probe_nvml else None
     if nvml is None:

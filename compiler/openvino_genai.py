@@ -1,0 +1,211 @@
+"""A precast export as an OpenVINO GenAI model folder (`precast export-openvino-genai`).
+
+Owns: turning a `precast export` folder into the layout `optimum-cli export openvino` writes, which
+`openvino_genai.Text2ImagePipeline(folder, device)` loads: `openvino_model.xml/.bin` per component
+folder (text_encoder/, unet/, vae_decoder/, vae_encoder/), `tokenizer/` with the OpenVINO tokenizer
+and detokenizer models (openvino-tokenizers, made from the export's CLIP tokenizer files, which are
+copied beside them), `model_index.json` naming the diffusers classes GenAI dispatches on,
+`scheduler/scheduler_config.json` and each component's `config.json` (compiler/interop.py's).
+
+The graphs are precast's ONNX converted by OpenVINO with the IO GenAI feeds: it fills `input_ids`
+from its tokenizer as int64 and passes `timestep` as int64 [1], where precast's graphs take int32 ids
+and a float32 timestep, so both Parameters are retyped with a Convert inside the model; float inputs
+and outputs are float32 whatever the export's dtype (GenAI hands float32 latents and text states
+between the models); the text encoder's `token_embeddings_extra` input (textual inversion rows, with a
+one-zero-row default) becomes that constant, since GenAI feeds the CLIP model one input. Weights are
+stored fp16 only for an fp16 component (bf16 stays bf16), never compressed from fp32.
+
+GenAI runs DDIM, Euler, Euler ancestral, PNDM, LCM and flow-match schedulers, not precast's default DPM++ 2M:
+the folder's scheduler is Euler discrete (`leading` spacing, steps_offset 1), which is `precast
+generate --scheduler euler`'s schedule, so the same noise gives the same image.
+SD 1.x / 2.x and SDXL base (its CLIP models' outputs laid out as GenAI indexes them: hidden_state_outputs);
+the SDXL refiner, SD3, Flux and Chroma are refused with a message.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from .engines import read_export
+from .errors import BadInput
+from .interop import DIFFUSERS_VERSION, pipeline_files, write_json
+
+FAMILIES = ("sd1", "sd2", "sdxl")
+REQUIRED = {"sd1": ("text_encoder", "unet", "vae_decoder"), "sd2": ("text_encoder", "unet", "vae_decoder"),
+            "sdxl": ("text_encoder", "text_encoder_2", "unet", "vae_decoder")}
+PARTS = ("text_encoder", "text_encoder_2", "unet", "vae_decoder", "vae_encoder")
+INSTALL = "pip install 'precast[openvino-genai]' (openvino, openvino-tokenizers and transformers)"
+
+
+def model_index(family: str, components: list[str]) -> dict:
+    """model_index.json as optimum-intel writes it for a Stable Diffusion (XL) pipeline."""
+    out = {"_class_name": "StableDiffusionPipeline", "_diffusers_version": DIFFUSERS_VERSION,
+           "scheduler": ["diffusers", "EulerDiscreteScheduler"], "tokenizer": ["transformers", "CLIPTokenizer"],
+           "text_encoder": ["transformers", "CLIPTextModel"], "unet": ["diffusers", "UNet2DConditionModel"],
+           "vae": ["diffusers", "AutoencoderKL"]}
+    if family == "sdxl":
+        out.update({"_class_name": "StableDiffusionXLPipeline", "tokenizer_2": ["transformers", "CLIPTokenizer"],
+                    "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
+                    "force_zeros_for_empty_prompt": True, "requires_aesthetics_score": False})
+    else:
+        out.update({"safety_checker": [None, None], "feature_extractor": [None, None],
+                    "requires_safety_checker": False})
+    if "vae_encoder" not in components:
+        out["_precast_note"] = "no vae_encoder: Text2ImagePipeline only"
+    return out
+
+
+def scheduler_config(prediction: str) -> dict:
+    """Euler discrete as `precast generate --scheduler euler` runs it (runtime/schedulers.py Euler)."""
+    return {"_class_name": "EulerDiscreteScheduler", "_diffusers_version": DIFFUSERS_VERSION,
+            "num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012,
+            "beta_schedule": "scaled_linear", "trained_betas": None, "prediction_type": prediction,
+            "timestep_spacing": "leading", "steps_offset": 1, "interpolation_type": "linear",
+            "final_sigmas_type": "zero", "use_karras_sigmas": False, "timestep_type": "discrete",
+            "rescale_betas_zero_snr": False}
+
+
+def _modules():
+    try:
+        import openvino as ov
+    except ImportError:
+        raise BadInput(f"export-openvino-genai: the openvino package is not installed; {INSTALL}") from None
+    try:
+        import openvino_tokenizers
+    except ImportError:
+        raise BadInput("export-openvino-genai: openvino-tokenizers is not installed (it makes GenAI's "
+                       f"tokenizer models); {INSTALL}") from None
+    try:
+        import transformers  # noqa: F401  (openvino-tokenizers converts a transformers tokenizer)
+    except ImportError:
+        raise BadInput(f"export-openvino-genai: transformers is not installed (openvino-tokenizers reads the "
+                       f"CLIP tokenizer through it); {INSTALL}") from None
+    return ov, openvino_tokenizers
+
+
+def convert_component(ov, onnx_path: Path, name: str, dtype: str):
+    """precast's ONNX graph -> an ov.Model with the IO GenAI feeds (see the module doc)."""
+    model = ov.convert_model(str(onnx_path))
+    if dtype in ("fp16", "bf16"):
+        from ..runtime.openvino_attention import rewrite_attention
+        rewrite_attention(model)
+    ppp = ov.preprocess.PrePostProcessor(model)
+    changed = False
+    for port in model.inputs:
+        want = None
+        if port.get_any_name() in ("input_ids", "timestep"):
+            want = ov.Type.i64
+        elif port.get_element_type().is_real():
+            want = ov.Type.f32
+        if want is not None and port.get_element_type() != want:
+            ppp.input(port.get_any_name()).tensor().set_element_type(want)
+            changed = True
+    for i, port in enumerate(model.outputs):
+        if port.get_element_type().is_real() and port.get_element_type() != ov.Type.f32:
+            ppp.output(i).tensor().set_element_type(ov.Type.f32)
+            changed = True
+    if changed:
+        model = ppp.build()
+    names = [p.get_any_name() for p in model.inputs]
+    if name == "text_encoder" and names != ["input_ids"]:
+        raise BadInput(f"{onnx_path}: the text encoder converts with inputs {names}; OpenVINO GenAI feeds "
+                       "input_ids only. Export again with this precast version")
+    return model
+
+
+def hidden_state_outputs(ov, model, name: str, layers: int):
+    """SDXL: GenAI reads the text states as output `num_hidden_layers + 1` of each CLIP model (optimum's
+    order: last_hidden_state or text_embeds, then hidden_states.0..N) and the pooled text_embeds as output
+    0 of text_encoder_2. precast's graphs output only the layer SDXL uses (hidden_states.N-1, the
+    penultimate), plus text_embeds: their Results are repeated so those indices hold them."""
+    from openvino import opset13 as ops
+    outs = {p.get_any_name(): p for p in model.outputs}
+    states = [p for n, p in outs.items() if n.startswith("hidden_states") or n == "last_hidden_state"]
+    if len(states) != 1 or (name == "text_encoder_2" and "text_embeds" not in outs):
+        raise BadInput(f"{name}: outputs {sorted(outs)}; expected one hidden_states output"
+                       + (" and text_embeds" if name == "text_encoder_2" else ""))
+    first = outs["text_embeds"] if name == "text_encoder_2" else states[0]
+    order = [first] + [states[0]] * (layers + 1)
+    results = [ops.result(p.get_node().input_value(0)) for p in order]   # model.outputs are its Results' ports
+    return ov.Model(results, model.get_parameters(), name)
+
+
+def write_tokenizer(ov, ovt, source: Path, dest: Path) -> list[str]:
+    """Copy the export's CLIP tokenizer files and add openvino_tokenizer.xml / openvino_detokenizer.xml."""
+    from transformers import CLIPTokenizer
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in sorted(source.iterdir()):
+        if f.is_file():
+            shutil.copy2(f, dest / f.name)
+    tokenizer, detokenizer = ovt.convert_tokenizer(CLIPTokenizer.from_pretrained(source), with_detokenizer=True)
+    ov.save_model(tokenizer, str(dest / "openvino_tokenizer.xml"))
+    ov.save_model(detokenizer, str(dest / "openvino_detokenizer.xml"))
+    return sorted(f.name for f in dest.iterdir())
+
+
+def export_openvino_genai(export_dir: str | Path, out: str | Path, progress=None) -> dict:
+    """Write the OpenVINO GenAI folder `out` from the precast export `export_dir`; returns a report.
+    `progress(message)` is called as each part is written."""
+    t0 = time.perf_counter()
+    export_dir, out = Path(export_dir), Path(out)
+    comps = read_export(export_dir)
+    report = json.loads((export_dir / "precast_export.json").read_text())
+    family = report.get("family")
+    if family not in FAMILIES:
+        raise BadInput(f"{export_dir}: a {family} export; export-openvino-genai writes SD 1.x / 2.x and SDXL "
+                       "pipelines for now (SD3, Flux and the SDXL refiner are not written yet)")
+    missing = [n for n in REQUIRED[family] if n not in comps]
+    if missing:
+        raise BadInput(f"{export_dir}: has no {', '.join(missing)}; OpenVINO GenAI's Text2ImagePipeline needs "
+                       f"{', '.join(REQUIRED[family])}: export them (precast export --component ...)")
+    tokenizers = [n.replace("text_encoder", "tokenizer") for n in REQUIRED[family] if n.startswith("text_encoder")]
+    for folder in tokenizers:
+        if not (export_dir / folder).is_dir():
+            raise BadInput(f"{export_dir}: no {folder}/ folder; export again with this precast version")
+    if out.resolve() == export_dir.resolve():
+        raise BadInput(f"--out {out}: is the export folder; give a new folder")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not (out / "precast_openvino_genai.json").is_file():
+        raise BadInput(f"--out {out}: exists and is not an earlier export-openvino-genai folder; give a new or "
+                       "empty folder")
+    ov, ovt = _modules()
+    say = progress or (lambda msg: None)
+    parts = [n for n in PARTS if n in comps]
+    configs = {c["name"]: c["config"] for c in report["components"] if c["name"] in parts}
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    written = []
+    try:
+        for name in parts:
+            comp = comps[name]
+            model = convert_component(ov, comp.onnx_path, name, comp.export_dtype)
+            if family == "sdxl" and name.startswith("text_encoder"):
+                model = hidden_state_outputs(ov, model, name, configs[name]["layers"])
+            (staging / name).mkdir()
+            ov.save_model(model, str(staging / name / "openvino_model.xml"), compress_to_fp16=comp.export_dtype == "fp16")
+            written.append({"name": name, "dtype": comp.export_dtype,
+                            "inputs": [{"name": p.get_any_name(), "dtype": p.get_element_type().get_type_name()}
+                                       for p in model.inputs],
+                            "outputs": [{"name": p.get_any_name(), "dtype": p.get_element_type().get_type_name()}
+                                        for p in model.outputs]})
+            say(f"{name}: openvino_model.xml")
+        for folder in tokenizers:
+            write_tokenizer(ov, ovt, export_dir / folder, staging / folder)
+            say(f"{folder}: openvino_tokenizer.xml, openvino_detokenizer.xml")
+        files = pipeline_files(report, configs)
+        files["model_index.json"] = model_index(family, parts)
+        files["scheduler/scheduler_config.json"] = scheduler_config(report.get("prediction", "epsilon"))
+        for rel, data in files.items():
+            write_json(staging / rel, data)
+        write_json(staging / "precast_openvino_genai.json",
+                   {"source": str(export_dir), "family": family, "source_identity": report.get("source_identity"),
+                    "openvino": ov.get_version(), "components": written})
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return {"out": str(out), "family": family, "components": written, "scheduler": "EulerDiscreteScheduler",
+            "seconds": round(time.perf_counter() - t0, 3)}

@@ -1,0 +1,294 @@
+"""Reading a .gguf file (ComfyUI-GGUF's diffusion models, llama.cpp's T5 encoders) as the same lazy
+tensor table a .safetensors file gives.
+
+Owns: recognising a GGUF file (by its `.gguf` suffix or its `GGUF` magic), parsing it with the `gguf`
+package's own reader (no parser here: at open it reads the header, the metadata and the tensor table;
+the tensor data stays memory-mapped and untouched), refusing by name a tensor whose type precast cannot
+dequantize, presenting each tensor under its name and in torch order (GGUF stores dims innermost
+first; ComfyUI-GGUF's `comfy.gguf.orig_shape.NAME` metadata restores a tensor its converter flattened
+to rows of 256), and dequantizing one tensor at a time with `gguf.quants.dequantize`.
+
+Exactness: a quantized tensor is dequantized to float32 by gguf's own code and then cast to the
+export's dtype (`astype`), block group by block group -- every GGUF type is block-local, so this is
+bit for bit the float32 dequantization of the whole tensor followed by one cast, without the whole
+float32 tensor ever in memory. F32 / F16 / BF16 tensors read as they are stored (like safetensors).
+Memory: per tensor, the output (in the export's dtype) plus one chunk's float32 temporaries
+(CHUNK_VALUES values); the mapped pages of a tensor are released once it is read.
+
+Names: ComfyUI-GGUF keeps the model's own state-dict names (BFL for Flux, LDM for SD/SDXL UNets, SAI
+for SD3; with or without `model.diffusion_model.`), so checkpoint.py maps them as it maps a bare
+.safetensors file. llama.cpp's T5 encoder names (`enc.blk.N.attn_q`, `token_embd`, ...) are given HF
+names here, as ComfyUI-GGUF does when it loads them.
+"""
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import stat
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import BadInput
+from .safetensors_file import TensorInfo
+
+MAGIC = b"GGUF"
+SUFFIX = ".gguf"
+ORIG_SHAPE = "comfy.gguf.orig_shape."        # ComfyUI-GGUF: the shape a flattened tensor had
+CHUNK_VALUES = 1 << 20                       # values dequantized at a time (4 MB of float32)
+STORED_FLOATS = ("F32", "F16", "BF16", "F64")   # read as stored, like a .safetensors tensor
+INT_TYPES = ("I8", "I16", "I32", "I64")      # read as stored; refused if bound as a weight
+# llama.cpp's T5 names -> HF T5EncoderModel names, replaced in this order (as ComfyUI-GGUF loads them)
+T5_NAMES = (("enc.", "encoder."), (".blk.", ".block."), ("token_embd", "shared"), ("output_norm", "final_layer_norm"),
+            ("attn_q", "layer.0.SelfAttention.q"), ("attn_k", "layer.0.SelfAttention.k"),
+            ("attn_v", "layer.0.SelfAttention.v"), ("attn_o", "layer.0.SelfAttention.o"),
+            ("attn_norm", "layer.0.layer_norm"), ("attn_rel_b", "layer.0.SelfAttention.relative_attention_bias"),
+            ("ffn_up", "layer.1.DenseReluDense.wi_1"), ("ffn_down", "layer.1.DenseReluDense.wo"),
+            ("ffn_gate", "layer.1.DenseReluDense.wi_0"), ("ffn_norm", "layer.1.layer_norm"))
+T5_ARCHS = ("t5", "t5encoder")
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    """A .gguf name, or a regular file that starts with the GGUF magic."""
+    p = Path(path)
+    if p.suffix.lower() == SUFFIX:
+        return True
+    try:
+        if not p.is_file():
+            return False
+        with open(p, "rb") as f:
+            return f.read(4) == MAGIC
+    except OSError:
+        return False
+
+
+def _gguf(path: str):
+    try:
+        import gguf
+        import gguf.quants  # noqa: F401
+    except ImportError:
+        raise BadInput(f"{path}: a GGUF file; reading it needs the `gguf` package: pip install 'precast[gguf]'") from None
+    return gguf
+
+
+def _bad(path: str, what: str) -> BadInput:
+    return BadInput(f"{path}: not a valid .gguf file: {what}. "
+                    "Re-download or re-convert the file (a truncated download is the usual cause).")
+
+
+def dequantizable(gguf) -> set[str]:
+    """GGUF tensor types precast reads as float weights: stored floats and whatever gguf.quants dequantizes."""
+    from gguf.quants import _type_traits    # the package's table of types it (de)quantizes
+    return set(STORED_FLOATS) | {t.name for t in _type_traits}
+
+
+def _check_tensor_table(gguf, path: str, size: int, data_start: int, fields) -> None:
+    """The tensor table as the reader found it, before it builds views: each type known and
+    readable, each row a whole number of blocks, each tensor inside the file and none overlapping;
+    a failure names the tensor."""
+    known = {int(t.value): t for t in gguf.GGMLQuantizationType}
+    readable = dequantizable(gguf) | set(INT_TYPES)
+    spans = []
+    for field in fields:
+        _, name_data, _, dims, raw_type, offset = field.parts
+        try:
+            name = bytes(name_data).decode("utf-8")
+        except UnicodeDecodeError:
+            raise _bad(path, f"a tensor name at byte {field.offset} is not UTF-8") from None
+        code = int(raw_type[0])
+        if code not in known:
+            raise BadInput(f"{path}: tensor {name} is stored as GGML type {code}, which neither precast nor the "
+                           f"installed gguf package knows; re-convert the file with a common type (F16, BF16, Q8_0, "
+                           "Q4_K, ...) or update the gguf package")
+        qtype = known[code]
+        if qtype.name not in readable:
+            raise BadInput(f"{path}: tensor {name} is stored as {qtype.name}, a GGUF type precast cannot dequantize "
+                           f"(it reads {', '.join(sorted(readable - set(INT_TYPES)))}); re-convert the file with one of those")
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        shape = [int(d) for d in dims]
+        if shape and shape[0] % block:
+            raise _bad(path, f"tensor {name} ({qtype.name}) has rows of {shape[0]} values, not a whole number "
+                             f"of {block}-value blocks")
+        n_bytes = math.prod(shape) // block * type_size
+        begin = data_start + int(offset[0])
+        if begin + n_bytes > size:
+            raise _bad(path, f"tensor {name}'s data [{begin}, {begin + n_bytes}) runs past the end of the "
+                             f"{size}-byte file")
+        spans.append((begin, begin + n_bytes, name))
+    spans.sort()
+    for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+        if begin < end:
+            raise _bad(path, f"tensors {a} and {b} overlap in the data area")
+
+
+_READER = None
+
+
+def _reader_class(gguf):
+    """gguf.GGUFReader with the tensor table checked (by name) before the reader builds its views."""
+    global _READER
+    if _READER is None:
+        class CheckedReader(gguf.GGUFReader):
+            def _build_tensors(self, start_offs, fields):
+                _check_tensor_table(gguf, self._path, int(self.data.size), start_offs, fields)
+                super()._build_tensors(start_offs, fields)
+
+            def __init__(self, path):
+                self._path = path
+                super().__init__(path, "r")
+        _READER = CheckedReader
+    return _READER
+
+
+class GGUFFile:
+    """An open .gguf file: header and tensor table read and checked; tensors dequantized on demand.
+    The same surface as SafetensorsFile (path, tensors, metadata, keys, read), plus `architecture`,
+    `types` (tensor name -> GGUF type name) and `float_dtypes` (the types that bind as weights)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+        gguf = _gguf(self.path)
+        try:
+            st = os.stat(self.path)
+        except OSError as e:
+            raise BadInput(f"{self.path}: cannot open ({e.strerror})") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise BadInput(f"{self.path}: not a file; give the path of a .gguf file")
+        if st.st_size < 24:
+            raise _bad(self.path, f"file is {st.st_size} bytes, shorter than a GGUF header")
+        try:
+            reader = _reader_class(gguf)(self.path)
+        except BadInput:
+            raise
+        except (ValueError, KeyError, IndexError, OverflowError, TypeError, UnicodeDecodeError, OSError) as e:
+            raise _bad(self.path, f"its header could not be read (gguf: {e or type(e).__name__})") from None
+        if reader.byte_order != "I":
+            raise BadInput(f"{self.path}: a big-endian GGUF file; precast reads little-endian ones (the usual kind)")
+        self._map = reader.data
+        self.metadata = _metadata(reader)
+        self.architecture = self.metadata.get("general.architecture", "")
+        self.float_dtypes = frozenset(dequantizable(gguf))
+        self.tensors: dict[str, TensorInfo] = {}
+        self._data: dict[str, tuple[np.ndarray, object]] = {}
+        for t in reader.tensors:
+            name = _rename(t.name, self.architecture)
+            if name in self.tensors:
+                raise _bad(self.path, f"tensors {t.name} and another both read as {name}")
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            orig = reader.get_field(ORIG_SHAPE + t.name)
+            if orig is not None:
+                shape = _orig_shape(self.path, t, orig)
+            self.tensors[name] = TensorInfo(t.tensor_type.name, shape, int(t.data_offset), int(t.data_offset) + int(t.n_bytes))
+            self._data[name] = (t.data, t.tensor_type)
+        self._quants = gguf.quants
+        for _, qtype in self._data.values():    # build lookup grids once, before writer threads read
+            trait = gguf.quants._type_traits.get(qtype)
+            if trait is not None:
+                trait.init_grid()
+
+    def close(self) -> None:
+        self._data = {}
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def read(self, key: str, raw: bool = False, target: np.dtype | None = None) -> np.ndarray:
+        """One tensor: F32 / F16 / BF16 / F64 (and integers) as stored when `raw`, else float32; a
+        quantized tensor dequantized by gguf to float32, then cast to `target` where given."""
+        info = self.tensors[key]
+        data, qtype = self._data[key]
+        try:
+            if info.dtype in STORED_FLOATS or info.dtype in INT_TYPES:
+                arr = np.array(data)                # copied out of the mapping
+                if info.dtype == "BF16":
+                    import ml_dtypes
+                    arr = arr.view(ml_dtypes.bfloat16)
+                if not raw and info.dtype in STORED_FLOATS:
+                    arr = arr.astype(np.float32)
+                return arr.reshape(info.shape)
+            out = np.dtype(np.float32 if target is None else target)
+            return self._dequantize(data, qtype, out).reshape(info.shape)
+        finally:
+            self._release(info)
+
+    def _dequantize(self, data: np.ndarray, qtype, out_dtype: np.dtype) -> np.ndarray:
+        """gguf.quants.dequantize over groups of whole blocks, each cast to `out_dtype` into one output array."""
+        block, type_size = _sizes(qtype)
+        n_blocks = data.size // type_size
+        per_row = math.gcd(n_blocks, 1024)      # blocks per pseudo-row: gguf works a group of rows at a time
+        rows = np.asarray(data).reshape(-1).reshape(n_blocks // per_row, per_row * type_size)
+        out = np.empty((rows.shape[0], per_row * block), dtype=out_dtype)
+        step = max(1, CHUNK_VALUES // (per_row * block))
+        for a in range(0, rows.shape[0], step):
+            values = self._quants.dequantize(rows[a:a + step], qtype)
+            out[a:a + step] = values if values.dtype == out_dtype else values.astype(out_dtype)
+        return out
+
+    def _release(self, info: TensorInfo) -> None:
+        """Drop a read tensor's pages from this process (they stay in the page cache), so a big file's
+        mapping does not add up in the resident set."""
+        mm = getattr(self._map, "_mmap", None)
+        if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = info.start - info.start % mmap.PAGESIZE
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, start, info.end - start)
+        except (OSError, ValueError):
+            pass
+
+    def quantization(self) -> dict[str, int]:
+        """GGUF type name -> how many tensors the file stores in it."""
+        out: dict[str, int] = {}
+        for info in self.tensors.values():
+            out[info.dtype] = out.get(info.dtype, 0) + 1
+        return out
+
+
+def _sizes(qtype) -> tuple[int, int]:
+    from gguf.constants import GGML_QUANT_SIZES
+    return GGML_QUANT_SIZES[qtype]
+
+
+def _rename(name: str, architecture: str) -> str:
+    if architecture in T5_ARCHS:
+        for a, b in T5_NAMES:
+            name = name.replace(a, b)
+    return name
+
+
+def _orig_shape(path: str, tensor, field) -> tuple[int, ...]:
+    """ComfyUI-GGUF's record of a tensor's shape before its converter flattened it to rows of 256."""
+    try:
+        dims = tuple(int(d) for d in field.contents())
+    except (TypeError, ValueError):
+        dims = None
+    if not dims or any(d < 0 for d in dims) or math.prod(dims) != int(tensor.n_elements):
+        raise _bad(path, f"{ORIG_SHAPE}{tensor.name} = {dims} does not hold the tensor's "
+                         f"{int(tensor.n_elements)} values")
+    return dims
+
+
+def _metadata(reader) -> dict[str, str]:
+    """The file's scalar and string metadata as strings (arrays, e.g. vocabularies, left out)."""
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or len(field.types) != 1:
+            continue
+        try:
+            out[key] = str(field.contents())
+        except (ValueError, TypeError, UnicodeDecodeError, IndexError):
+            continue
+    return out
+
+
+def source_quantization(refs) -> dict[str, int]:
+    """GGUF type name -> how many of a checkpoint's GGUF tensors are stored in it ({} with no GGUF file)."""
+    seen: set[tuple[int, str]] = set()
+    out: dict[str, int] = {}
+    for ref in refs.values():
+        for f, key in ref.stored:
+            if isinstance(f, GGUFFile) and (id(f), key) not in seen:
+                seen.add((id(f), key))
+                out[f.tensors[key].dtype] = out.get(f.tensors[key].dtype, 0) + 1
+    return dict(sorted(out.items()))

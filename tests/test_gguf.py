@@ -1,0 +1,350 @@
+"""GGUF input (issue 20, Build 1): tiny Flux / SDXL / SD1 / T5 files written with the `gguf` package's
+GGUFWriter in every tensor type ComfyUI-GGUF files use, laid out as city96's converter lays them out
+(1-D and small tensors F32; SD tensors whose rows are not a multiple of 256 flattened to rows of 256
+with `comfy.gguf.orig_shape.*`), exported with `precast export` and compared bit for bit with the
+`gguf` package's own dequantization (float32, then the export dtype's cast)."""
+import json
+import struct
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import numpy_helper
+
+from conftest import precast
+from precast.compiler.demo_dit import TINY_FLUX_DEV, TINY_FLUX_SCHNELL, TINY_T5, flux_layout, t5_layout
+from precast.compiler.demo_model import TINY, TINY_SDXL, random_tensor, unet_layout
+from precast.compiler.demo_sd3 import TINY_SD3, sd3_layout
+from precast.compiler.errors import BadInput
+from precast.compiler.sources.checkpoint import DIT, T5, UNET, open_checkpoint
+from precast.compiler.sources.detect import detect_family
+from precast.compiler.sources.gguf_file import GGUFFile
+
+gguf = pytest.importorskip("gguf")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+Q = gguf.GGMLQuantizationType
+AXES = "transformer.axes_dims_rope=[4,6,6]"
+
+# gguf.quants quantizes these; the K-quants it only dequantizes, so their blocks are made here: random
+# bytes (every bit pattern is a valid quant / sub-scale) with the block's float16 scales set to small values
+QUANTIZABLE = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)
+K_SCALES = {Q.Q2_K: ((80, 82), 45), Q.Q3_K: ((108,), 128), Q.Q4_K: ((0, 2), 945), Q.Q5_K: ((0, 2), 1953),
+            Q.Q6_K: ((208,), 4096)}     # type: (byte offsets of its float16 scales, largest |value| / scale)
+EXPORT_TYPES = (Q.Q8_0, Q.Q2_K, Q.Q4_0, Q.Q3_K, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_K, Q.Q5_1, Q.Q6_K, Q.F16, Q.BF16)
+# every type gguf.quants dequantizes (plus F32 / F16): the reader must read each exactly
+ALL_TYPES = [Q.F32, Q.F16] + sorted(gguf.quants._type_traits, key=lambda t: t.value)
+HF_TO_LLAMA = (("encoder.block.", "enc.blk."), ("layer.0.SelfAttention.relative_attention_bias", "attn_rel_b"),
+               ("layer.0.SelfAttention.q", "attn_q"), ("layer.0.SelfAttention.k", "attn_k"),
+               ("layer.0.SelfAttention.v", "attn_v"), ("layer.0.SelfAttention.o", "attn_o"),
+               ("layer.0.layer_norm", "attn_norm"), ("layer.1.DenseReluDense.wi_0", "ffn_gate"),
+               ("layer.1.DenseReluDense.wi_1", "ffn_up"), ("layer.1.DenseReluDense.wo", "ffn_down"),
+               ("layer.1.layer_norm", "ffn_norm"), ("encoder.final_layer_norm", "enc.output_norm"),
+               ("shared", "token_embd"))
+
+
+def _encode(arr: np.ndarray, qtype, rng) -> np.ndarray:
+    """`arr` (float32, rows a multiple of the block) as GGUFWriter takes it for `qtype`."""
+    if qtype in K_SCALES:
+        offsets, factor = K_SCALES[qtype]
+        size = gguf.GGML_QUANT_SIZES[qtype][1]
+        blocks = rng.integers(0, 256, (arr.size // 256, size), dtype=np.uint8)
+        for off in offsets:
+            scale = (rng.uniform(0.5, 1.0, blocks.shape[0]) * 0.3 / factor).astype(np.float16)
+            blocks[:, off:off + 2] = scale.view(np.uint8).reshape(-1, 2)
+        return blocks.reshape(gguf.quants.quant_shape_to_byte_shape(arr.shape, qtype))
+    return gguf.quants.quantize(arr, qtype)
+
+
+def write_gguf(path, arch: str, tensors: dict, types=EXPORT_TYPES, flatten: bool = False, seed: int = 0) -> dict:
+    """Write `tensors` (name: float32) as city96's converter does: 1-D and <= 1024-value tensors F32,
+    the others in `types` round-robin; a tensor whose rows do not fit the type's block is flattened to
+    rows of 256 with `comfy.gguf.orig_shape.NAME` where `flatten` (the converter's SD rule) allows,
+    else stored F16 (the converter's fallback). Returns {name: GGUF type}."""
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch=arch)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    chosen, i = {}, 0
+    for name, arr in tensors.items():
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if arr.ndim == 1 or arr.size <= 1024:
+            qtype = Q.F32
+        else:
+            qtype, i = types[i % len(types)], i + 1
+            block = gguf.GGML_QUANT_SIZES[qtype][0]
+            if arr.shape[-1] % block:
+                if flatten and arr.size % 256 == 0 and arr.size >= 512:
+                    w.add_array(f"comfy.gguf.orig_shape.{name}", [int(d) for d in arr.shape])
+                    arr = arr.reshape(-1, 256)
+                else:
+                    qtype = Q.F16
+        chosen[name] = qtype
+        if qtype == Q.F32:
+            w.add_tensor(name, arr)
+        else:
+            w.add_tensor(name, _encode(arr, qtype, rng), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return chosen
+
+
+def reference(path) -> dict[str, np.ndarray]:
+    """The gguf package's own reading: gguf.quants.dequantize of each whole tensor (float32), in torch
+    order (ComfyUI-GGUF's orig_shape where recorded)."""
+    r = gguf.GGUFReader(str(path))
+    out = {}
+    for t in r.tensors:
+        field = r.get_field(f"comfy.gguf.orig_shape.{t.name}")
+        shape = tuple(field.contents()) if field is not None else tuple(int(d) for d in reversed(t.shape.tolist()))
+        out[t.name] = np.array(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
+    return out
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+NP = {"fp32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16), "fp16": np.dtype(np.float16)}
+
+
+def _twin(path, ref: dict) -> None:
+    """A .safetensors file holding the dequantized float32 values under the same names."""
+    from safetensors.numpy import save_file
+    save_file({k: np.ascontiguousarray(v) for k, v in ref.items()}, str(path))
+
+
+def _export(src, out, dtype, *extra):
+    proc = precast("export", src, "--out", out, "--dtype", dtype, *map(str, extra))
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def _initializers(model_path) -> dict[str, np.ndarray]:
+    m = onnx.load(str(model_path))          # external data read back from model.onnx_data
+    return {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
+
+
+def _same_export(a, b, comp):
+    ga, gb = (onnx.load(str(x / comp / "model.onnx"), load_external_data=False).graph for x in (a, b))
+    assert ga == gb, comp                                           # the same graph, byte for byte
+    assert (a / comp / "model.onnx_data").read_bytes() == (b / comp / "model.onnx_data").read_bytes(), comp
+
+
+def _check_weights(folder, comp, ref: dict, dtype: str, rename=lambda k: k) -> int:
+    """Every weight of `ref` that the export holds equals gguf's float32 dequantization cast to `dtype`
+    (or kept float32 where the graph keeps it), bit for bit; returns how many were compared."""
+    inits = _initializers(folder / comp / "model.onnx")
+    n = 0
+    for key, want in ref.items():
+        name = rename(key)
+        if name not in inits:
+            continue
+        got = inits[name]
+        assert got.dtype in (NP[dtype], NP["fp32"]), key          # a few (norm scales) stay float32 by design
+        want = want.astype(got.dtype)
+        assert got.shape == want.shape, key
+        assert np.array_equal(_bits(got), _bits(want)), key
+        n += 1
+    return n
+
+
+def _flux_feeds(seed=0):
+    rng = np.random.default_rng(seed)
+    n, t = 16, 12
+    ids = np.zeros((n, 3), np.float32)
+    ids[:, 1], ids[:, 2] = np.arange(n) // 4, np.arange(n) % 4
+    return {"hidden_states": rng.standard_normal((1, n, 64)).astype(np.float32),
+            "encoder_hidden_states": rng.standard_normal((1, t, 32)).astype(np.float32),
+            "timestep": np.array([0.62], np.float32), "img_ids": ids, "txt_ids": np.zeros((t, 3), np.float32),
+            "pooled_projections": rng.standard_normal((1, 32)).astype(np.float32), "guidance": np.array([3.5], np.float32)}
+
+
+def _run(folder, comp, feeds):
+    sess = ort.InferenceSession(str(folder / comp / "model.onnx"), providers=["CPUExecutionProvider"])
+    types = {i.name: i.type for i in sess.get_inputs()}
+    cast = {k: v.astype(np.float16) if types[k] == "tensor(float16)" else v for k, v in feeds.items() if k in types}
+    return [np.asarray(o) for o in sess.run(None, cast)]
+
+
+def _weights(layout: dict, seed: int, strip: str = "") -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {k[len(strip):]: random_tensor(rng, k, s) for k, s in sorted(layout.items())}
+
+
+def _llama_name(hf: str) -> str:
+    for a, b in HF_TO_LLAMA:
+        hf = hf.replace(a, b)
+    return hf
+
+
+T5_HF = {_llama_name(k): k for k in t5_layout(TINY_T5)}     # llama.cpp name -> HF name
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gguf")
+    out = {"dev": tmp / "flux1-dev-mixed.gguf", "schnell": tmp / "flux1-schnell-Q8_0.gguf",
+           "sdxl": tmp / "sdxl-unet-mixed.gguf", "sd1": tmp / "sd15-unet-mixed.gguf", "t5": tmp / "t5-v1_1-xxl-encoder.gguf"}
+    # Flux: BFL names, no prefix. Its real rows (3072, 12288, ...) are multiples of 256; the tiny ones are
+    # not, so its K-quant tensors are flattened as the converter flattens SD's (ComfyUI-GGUF reads either)
+    types = {"dev": write_gguf(out["dev"], "flux", _weights(flux_layout(TINY_FLUX_DEV), 1), flatten=True, seed=1),
+             "schnell": write_gguf(out["schnell"], "flux", _weights(flux_layout(TINY_FLUX_SCHNELL), 2), types=(Q.Q8_0,)),
+             "sdxl": write_gguf(out["sdxl"], "sdxl", _weights(unet_layout(TINY_SDXL), 3, UNET), flatten=True, seed=3),
+             "sd1": write_gguf(out["sd1"], "sd1", _weights(unet_layout(TINY), 4, UNET), flatten=True, seed=4),
+             # llama.cpp's T5 names, as city96's t5-v1_1-xxl-encoder-gguf files have them
+             "t5": write_gguf(out["t5"], "t5encoder", {_llama_name(k): v for k, v in _weights(t5_layout(TINY_T5), 5).items()},
+                              types=(Q.Q8_0, Q.Q5_K, Q.F16), flatten=True, seed=5)}
+    for name in ("dev", "sdxl"):
+        _twin(tmp / f"{name}-twin.safetensors", reference(out[name]))
+    _twin(tmp / "t5-twin.safetensors", {T5_HF[k]: v for k, v in reference(out["t5"]).items()})   # HF names
+    return out, types, tmp
+
+
+def test_the_files_hold_every_type(files):
+    _, types, _ = files
+    used = set(types["dev"].values()) | set(types["sdxl"].values())
+    assert used == set(EXPORT_TYPES) | {Q.F32}
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_each_type_reads_as_gguf_dequantizes_it(tmp_path, qtype):
+    """Any bytes, any type gguf.quants dequantizes: float32, fp16 and bf16 reads are gguf's float32
+    dequantization (then the cast), bit for bit, in torch order; rows of blocks chunk as one tensor."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(qtype.value)
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), arch="flux")
+    shapes = {"a.weight": (6, 2 * max(block, 256)), "b.weight": (3, 2, max(block, 256))}
+    for name, shape in shapes.items():
+        raw = rng.integers(0, 256, gguf.quants.quant_shape_to_byte_shape(shape, qtype), dtype=np.uint8)
+        if qtype in (Q.F32, Q.F16):
+            raw = raw.view(np.float32 if qtype == Q.F32 else np.float16)
+        w.add_tensor(name, raw, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    warnings.simplefilter("ignore", RuntimeWarning)      # random bytes: inf/NaN scales
+    ref = reference(path)
+    f = GGUFFile(path)
+    import precast.compiler.sources.gguf_file as gf
+    gf.CHUNK_VALUES, keep = 512, gf.CHUNK_VALUES       # several chunks per tensor
+    try:
+        for name, shape in shapes.items():
+            assert f.tensors[name].shape == shape and f.tensors[name].dtype == qtype.name
+            assert np.array_equal(_bits(f.read(name)), _bits(ref[name]))
+            for target in (np.float16, ml_dtypes.bfloat16):
+                got, want = f.read(name, raw=True, target=np.dtype(target)).astype(target), ref[name].astype(target)
+                if qtype in (Q.F32, Q.F16, Q.BF16):     # read as stored, cast by the writer: NaN payloads may differ
+                    nan = np.isnan(want)                # (a NaN weight is refused anyway)
+                    assert np.array_equal(nan, np.isnan(got)) and np.array_equal(_bits(got)[~nan], _bits(want)[~nan])
+                else:
+                    assert np.array_equal(_bits(got), _bits(want)), (name, target)
+    finally:
+        gf.CHUNK_VALUES = keep
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_flux_gguf_exports_gguf_dequantization_exactly(files, dtype):
+    """A Flux dev GGUF (every type) with a llama.cpp-named T5 GGUF: the transformer and the T5 export to
+    the same graph and weight bytes as .safetensors files holding gguf's dequantized values, each
+    weight equal to gguf's dequantization cast to the export dtype; the transformer runs the same."""
+    (paths, types, tmp) = files
+    a = _export(paths["dev"], tmp / f"dev-{dtype}", dtype, "--set", AXES, "--text-encoder", paths["t5"],
+                "--component", "transformer", "--component", "text_encoder_2")
+    b = _export(tmp / "dev-twin.safetensors", tmp / f"dev-twin-{dtype}", dtype, "--set", AXES, "--text-encoder",
+                tmp / "t5-twin.safetensors", "--component", "transformer", "--component", "text_encoder_2")
+    for comp in ("transformer", "text_encoder_2"):
+        _same_export(a, b, comp)
+    ref = reference(paths["dev"])
+    assert _check_weights(a, "transformer", ref, dtype) == len(ref)
+    t5_ref = reference(paths["t5"])
+    assert sorted(GGUFFile(paths["t5"]).keys()) == sorted(T5_HF[k] for k in t5_ref)     # read under HF names
+    assert _check_weights(a, "text_encoder_2", t5_ref, dtype, rename=T5_HF.get) == len(t5_ref)
+    report = json.loads((a / "precast_export.json").read_text())
+    want = {}
+    for t in list(types["dev"].values()) + list(types["t5"].values()):
+        want[t.name] = want.get(t.name, 0) + 1
+    assert report["source_quantization"] == dict(sorted(want.items()))
+    if dtype == "fp32":
+        feeds = _flux_feeds()
+        out_a, out_b = _run(a, "transformer", feeds), _run(b, "transformer", feeds)
+        assert np.isfinite(out_a[0]).all() and np.array_equal(out_a[0], out_b[0])
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_sdxl_unet_gguf_exports_gguf_dequantization_exactly(files, dtype):
+    """An SDXL UNet GGUF (LDM names, conv weights flattened with orig_shape, every type) exports as the
+    .safetensors file of its dequantized values does; each weight is gguf's dequantization, cast."""
+    (paths, _, tmp) = files
+    a = _export(paths["sdxl"], tmp / f"sdxl-{dtype}", dtype, "--component", "unet")
+    b = _export(tmp / "sdxl-twin.safetensors", tmp / f"sdxl-twin-{dtype}", dtype, "--component", "unet")
+    _same_export(a, b, "unet")
+    ref = reference(paths["sdxl"])
+    assert _check_weights(a, "unet", ref, dtype) == len(ref)
+    if dtype == "fp32":
+        rng = np.random.default_rng(0)
+        feeds = {"sample": rng.standard_normal((1, 4, 8, 8)).astype(np.float32), "timestep": np.array([500.0], np.float32),
+                 "encoder_hidden_states": rng.standard_normal((1, 77, 96)).astype(np.float32),
+                 "text_embeds": rng.standard_normal((1, 48)).astype(np.float32),
+                 "time_ids": np.array([[64, 64, 0, 0, 64, 64]], np.float32)}
+        out_a, out_b = _run(a, "unet", feeds), _run(b, "unet", feeds)
+        assert np.isfinite(out_a[0]).all() and np.array_equal(out_a[0], out_b[0])
+
+
+def test_detection_reads_names_and_shapes_only(files, tmp_path, monkeypatch):
+    """Flux dev / schnell, SDXL and SD1 GGUFs are detected from the header; no tensor is read. A
+    `model.diffusion_model.` prefix maps to the same canonical tensors."""
+    (paths, _, _) = files
+    monkeypatch.setattr(GGUFFile, "read", lambda *a, **k: pytest.fail("detection read a tensor"))
+    got = {name: detect_family(open_checkpoint(paths[name])) for name in ("dev", "schnell", "sdxl", "sd1")}
+    assert [(f.name, f.variant) for f in got.values()] == [("flux", "dev"), ("flux", "schnell"), ("sdxl", ""), ("sd1", "")]
+    bare = open_checkpoint(paths["schnell"])
+    assert all(k.startswith(DIT) for k in bare.refs)
+    assert bare.shape(DIT + "double_blocks.0.img_attn.qkv.weight") == (96, 32)
+    sdxl = open_checkpoint(paths["sdxl"])
+    assert sdxl.shape(UNET + "input_blocks.0.0.weight") == (64, 4, 3, 3)     # restored from orig_shape
+    prefixed = tmp_path / "prefixed.gguf"
+    write_gguf(prefixed, "flux", {DIT + k: v for k, v in _weights(flux_layout(TINY_FLUX_SCHNELL), 2).items()}, types=(Q.Q8_0,))
+    again = open_checkpoint(prefixed)
+    assert {k: r.shape for k, r in again.refs.items()} == {k: r.shape for k, r in bare.refs.items()}
+    sd3 = tmp_path / "sd3.gguf"         # SAI names (joint_blocks.*), as ComfyUI-GGUF's sd3 files
+    write_gguf(sd3, "sd3", _weights(sd3_layout(TINY_SD3), 6), types=(Q.Q8_0, Q.Q5_1))
+    assert detect_family(open_checkpoint(sd3)).name == "sd3"
+    t5 = open_checkpoint(paths["schnell"], text_encoders=[paths["t5"]])
+    assert {k[len(T5):]: r.shape for k, r in t5.refs.items() if k.startswith(T5)} == t5_layout(TINY_T5)
+
+
+def _type_field_offset(path, name: str) -> int:
+    r = gguf.GGUFReader(str(path))
+    t = next(t for t in r.tensors if t.name == name)
+    return t.field.offset + sum(int(p.nbytes) for p in t.field.parts[:4])
+
+
+@pytest.mark.parametrize("code, says", [(99, "GGML type 99"), (int(Q.Q8_1), "Q8_1, a GGUF type precast cannot dequantize")])
+def test_unknown_type_is_refused_by_name(files, tmp_path, code, says):
+    (paths, types, _) = files
+    name = next(k for k, t in types["schnell"].items() if t == Q.Q8_0)
+    bad = tmp_path / "bad.gguf"
+    data = bytearray(paths["schnell"].read_bytes())
+    struct.pack_into("<I", data, _type_field_offset(paths["schnell"], name), code)
+    bad.write_bytes(bytes(data))
+    with pytest.raises(BadInput, match=f"tensor {name} is stored as {says}"):
+        open_checkpoint(bad)
+    proc = precast("export", bad, "--out", tmp_path / "out", "--set", AXES)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and name in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("keep", [0.6, 100])
+def test_truncated_gguf_is_one_line(files, tmp_path, keep):
+    (paths, _, _) = files
+    data = paths["schnell"].read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:int(len(data) * keep) if keep < 1 else keep])
+    proc = precast("export", cut, "--out", tmp_path / "out", "--set", AXES)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "not a valid .gguf file" in lines[0] and str(cut) in lines[0], proc.stderr

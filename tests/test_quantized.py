@@ -1,0 +1,255 @@
+"""Weight-only quantized engines (target option `weights`) and memory budgets (--params-backend DEVICE:SIZE).
+
+Quantized artifacts of the tiny SD 1.5 UNet and the tiny Flux schnell transformer build, load in the
+runtime and run; their output stays within a stated error of the fp32 artifact's on fixed inputs.
+Metric: relative L2 error ||y_q - y_fp32|| / ||y_fp32|| of the denoiser's output (its noise / velocity
+prediction) on one fixed latent, timestep and text embedding. The denoiser is where weight
+quantization acts (VAEs are not quantized) and its output is what the sampler integrates each step,
+so its error bounds the image's; L2 over the whole tensor rather than the max because weight rounding
+errors are spread, zero-mean noise. The tiny models have random (untrained) weights, whose
+outlier-free Gaussian distribution makes them easier to quantize per channel but whose narrow (32-64)
+layers average rounding errors less than a real model's: thresholds are ~2x what was measured here.
+TensorRT-RTX fp8 engines build ahead of time (no GPU) for sm_89/sm_120, their headers checked; not
+run (not verified on hardware). Budgets: selection on recorded 8 GB / 12 GB NVIDIA and Iris Xe machines.
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, precast
+from precast.compiler.errors import BadInput
+from precast.compiler.targets import parse_target
+from precast.runtime.assign import assign_modules, parse_size
+from precast.runtime.devices import discover_devices
+from precast.runtime.fingerprint import Fingerprint
+from precast.runtime.manifest import Manifest
+from precast.runtime.select import _share_budgets, select_component
+from precast.runtime.sessions import open_artifact
+from precast.runtime.trt_header import read_header
+
+MACHINES = f"{ROOT}/tests/data/machines"
+GiB = 1 << 30
+# measured here (tiny random-weight models), thresholds with ~2x margin: see the module docstring
+# (reference: the fp32 ONNX Runtime artifact, so OpenVINO's own f32-vs-ONNX-Runtime difference is included;
+# OpenVINO int8 also compresses the UNet's convolutions, ONNX Runtime's MatMulNBits only MatMuls)
+MEASURED = {"sd": {"onnxruntime-int8": 0.0085, "openvino-int8": 0.033, "openvino-int4": 0.167},
+            "flux": {"onnxruntime-int8": 0.016, "openvino-int8": 0.016, "openvino-int4": 0.228}}
+THRESHOLD = {"onnxruntime-int8": 0.035, "openvino-int8": 0.07, "openvino-int4": 0.45}
+
+SD_TARGETS = ("  - onnxruntime\n  - {onnxruntime: {weights: int8}}\n  - {openvino: {device: CPU, weights: int8}}\n"
+              "  - {openvino: {device: CPU, weights: int4, group_size: 64}}\n"
+              "  - {tensorrt-rtx: {compute_capabilities: [sm_89, sm_120], weights: fp8, weight_streaming: true}}\n")
+FLUX_TARGETS = ("  - onnxruntime\n  - {onnxruntime: {weights: int8}}\n  - {openvino: {device: CPU, weights: int8}}\n"
+                "  - {openvino: {device: CPU, weights: int4}}\n")
+
+
+def _build(tmp, name, source, components, targets, extra=""):
+    recipe = tmp / f"{name}.yaml"
+    recipe.write_text(f"model: {{source: {source}}}\ncomponents: [{', '.join(components)}]\n"
+                      f"profiles: {{batch: 1, height: 64, width: 64{extra}}}\ntargets:\n{targets}")
+    precast("build", recipe, "--out", tmp / name, env={"PRECAST_CACHE": str(tmp / "cache")}, check=True)
+    return tmp / name
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("quantized")
+    return {"sd": _build(tmp, "sd", "demo:tiny-sd15", ["unet"], SD_TARGETS),
+            "flux": _build(tmp, "flux", "demo:tiny-flux-schnell", ["transformer"], FLUX_TARGETS, ", t5_tokens: 32")}
+
+
+def _kind(a: dict) -> str:
+    w = a["target"].get("weights")
+    return f"{a['backend']}-{w}" if w else f"{a['backend']}-fp32"
+
+
+def _feeds(artifact: dict, inputs: list[dict]) -> dict:
+    rng = np.random.default_rng(0)
+    out = {}
+    for i in inputs:
+        shape = artifact["shapes"][i["name"]][1]          # the profile's opt shape
+        if i["dtype"].startswith("int"):
+            out[i["name"]] = rng.integers(0, 100, shape).astype(i["dtype"])
+        elif i["name"] in ("timestep", "timesteps", "t"):
+            out[i["name"]] = np.full(shape, 0.5 if "transformer" == artifact["component"] else 500.0, np.float32)
+        else:
+            out[i["name"]] = rng.standard_normal(shape).astype(np.float32)
+    return out
+
+
+@pytest.mark.parametrize("model", ["sd", "flux"])
+def test_quantized_artifacts_run_within_error_of_fp32(bundles, model):
+    bundle = bundles[model]
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    comp = "unet" if model == "sd" else "transformer"
+    inputs = manifest["components"][comp]["inputs"]
+    arts = {_kind(a): a for a in manifest["artifacts"] if a["component"] == comp and a["backend"] != "tensorrt-rtx"}
+    assert set(arts) == {"onnxruntime-fp32", "onnxruntime-int8", "openvino-int8", "openvino-int4"}
+    feeds = _feeds(arts["onnxruntime-fp32"], inputs)
+
+    def run(a):
+        session = open_artifact(bundle, {"backend": a["backend"], "entry": a["entry"], **a["metadata"]})
+        return next(iter(session.run(feeds).values())).astype(np.float64)
+
+    ref = run(arts["onnxruntime-fp32"])
+    errors = {}
+    for kind in ("onnxruntime-int8", "openvino-int8", "openvino-int4"):
+        a = arts[kind]
+        w = a["metadata"]["weights"]                   # recorded in the manifest: format and how
+        assert w["format"] == kind.split("-")[1]
+        assert a["target"]["weights"] == w["format"]   # the option is part of the target (hence of the key)
+        out = run(a)
+        errors[kind] = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+        assert errors[kind] > 0, f"{kind}: output identical to fp32: nothing was quantized"
+    print(model, {k: round(v, 4) for k, v in errors.items()})
+    for kind, err in errors.items():
+        assert err < THRESHOLD[kind], f"{model} {kind}: relative L2 error {err:.4f} >= {THRESHOLD[kind]}"
+    ort = arts["onnxruntime-int8"]["metadata"]["weights"]
+    assert ort["op"] == "MatMulNBits" and ort["bits"] == 8 and ort["matmuls"] > 0
+    assert "i4" in json.dumps(arts["openvino-int4"]["metadata"]["weights"]["constants"])
+    # distinct cache keys: same component and backend, different weights
+    keys = {a["id"].rsplit("/", 1)[1] for a in arts.values()}
+    assert len(keys) == 4
+
+
+def test_tensorrt_rtx_fp8_engine_builds_for_ada_and_blackwell(bundles):
+    manifest = json.loads((bundles["sd"] / "manifest.json").read_text())
+    (a,) = [a for a in manifest["artifacts"] if a["backend"] == "tensorrt-rtx"]
+    assert a["metadata"]["weights"]["format"] == "fp8_e4m3" and a["metadata"]["weights"]["matmuls"] > 0
+    with open(bundles["sd"] / a["entry"], "rb") as f:
+        header = read_header(f.read(64))
+    assert header.compute_capabilities == ("sm_89", "sm_120")
+    assert header.size == os.path.getsize(bundles["sd"] / a["entry"])
+
+
+@pytest.mark.parametrize("target,options,words", [
+    ("tensorrt-rtx:sm_86", {"weights": "fp8"}, ["FP8 tensor cores", "sm_86", "weights=int8"]),
+    ("tensorrt-rtx:sm_86,sm_89", {"weights": "fp8"}, ["sm_86 has none", "tensorrt-rtx:sm_89"]),
+    ("tensorrt-rtx", {"weights": "fp8"}, ["sm_80, sm_86 has none"]),     # the default set includes Ampere
+    ("tensorrt-rtx:sm_89", {"weights": "int4"}, ["tensorrt-rtx takes fp8, int8"]),
+    ("openvino", {"weights": "fp8"}, ["openvino takes int8, int4", "TensorRT-RTX format"]),
+    ("onnxruntime", {"weights": "fp8"}, ["onnxruntime takes int8, int4"]),
+    ("openvino", {"weights": "int8", "group_size": 64}, ["group_size applies to weights=int4"]),
+    ("onnxruntime", {"block_size": 32}, ["block_size applies to quantized weights only"]),
+    ("openvino", {"weights": "int2"}, ["weights='int2'", "expected a weight format"]),
+])
+def test_bad_combinations_are_refused_in_one_line(target, options, words):
+    with pytest.raises(BadInput) as e:
+        parse_target(target, options)
+    assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_fp8_for_ampere_is_refused_when_the_recipe_is_read(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {source: demo:tiny-sd15}\ncomponents: [unet]\n"
+                      "targets:\n  - {tensorrt-rtx: {compute_capabilities: [sm_86], weights: fp8}}\n")
+    proc = precast("plan", recipe)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{recipe}:4: targets[0]" in proc.stderr and "FP8 tensor cores" in proc.stderr
+
+
+# --- memory budgets ---------------------------------------------------------------------------
+
+def test_budget_grammar():
+    devices = discover_devices(f"{MACHINES}/rtx4060-desktop", {})
+    assert parse_size("8G") == parse_size("8GiB") == 8 * GiB and parse_size("512m") == 512 << 20
+    p = assign_modules(devices, None, "te=cpu,cuda0:6G,cpu:16G")
+    assert dict(p["diffusion"].budgets) == {"cuda0": 6 * GiB, "cpu": 16 * GiB}
+    assert p["te"].params.id == "cpu" and not p["diffusion"].offload
+
+
+def _manifest(tmp_path, sizes: dict, streaming: bool, backend="tensorrt-rtx", arch="sm_89"):
+    """A bundle manifest with Flux-sized files (sizes only; verify off) for the selection to hold
+    against budgets: component -> engine bytes; the ONNX fallback as large as the engine."""
+    fp = (Fingerprint("tensorrt-rtx", "1.7.1.116", "nvidia", "gpu", (arch,), "525.60") if backend == "tensorrt-rtx"
+          else Fingerprint("openvino", "2026.4.1-22982", "intel", "gpu", ("xe-lp",)))
+    data = {"components": {}, "files": {}, "artifacts": []}
+    for comp, size in sizes.items():
+        data["components"][comp] = {"onnx": f"onnx/{comp}/model.onnx", "files": [f"onnx/{comp}/model.onnx"],
+                                    "inputs": [], "outputs": []}
+        data["files"][f"onnx/{comp}/model.onnx"] = {"size": size, "sha256": "0" * 64}
+        data["files"][f"artifacts/{comp}/e"] = {"size": size, "sha256": "0" * 64}
+        data["artifacts"].append({"id": f"{comp}.{backend}/k", "component": comp, "backend": backend,
+                                  "fingerprint": fp.to_string(), "entry": f"artifacts/{comp}/e",
+                                  "files": [f"artifacts/{comp}/e"], "shapes": {},
+                                  "metadata": {"weight_streaming": streaming}})
+    return Manifest(tmp_path, data)
+
+
+INSTALLED = {"tensorrt-rtx": "1.7.1.116", "onnxruntime": "1.32.0", "openvino": "2026.4.1-22982"}
+FLUX_FP8 = {"transformer": int(11.9e9), "text_encoder_2": int(4.9e9), "vae_decoder": int(0.16e9)}
+
+
+def _select(tmp_path, machine, sizes, streaming, params=None, **kw):
+    devices = discover_devices(f"{MACHINES}/{machine}", {})
+    m = _manifest(tmp_path, sizes, streaming, **kw)
+    placements = assign_modules(devices, None, params)
+    from precast.runtime.assign import module_of
+    sels = {c: select_component(m, c, placements[module_of(c)], devices, {}, INSTALLED, False) for c in sizes}
+    _share_budgets(sels, placements, devices)
+    return sels
+
+
+def test_8gb_card_streams_the_flux_fp8_transformer(tmp_path):
+    sels = _select(tmp_path, "rtx4060-desktop", FLUX_FP8, streaming=True)
+    t = sels["transformer"].choice
+    assert t.device.id == "cuda0" and t.memory["plan"] == "stream" and t.memory["budget"] == 8 * GiB
+    assert t.memory["budget_from"] == "device memory" and t.weight_budget == 8 * GiB
+    assert "streams 3.08 GiB of 11.08 GiB weights from host memory" in t.note
+
+
+def test_8gb_card_without_weight_streaming_offloads_to_the_cpu(tmp_path):
+    sels = _select(tmp_path, "rtx4060-desktop", FLUX_FP8, streaming=False)
+    t = sels["transformer"]
+    assert t.choice.device.id == "cpu" and t.choice.artifact is None          # the bundle's ONNX on the CPU
+    (why,) = [r for r in t.refused if r["backend"] == "tensorrt-rtx"]
+    assert "weights 11.08 GiB exceed cuda0's budget 8.00 GiB (device memory)" in why["reason"]
+    assert "not built with weight_streaming" in why["reason"]
+    # the T5 (4.6 GiB) and the VAE fit the 8 GB card together: resident
+    assert sels["text_encoder_2"].choice.device.id == "cuda0"
+
+
+def test_12gb_card_loads_components_one_at_a_time(tmp_path):
+    sels = _select(tmp_path, "rtx4070-desktop", FLUX_FP8, streaming=True)
+    plans = {c: s.choice.memory["plan"] for c, s in sels.items()}
+    assert plans == {"transformer": "one-at-a-time", "text_encoder_2": "one-at-a-time", "vae_decoder": "one-at-a-time"}
+    assert "loaded one at a time: 3 components need 15.80 GiB together, cuda0's budget is 12.00 GiB" \
+        in sels["transformer"].choice.note
+
+
+def test_user_budget_overrides_the_card(tmp_path):
+    sels = _select(tmp_path, "rtx4070-desktop", FLUX_FP8, streaming=True, params="cuda0:6G")
+    t = sels["transformer"].choice
+    assert t.memory["plan"] == "stream" and t.weight_budget == 6 * GiB
+    assert t.memory["budget_from"] == "--params-backend budget"
+
+
+def test_igpu_shares_half_the_host_memory(tmp_path):
+    """Iris Xe on a 16 GB laptop: OpenVINO has no weight streaming; an int8 Flux transformer (11.9 GB)
+    exceeds the ~7.5 GiB the iGPU may take and runs on the CPU; an int4 one (6.7 GB) fits."""
+    int8 = _select(tmp_path, "iris-xe-laptop", {"transformer": int(11.9e9)}, False, backend="openvino")
+    t = int8["transformer"]
+    assert t.choice.device.id == "cpu"
+    (why,) = [r for r in t.refused if r["device"] == "xpu0"]
+    assert "(half of the host memory it shares)" in why["reason"] and "openvino cannot stream weights" in why["reason"]
+    int4 = _select(tmp_path, "iris-xe-laptop", {"transformer": int(6.7e9)}, False, backend="openvino")
+    assert int4["transformer"].choice.device.id == "xpu0" and int4["transformer"].choice.memory["plan"] == "resident"
+
+
+def test_doctor_json_says_what_streams(bundles):
+    """The tiny SD bundle's fp8 engine (sm_89, weight streaming) on the recorded 8 GB RTX 4060, under a
+    1 MiB budget: doctor --json names the plan, the budget and what streams."""
+    proc = precast("doctor", bundles["sd"], "--json", "--sysroot", f"{MACHINES}/rtx4060-desktop",
+                   "--params-backend", "cuda0:1M")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    unet = report["components"]["unet"]
+    assert unet["device"] == "cuda0" and unet["backend"] == "tensorrt-rtx"
+    assert unet["memory"]["plan"] == "stream" and unet["memory"]["budget"] == 1 << 20
+    assert "from host memory" in unet["note"]
+    assert report["assignment"]["diffusion"]["budgets"] == {"cuda0": 1 << 20}
+    plain = json.loads(precast("doctor", bundles["sd"], "--json", "--sysroot", f"{MACHINES}/rtx4060-desktop").stdout)
+    memory = plain["components"]["unet"]["memory"]
+    assert (memory["plan"], memory["budget"], memory["budget_from"]) == ("resident", 8 * GiB, "device memory")
