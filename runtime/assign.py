@@ -46,16 +46,19 @@ COMPONENT_MODULE = {"unet": "diffusion", "transformer": "diffusion", "text_encod
                     "controlnet": "controlnet"}
 # vendor names -> the vendor's first GPU
 VENDOR_NAMES = {"cuda": "nvidia", "nvidia": "nvidia", "rocm": "amd", "amd": "amd", "hip": "amd",
-                "xpu": "intel", "intel": "intel", "sycl": "intel"}
+                "xpu": "intel", "intel": "intel", "sycl": "intel", "mps": "apple", "apple": "apple", "metal": "apple"}
 # backend names (normalised: lower case, no '-'/'_') -> the backend
 BACKEND_NAMES = {"openvino": "openvino", "ov": "openvino", "onnxruntime": "onnxruntime", "ort": "onnxruntime",
                  "tensorrtrtx": "tensorrt-rtx", "tensorrt": "tensorrt-rtx", "trt": "tensorrt-rtx",
-                 "trtrtx": "tensorrt-rtx", "migraphx": "migraphx"}
+                 "trtrtx": "tensorrt-rtx", "migraphx": "migraphx", "directml": "onnxruntime-directml",
+                 "dml": "onnxruntime-directml", "onnxruntimedirectml": "onnxruntime-directml",
+                 "coreml": "onnxruntime-coreml", "onnxruntimecoreml": "onnxruntime-coreml"}
 # backend -> the device vendors it runs on here, in preference order ("cpu": the CPU)
 BACKEND_RUNS_ON = {"openvino": ("intel", "cpu"), "onnxruntime": ("cpu",), "tensorrt-rtx": ("nvidia",),
-                   "migraphx": ("amd",)}
-VENDOR_WORDS = {"nvidia": "an NVIDIA GPU", "amd": "an AMD GPU", "intel": "an Intel GPU", "cpu": "the CPU"}
-_ID = re.compile(r"(cuda|rocm|xpu)([0-9]{1,6})")
+                   "migraphx": ("amd",), "onnxruntime-directml": ("nvidia", "amd", "intel"),
+                   "onnxruntime-coreml": ("apple",)}
+VENDOR_WORDS = {"apple": "an Apple GPU", "nvidia": "an NVIDIA GPU", "amd": "an AMD GPU", "intel": "an Intel GPU", "cpu": "the CPU"}
+_ID = re.compile(r"(cuda|rocm|xpu|mps)([0-9]{1,6})")
 
 
 def _norm(s: str) -> str:
@@ -154,6 +157,8 @@ def _find_device(name: str, devices: list[Device]) -> Device:
 
 
 def _runs_on(backend: str, device: Device) -> bool:
+    if backend in ("onnxruntime-directml", "onnxruntime-coreml") and backend not in device.backends:
+        return False     # DirectML: Windows GPUs only (Device.backends says); Core ML: macOS
     return (device.vendor if device.kind != "cpu" else "cpu") in BACKEND_RUNS_ON[backend]
 
 
@@ -174,7 +179,7 @@ def resolve(value: str, devices: list[Device], strict: bool = False) -> tuple[De
             return dev, backend, ""
         for vendor in BACKEND_RUNS_ON[backend]:      # a backend alone: its first device here
             for d in devices:
-                if (d.vendor if d.kind != "cpu" else "cpu") == vendor:
+                if (d.vendor if d.kind != "cpu" else "cpu") == vendor and _runs_on(backend, d):
                     return d, backend, ""
         raise _Absent(f"{backend} runs on "
                       + " or ".join(VENDOR_WORDS[v] for v in BACKEND_RUNS_ON[backend])

@@ -9,6 +9,12 @@ driver floor), its stable string form, and one compatibility rule per backend:
 - openvino: one device type, CPU ISA level / GPU architecture, and the same OpenVINO version;
 - onnxruntime: plain ONNX (arch `any`) serves any CPU with ONNX Runtime; a graph ONNX Runtime
   optimized ahead of time serves one CPU ISA level with the same ONNX Runtime release.
+- onnxruntime-directml (Windows, any vendor): the ONNX prepared for the DirectML EP, arch the lowest
+  Direct3D 12 feature level it needs (`fl11_0`: DirectML's own floor; `any` the same), vendor `any` or
+  one vendor; a driver floor only with one vendor (Windows driver versions are per vendor); any
+  onnxruntime-directml release (the graph holds only standard ONNX ops);
+- onnxruntime-coreml (macOS): the ONNX through the CoreML EP, compiled on the device and cached by
+  it; vendor apple, arch `any` or the chips listed, driver floor = the macOS version.
 
 The runtime matches against these, so this module imports nothing beyond the standard library.
 """
@@ -74,6 +80,8 @@ def why_not_serves(artifact: Fingerprint, device: Fingerprint) -> str | None:
             return f"optimized by onnxruntime {a.backend_version}, installed is {d.backend_version or 'none'}"
         arch = d.arch[0] if d.arch else "?"
         return None if a.arch == (arch,) else f"graph optimized for {','.join(a.arch)} CPUs; this CPU is {arch}"
+    if a.backend in ("onnxruntime-directml", "onnxruntime-coreml"):
+        return _why_not_ort_ep(a, d)
     if a.device_type != d.device_type:
         return f"built for a {a.device_type}, device is a {d.device_type}"
     if a.backend_version != d.backend_version:
@@ -90,3 +98,31 @@ def why_not_serves(artifact: Fingerprint, device: Fingerprint) -> str | None:
     if a.backend == "openvino":
         return None if a.arch == (arch,) else f"blob compiled for {','.join(a.arch)}; device is {arch}"
     return f"unknown backend {a.backend}"
+
+
+def _feature_level(arch: str) -> tuple[int, ...]:
+    """'fl12_1' -> (12, 1); () when it is none."""
+    return _version_tuple(arch.removeprefix("fl").replace("_", ".")) if arch.startswith("fl") else ()
+
+
+def _why_not_ort_ep(a: Fingerprint, d: Fingerprint) -> str | None:
+    if d.device_type != "gpu":
+        return f"{a.backend} artifacts run on a GPU, not {d.device_type}"
+    if a.vendor not in ("any", d.vendor):
+        return f"built for {a.vendor} GPUs; device is {d.vendor}"
+    arch = d.arch[0] if d.arch else ""
+    if a.backend == "onnxruntime-directml":
+        floors = [_feature_level(x) for x in a.arch if x != "any"]
+        have = _feature_level(arch)
+        if floors and (not have or have < min(floors)):
+            need = min((x for x in a.arch if x != "any"), key=_feature_level)
+            return f"needs Direct3D 12 feature level {need[2:].replace('_', '.')}; device has " + (
+                arch[2:].replace("_", ".") if have else "no Direct3D 12")
+        if a.driver and a.vendor != "any" and not version_at_least(d.driver, a.driver):
+            return f"needs {a.vendor} driver >= {a.driver}; device has {d.driver or 'none'}"
+        return None
+    if a.arch not in ((), ("any",)) and arch not in a.arch:
+        return f"Core ML artifact for {', '.join(a.arch)}; device is {arch or '?'}"
+    if not version_at_least(d.driver, a.driver):
+        return f"needs macOS >= {a.driver}; device has {d.driver or 'unknown'}"
+    return None

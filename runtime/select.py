@@ -29,7 +29,9 @@ from .verified import verify_mode
 BACKENDS_FOR = {"nvidia": ("tensorrt-rtx",), "amd": ("migraphx",), "intel": ("openvino",),
                 "cpu": ("openvino", "onnxruntime")}
 DISTRIBUTIONS = {"tensorrt-rtx": ("tensorrt_rtx", "tensorrt-rtx"), "onnxruntime": ("onnxruntime",),
-                 "openvino": ("openvino",)}
+                 "openvino": ("openvino",), "onnxruntime-directml": ("onnxruntime-directml",)}
+# the bundle's ONNX runs on the device itself through these (the EP compiles it at load time)
+ONNX_ON_DEVICE = ("onnxruntime-directml", "onnxruntime-coreml")
 
 
 def installed_backends() -> dict[str, str]:
@@ -51,12 +53,18 @@ def installed_backends() -> dict[str, str]:
             del out["openvino"]
     if importlib.util.find_spec("migraphx") is not None:
         out["migraphx"] = "unknown"
+    import platform
+    if platform.system() == "Darwin" and "onnxruntime" in out:   # macOS wheels carry the CoreML EP
+        out["onnxruntime-coreml"] = out["onnxruntime"]
+    if platform.system() != "Windows":           # onnxruntime-directml is a Windows-only wheel
+        out.pop("onnxruntime-directml", None)
     return out
 
 
 def device_fingerprint(device: Device, backend: str, version: str) -> Fingerprint:
+    arch = f"fl{device.dx12}" if backend == "onnxruntime-directml" else device.arch
     return Fingerprint(backend, version, device.vendor, "cpu" if device.kind == "cpu" else "gpu",
-                       (device.arch,), device.driver)
+                       (arch,), device.driver)
 
 
 def covers(artifact: Artifact, request: dict[str, tuple[int, ...]]) -> str | None:
@@ -237,8 +245,16 @@ def select_component(manifest: Manifest, component: str, placement: Placement, d
         how = "install ROCm, which ships it" if pin == "migraphx" else f"pip install 'precast[{pin}]'"
         sel.refused.append(passed(f"{pin} is not installed ({how})", None, pin, placement.device.id))
     for dev in order:
-        for backend in BACKENDS_FOR[dev.vendor if dev.kind != "cpu" else "cpu"]:
+        for backend in (dev.backends or BACKENDS_FOR.get(dev.vendor if dev.kind != "cpu" else "cpu", ())):
             mine = [a for a in artifacts if a.backend == backend]
+            onnx_here = (backend in ONNX_ON_DEVICE and backend in installed and component in manifest.components
+                         and (pin == backend or not any(a.backend == backend for a in artifacts)))
+            if onnx_here and not mine:   # no prepared artifact: the bundle's ONNX through the EP on this GPU
+                comp = manifest.components[component]
+                sel.viable.append(Candidate(component, dev, backend, None, manifest.root / comp["onnx"],
+                                            f"the bundle's ONNX through {backend} (compiled by the EP at load time)",
+                                            tuple((manifest, rel) for rel in comp["files"]) if verify else ()))
+                continue
             if not mine:
                 continue
             examined.update(a.id for a in mine)
@@ -331,6 +347,8 @@ def open_candidate(c: Candidate, output_names: list[str], offload: bool = False)
     from . import sessions
     from .cpu import default_precision
     if c.artifact is None:
+        if c.backend in ONNX_ON_DEVICE:
+            return sessions.OnnxRuntimeSession(c.entry, provider=c.backend, device_index=max(c.device.adapter, 0))
         if c.backend == "openvino":
             config = {"PERFORMANCE_HINT": "LATENCY",
                       "INFERENCE_PRECISION_HINT": default_precision("CPU", c.device.arch, c.component)}
@@ -338,6 +356,8 @@ def open_candidate(c: Candidate, output_names: list[str], offload: bool = False)
         return sessions.OnnxRuntimeSession(c.entry)
     meta = {"backend": c.backend, "entry": c.artifact.entry, **c.artifact.metadata}
     index = int("".join(ch for ch in c.device.id if ch.isdigit()) or 0)
+    if c.backend == "onnxruntime-directml" and c.device.adapter >= 0:
+        index = c.device.adapter      # DirectML's device_id is the DXGI adapter index
     budget = 0 if offload and c.artifact.metadata.get("weight_streaming") else c.weight_budget
     device = "CPU" if c.device.kind == "cpu" else f"GPU.{index}"
     return sessions.open_artifact(_bundle_root(c), meta,

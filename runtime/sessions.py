@@ -24,14 +24,34 @@ class Session(Protocol):
 
 
 class OnnxRuntimeSession:
-    def __init__(self, model_path: Path, threads: int | None = None, optimized: bool = False):
+    EPS = {"onnxruntime-directml": "DmlExecutionProvider", "onnxruntime-coreml": "CoreMLExecutionProvider"}
+
+    def __init__(self, model_path: Path, threads: int | None = None, optimized: bool = False,
+                 provider: str = "onnxruntime", device_index: int = 0, cache_dir: str | None = None):
+        """`provider` onnxruntime-directml: the DirectML EP on DXGI adapter `device_index` (Windows,
+        onnxruntime-directml wheel; its documented settings: memory pattern off, sequential execution);
+        onnxruntime-coreml: the CoreML EP (macOS), ML Program format on all compute units, its compiled
+        model cached in `cache_dir`. Both written against ONNX Runtime's documented API; not run here."""
         import onnxruntime as ort
         opts = ort.SessionOptions()
+        providers: list = ["CPUExecutionProvider"]
+        if provider == "onnxruntime-directml":
+            opts.enable_mem_pattern = False
+            opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+            providers = [("DmlExecutionProvider", {"device_id": device_index}), "CPUExecutionProvider"]
+        elif provider == "onnxruntime-coreml":
+            options = {"ModelFormat": "MLProgram", "MLComputeUnits": "ALL"}
+            if cache_dir:
+                options["ModelCacheDirectory"] = cache_dir
+            providers = [("CoreMLExecutionProvider", options), "CPUExecutionProvider"]
+        if provider in self.EPS and self.EPS[provider] not in ort.get_available_providers():
+            raise RuntimeError(f"{self.EPS[provider]} is not in this onnxruntime build "
+                               f"({', '.join(ort.get_available_providers())})")
         if optimized:   # optimized when it was built: opening it skips ONNX Runtime's graph passes
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         if threads:
             opts.intra_op_num_threads = threads
-        self._s = ort.InferenceSession(str(model_path), opts, providers=["CPUExecutionProvider"])
+        self._s = ort.InferenceSession(str(model_path), opts, providers=providers)
         # inputs with a default (the export's token_embeddings_extra) are inputs to precast too
         ins = [*self._s.get_inputs(), *self._s.get_overridable_initializers()]
         self.input_names = [i.name for i in ins]
@@ -251,6 +271,8 @@ def open_artifact(folder: str | Path, metadata: dict, device: str | None = None,
     entry = folder / metadata["entry"]
     if backend == "onnxruntime":
         return OnnxRuntimeSession(entry, optimized=metadata.get("optimized") == "all")
+    if backend == "onnxruntime-directml":
+        return OnnxRuntimeSession(entry, provider=backend, device_index=device_index)
     if backend == "openvino":
         return OpenVinoSession(entry, device or metadata.get("device", "CPU"), metadata.get("compile_config", {}))
     if backend == "tensorrt-rtx":

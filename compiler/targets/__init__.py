@@ -10,15 +10,17 @@ from __future__ import annotations
 
 from ..errors import BadInput
 from .base import POSITIONAL, BuildJob, Target, TargetSpec
+from .directml import DirectMLTarget
 from .migraphx import MigraphxTarget
 from .onnxruntime import OnnxRuntimeTarget
 from .openvino import OpenVinoTarget
 from .tensorrt_rtx import TensorRtRtxTarget, normalize_ccs
 
 TARGETS: dict[str, Target] = {t.name: t for t in (OnnxRuntimeTarget(), OpenVinoTarget(), TensorRtRtxTarget(),
-                                                   MigraphxTarget())}
+                                                   MigraphxTarget(), DirectMLTarget())}
 ALIASES = {"ort": "onnxruntime", "ov": "openvino", "trt": "tensorrt-rtx", "tensorrt": "tensorrt-rtx",
-           "trt-rtx": "tensorrt-rtx", "mx": "migraphx"}
+           "trt-rtx": "tensorrt-rtx", "mx": "migraphx", "directml": "onnxruntime-directml",
+           "dml": "onnxruntime-directml"}
 
 
 BOOL = (True, False)
@@ -31,6 +33,7 @@ OPTIONS: dict[str, dict[str, tuple]] = {   # option -> allowed values (empty: fr
     "tensorrt-rtx": {"compute_capabilities": (), "weight_streaming": BOOL, "refittable": BOOL, "strip_weights": BOOL,
                      "weights": ()},
     "migraphx": {"gfx": (), "fp16": BOOL, "fast_math": BOOL},
+    "onnxruntime-directml": {},
 }
 
 _text = lambda v: isinstance(v, str) and bool(v)  # noqa: E731

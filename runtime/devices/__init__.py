@@ -12,6 +12,10 @@ Sources, all read under `root`:
 - AMD: the KFD topology /sys/class/kfd/kfd/topology/nodes/*, matched to PCI devices.
 - Intel GPU: OpenVINO GPU properties (optional, real machine only), else /sys/class/drm/card* + an id table.
 
+Windows and macOS (runtime/devices/windows.py, macos.py): DXGI adapters (+ NVML, OpenVINO) and the
+OS's CPU feature bits; sysctl + system_profiler. A recorded tree holding windows/dxgi.json or
+macos/sysctl.txt is read as that OS; the real machine is probed per platform.system().
+
 The runtime stays thin: this module imports the standard library only; pynvml and openvino are imported
 inside the probes, only when asked for and only when `root` is the real machine's "/" (a recorded tree
 describes another machine). Discovery never raises: whatever is missing or unreadable is skipped, and
@@ -89,6 +93,14 @@ def discover_devices(root: str = "/", env: Mapping[str, str] | None = None, prob
     """
     env = os.environ if env is None else env
     real = os.path.realpath(root or ".") == "/"
+    system = platform.system() if real else ""
+    try:
+        other = _other_os(root, real, system, probe_nvml, probe_openvino)
+    except Exception:
+        other = None
+    if other is not None:
+        gpus, cpu = other
+        return rank_devices(_assign_ids(gpus) + [cpu])
     try:
         pcis = _scan_pci(root)
     except Exception:
@@ -106,6 +118,31 @@ def discover_devices(root: str = "/", env: Mapping[str, str] | None = None, prob
     except Exception:
         cpu = Device("cpu", "CPU", "cpu", "cpu", "", 0, "", "", BACKENDS["cpu"])
     return rank_devices(_assign_ids(gpus) + [cpu])
+
+
+def _other_os(root: str, real: bool, system: str, probe_nvml: bool, probe_openvino: bool):
+    """(gpus, cpu) for Windows / macOS (recorded or real), None for Linux."""
+    from . import macos, windows
+    if real and system == "Windows":
+        answers = (windows.dxgi_adapters(), windows.windows_system())
+    else:
+        answers = None if real else windows.recorded(root)
+    if answers is not None:
+        gpus = windows.devices_from_dxgi(answers[0])
+        if real and probe_nvml:
+            from .nvidia import _nvml_devices
+            gpus = windows.merge_nvml(gpus, _guard(_nvml_devices, None))
+        if real and probe_openvino:
+            from .intel import _openvino_gpus
+            gpus = windows.merge_openvino(gpus, _guard(_openvino_gpus, None))
+        return gpus, windows.cpu_from_system(answers[1])
+    if real and system == "Darwin":
+        mac = macos.macos_answers()
+    else:
+        mac = None if real else macos.recorded(root)
+    if mac is not None:
+        return macos.devices_from_macos(*mac)
+    return None
 
 
 def apply_device_override(devices: list[Device], env: Mapping[str, str] | None = None
