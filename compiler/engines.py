@@ -45,6 +45,9 @@ def read_export(folder: str | Path) -> dict[str, ExportedComponent]:
     if not folder.exists():
         raise BadInput(f"{folder}: no such folder; give the --out folder of `precast export`")
     if not index.is_file():
+        from .foreign_onnx import is_foreign_folder, read_foreign
+        if is_foreign_folder(folder):   # optimum-cli export onnx / diffusers ONNX pipeline folder
+            return read_foreign(folder)[0]
         raise BadInput(f"{folder}: not a precast export folder (no precast_export.json); run `precast export` first")
     try:
         report = json.loads(index.read_text())
@@ -125,7 +128,11 @@ def check_exported_graph(comp: ExportedComponent) -> None:
 def artifact_key(comp: ExportedComponent, spec: TargetSpec, shapes: dict, toolchain: dict, fingerprint: str,
                  memo_dir: Path | None = None) -> str:
     data = comp.onnx_path.with_name(comp.onnx_path.name + "_data")
+    # weights in files of other names (a foreign export's per-tensor files): their digests too
+    extra = sorted(n for n in (comp.sizes or {}) if n not in (comp.onnx_path.name, data.name))
     return cache_key({
+        **({"extra_weights_sha256": {n: input_digest(comp.onnx_path.parent / n, memo_dir) for n in extra}}
+           if extra else {}),
         "graph_sha256": input_digest(comp.onnx_path, memo_dir),
         "weights_sha256": input_digest(data, memo_dir) if data.exists() else "",
         "component": comp.name,

@@ -317,6 +317,11 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
             raise doc.error("model.source", f"{resolved} does not exist")
         if check_files and not (resolved.is_file() or resolved.is_dir()):
             raise doc.error("model.source", f"{resolved} is not a file or folder")
+        from .foreign_onnx import is_foreign_folder
+        if check_files and is_foreign_folder(resolved):
+            raise doc.error("model.source", f"{resolved} is an ONNX pipeline folder (optimum / diffusers), not a "
+                            f"checkpoint: `precast build` reads checkpoints; build its engines with "
+                            f"`precast compile {resolved} --target ...`")
         source = str(resolved)
     family = model.get("family")
     if family is not None and (not isinstance(family, str) or family not in DEFAULT_COMPONENTS):
