@@ -125,6 +125,7 @@ class ControlNets:
         """The summed residuals for step i (batch = the CFG batch [uncond, cond]); zeros where no net runs."""
         b, _, h, w = sample.shape
         total = zero_residuals(unet_inputs, b, h, w)
+        names = list(total)                       # the UNet's residual inputs, down 0..N-1 then mid
         for c, image in zip(self.controls, self.images):
             if i / steps < c.start or (i + 1) / steps > c.end:
                 continue
@@ -134,7 +135,6 @@ class ControlNets:
             feeds = {"sample": sample, "timestep": timestep, "encoder_hidden_states": context,
                      "controlnet_cond": np.repeat(image, b, axis=0), **extra}
             out = self.model.component(c.component).session.run(feeds)
-            names = residual_names(unet_inputs)
             scales = (np.logspace(-1, 0, len(names), dtype=np.float32) * np.float32(c.scale) if self.guess_mode
                       else np.full(len(names), c.scale, np.float32))
             for name, s in zip(names, scales):
