@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..runtime.fileops import FileBusy, rename_dir
 from ..runtime.manifest import MANIFEST, SCHEMA, file_record, read_manifest, sha256_file, verify_bundle
 from .bundle_archive import MANIFEST_LIMIT, check_out
 from .bundle_records import changed_since, record_written, snapshot
@@ -208,17 +209,31 @@ def commit_bundle(staging: Path, out: Path) -> None:
             raise
         _note_replaced(out, staging)
         old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.rename(out, old)
-        os.rename(staging, out)
-        shutil.rmtree(old)
+        _move(out, old, out)
+        try:
+            _move(staging, out, out)
+        except BaseException:
+            rename_dir(old, out)          # the earlier bundle goes back where it was
+            raise
+        shutil.rmtree(old, ignore_errors=True)   # a file still held open (Windows) leaves the rest; gone next time
     else:
-        os.rename(staging, out)
+        _move(staging, out, out)
+
+
+def _move(src: Path, dst: Path, out: Path) -> None:
+    """rename_dir, with Windows' refusal while a file inside is held open said in one line."""
+    try:
+        rename_dir(src, dst)
+    except FileBusy:
+        raise BadInput(f"--out {out}: a file in it is held open by another process (a running precast generate, "
+                       "an editor, an antivirus scan?), so Windows will not move it; close that and build again") from None
 
 
 def _artifact_metadata(meta: dict) -> dict:
     keep = ("compile_config", "device", "precision", "static", "compute_capabilities", "header", "weight_streaming",
             "refittable", "simplified", "gfx", "input_dims", "fp16", "rewrites",
-            "weights")   # weight-only quantization: format and how (compiler/targets/quantize.py)
+            "weights",   # weight-only quantization: format and how (compiler/targets/quantize.py)
+            "store")     # OpenVINO: "ir" when the artifact is model.xml/.bin rather than a blob
     return {k: meta[k] for k in keep if k in meta}
 
 

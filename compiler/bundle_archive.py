@@ -3,10 +3,12 @@
 Owns: deterministic tar archives (sorted names, zero mtimes and owners; gzip, or zstd when the
 `zstandard` package is installed; --out must end in one of SUFFIXES and lie outside the bundle) and
 unpacking that checks every member before writing anything: a first pass reads the headers and the
-manifest (absolute paths, `..`, links, devices, sparse files, duplicates, members the manifest does
+manifest (absolute paths, `..`, links, devices, sparse files, duplicates, names Windows or macOS
+cannot hold -- device names such as CON, names differing only in case --, members the manifest does
 not list or lists with another size are refused, each as soon as both its header and the manifest
 have been read, before its data is); the second pass writes each file, never more bytes than its
-record says, checking its sha256 as it goes, into a staging folder renamed into place at the end,
+record says, checking its sha256 as it goes, into a staging folder renamed into place at the end (runtime/fileops.py: onto an empty --out, retried
+while Windows holds a file open; paths over Windows' MAX_PATH refused up front where long paths are off),
 with a record of each file it hashed (runtime/verified.py), so the first open hashes nothing again.
 Archives are read through tar_reader.py (bounded headers, member types). Also `check_out`, the
 --out checks the bundle commands share.
@@ -23,6 +25,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
+from ..runtime.fileops import case_collision, long_path_problem, rename_dir, replace_file, windows_name_problem
 from ..runtime.manifest import MANIFEST, PIECE, check_manifest, read_manifest, verify_bundle
 from ..runtime.verified import RACY_COARSE_NS, RACY_NS, VerifiedFiles, file_state
 from .errors import BadInput
@@ -90,7 +93,7 @@ def pack_bundle(bundle: str | Path, out: str | Path) -> dict:
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
         _write_archive(bundle, names, kind, tmp)
-        os.replace(tmp, out)
+        replace_file(tmp, out)            # an earlier archive held open (Windows): retried, then said
     except OSError as e:
         raise BadInput(f"--out {out}: cannot write it ({e.strerror or e})") from None
     finally:
@@ -130,11 +133,12 @@ def _write_archive(bundle: Path, names: list[str], kind: str, tmp: Path) -> None
 def _scan(archive: Path) -> tuple[bytes, dict, dict[str, tarfile.TarInfo]]:
     """First pass, writing nothing: every header checked, and against the manifest as soon as both
     have been read, before tarfile reads on; (manifest bytes, its files, name -> header)."""
-    members, raw, listing = {}, None, None
+    members, raw, listing, folded = {}, None, None, {}
     try:
         with open_archive(archive) as tar:
             for m in tar:
                 _check_header(archive, m, members, listing)
+                _check_portable(archive, m, folded)
                 members[m.name] = m
                 if m.name == MANIFEST:
                     raw = tar.extractfile(m).read()
@@ -167,6 +171,17 @@ def _check_header(archive: Path, m: tarfile.TarInfo, members: dict, listing) -> 
         raise BadInput(f"{archive}: refused, member {m.name!r} is {why}; nothing was written")
     if listing is not None:
         _check_listed(archive, m, listing)
+
+
+def _check_portable(archive: Path, m: tarfile.TarInfo, folded: dict[str, str]) -> None:
+    """A member must unpack to its own file on Windows and macOS too: no device name (CON, nul.txt), no
+    character Windows refuses, no name (or folder) that differs from another only in case."""
+    why = windows_name_problem(m.name)
+    other = None if why else case_collision(m.name.rstrip("/"), folded)
+    if other is not None:
+        why = f"differs only in case from {other!r} (Windows and macOS would keep one file for both)"
+    if why:
+        raise BadInput(f"{archive}: refused, member {m.name!r}: {why}; nothing was written")
 
 
 def _listing(archive: Path, raw: bytes) -> tuple[dict, list[str]] | BadInput:
@@ -287,6 +302,10 @@ def unpack_bundle(archive: str | Path, out: str | Path) -> dict:
         raise BadInput(f"--out {out}: the bundle needs {need / 1e9:.2f} GB, {free / 1e9:.2f} GB are free there; "
                        "nothing was written")
     staging = out.parent / f".{out.name}.unpacking-{os.getpid()}"
+    too_long = long_path_problem([staging / rel for rel in files] + [out / rel for rel in files])
+    if too_long:
+        raise BadInput(f"--out {out}: {too_long}; unpack into a shorter folder (e.g. C:\\b\\{out.name}) or enable "
+                       "long paths; nothing was written")
     shutil.rmtree(staging, ignore_errors=True)
     try:
         staging.mkdir(parents=True)
@@ -298,7 +317,7 @@ def unpack_bundle(archive: str | Path, out: str | Path) -> dict:
         written = _write_members(archive, staging, files, members)
         _record_verified(staging, files, written)
         with _writing():
-            os.rename(staging, out)
+            rename_dir(staging, out)      # onto an empty --out too, which Windows' rename refuses
     except BadInput:
         raise
     except _WriteFailed as e:

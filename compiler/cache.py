@@ -21,6 +21,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Callable
 
+from ..runtime.fileops import process_alive, rename_dir, replace_file
 from ..runtime.manifest import file_record, sha256_file, verify_file
 from ..runtime.progress import heartbeat
 from .errors import BadInput
@@ -68,13 +69,16 @@ def input_digest(path: Path, memo_dir: Path | None = None) -> str:
         pass
     with heartbeat(f"sha256 {path} ({st.st_size / 1e6:.0f} MB)"):
         value = sha256_file(path)
+    tmp = memo.with_suffix(f".tmp-{os.getpid()}")
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_suffix(f".tmp-{os.getpid()}")
         tmp.write_text(value)
-        os.replace(tmp, memo)
+        replace_file(tmp, memo, delays=(0.05,))
     except OSError:
-        pass
+        try:
+            tmp.unlink(missing_ok=True)   # e.g. a memo another process reads (Windows): it stays as it was
+        except OSError:
+            pass
     return value
 
 
@@ -211,6 +215,9 @@ class Cache:
             entry, evicted = self.get(key, progress)
             if entry is not None:
                 return entry, True, None
+            if self._dir(key).exists():      # evicted only in part: Windows keeps files another process holds open
+                raise BadInput(f"cache entry {key[:12]} ({evicted}) could not be removed: a file in it is held open "
+                               f"by another process (a running precast?); close it, or remove {self._dir(key)}")
             self._mkdir(self.tmp)
             work = self.tmp / f"{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             work.mkdir()
@@ -222,10 +229,10 @@ class Cache:
                 tmp_entry.write_text(json.dumps(info, indent=2, sort_keys=True))
                 with open(tmp_entry) as f:
                     os.fsync(f.fileno())
-                os.rename(tmp_entry, work / ENTRY_FILE)
+                replace_file(tmp_entry, work / ENTRY_FILE)   # a scanner may still hold the new files (Windows)
                 target = self._dir(key)
                 self._mkdir(target.parent)
-                os.rename(work, target)
+                rename_dir(work, target)
             finally:
                 shutil.rmtree(work, ignore_errors=True)
             return parse_entry(target), False, evicted
@@ -268,7 +275,7 @@ class Cache:
         if self.tmp.exists():
             for work in self.tmp.iterdir():
                 pid = work.name.split("-")[1] if work.name.count("-") >= 2 else ""
-                if not (pid.isdigit() and _alive(int(pid))):
+                if not (pid.isdigit() and process_alive(int(pid))):
                     shutil.rmtree(work, ignore_errors=True)
                     stale += 1
         if max_size is not None:
@@ -303,20 +310,13 @@ class Cache:
                 continue
             try:
                 path.unlink(missing_ok=True)
-                dropped += 1
+            except PermissionError:     # Windows: a file held open cannot be unlinked; filelock's release does it
+                pass
             finally:
                 lock.release()
+            dropped += not path.exists()
         return dropped
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 _SIZE = re.compile(r"([0-9]{1,20}(?:\.[0-9]{1,20})?)\s*([KMGT]?)B?", re.IGNORECASE)

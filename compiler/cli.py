@@ -388,7 +388,9 @@ def bundle_inspect(bundle, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout.")
 def export_openvino_genai_cmd(export_dir, out, as_json):
     """Write EXPORT_DIR (a `precast export`) as an OpenVINO GenAI folder (optimum-cli's OpenVINO layout)
-    that openvino_genai.Text2ImagePipeline(OUT, device) runs, with the Euler scheduler. SD 1.x / 2.x, SDXL."""
+    that openvino_genai.Text2ImagePipeline(OUT, device) runs: SD 1.x / 2.x and SDXL with the Euler scheduler,
+    SD3 / SD3.5 and Flux with the export's flow-matching schedule; Chroma is refused (GenAI has no Chroma
+    pipeline)."""
     def go():
         from .openvino_genai import export_openvino_genai
         report = export_openvino_genai(export_dir, out, progress=None if as_json else

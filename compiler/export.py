@@ -16,6 +16,7 @@ from typing import Callable
 import numpy as np
 import onnx
 
+from ..runtime.fileops import rename_dir, replace_file
 from .errors import BadInput
 from .families import (FAMILIES, FP32_VAE_FAMILIES, LATENT_SCALE, LATENT_SHIFT, T5_TOKENS, Component,
                        check_parts, latent_factor_of, overrides_for)
@@ -322,14 +323,17 @@ def _commit(staging: Path, out: Path, names: list[str]) -> None:
     """Move the finished staging folder into place: whole, or component by component into an
     existing output folder (each component swapped by rename, the old one removed after)."""
     if not out.exists():
-        os.rename(staging, out)
+        rename_dir(staging, out)
         return
     for name in names + ["precast_export.json"]:
         target, old = out / name, out / f".{name}.old-{os.getpid()}"
         if target.exists():
-            os.rename(target, old)
-        os.rename(staging / name, target)
+            replace_file(target, old)      # retried while Windows says a file is held open (also folders)
+        replace_file(staging / name, target)
         if old.is_dir():
-            shutil.rmtree(old)
+            shutil.rmtree(old, ignore_errors=True)
         elif old.exists():
-            old.unlink()
+            try:
+                old.unlink()
+            except OSError:
+                pass                       # held open elsewhere (Windows): a leftover dot-file, not an error

@@ -150,12 +150,27 @@ def vae_config(cfg: dict, model: dict) -> dict:
 
 
 def transformer_config(cfg: dict, model: dict) -> dict:
-    """FluxTransformer2DModel / SD3Transformer2DModel: what the pipelines read (in_channels), then
-    precast's own record."""
-    name = "SD3Transformer2DModel" if model["family"] == "sd3" else "FluxTransformer2DModel"
-    return {"_class_name": name, "_diffusers_version": DIFFUSERS_VERSION,
-            "in_channels": cfg.get("in_channels"), "out_channels": cfg.get("out_channels"),
-            "guidance_embeds": bool(cfg.get("guidance", False)), "precast": cfg}
+    """FluxTransformer2DModel / SD3Transformer2DModel: the diffusers fields pipelines read (in_channels,
+    joint_attention_dim, guidance_embeds; SD3's patch_size and sample_size, the latent side, at most what
+    its position table covers), then precast's own record."""
+    family = model["family"]
+    out = {"_class_name": "SD3Transformer2DModel" if family == "sd3" else "FluxTransformer2DModel",
+           "_diffusers_version": DIFFUSERS_VERSION, "in_channels": cfg.get("in_channels"),
+           "out_channels": cfg.get("out_channels"), "joint_attention_dim": cfg.get("context_dim"),
+           "num_attention_heads": cfg.get("heads"), "attention_head_dim": cfg.get("head_dim"), "precast": cfg}
+    if family == "sd3":
+        patch = cfg.get("patch") or 2
+        out.update(patch_size=patch, pos_embed_max_size=cfg.get("pos_embed_max"), num_layers=cfg.get("depth"),
+                   pooled_projection_dim=cfg.get("pooled_dim"), caption_projection_dim=cfg.get("hidden"),
+                   qk_norm="rms_norm" if cfg.get("qk_norm") else None,
+                   dual_attention_layers=list(cfg.get("dual_attention_layers") or ()),
+                   sample_size=min(PIPELINES["sd3"]["sample_size"], patch * (cfg.get("pos_embed_max") or 64)))
+    else:
+        out.update(patch_size=1, guidance_embeds=bool(cfg.get("guidance", False)), num_layers=cfg.get("depth"),
+                   num_single_layers=cfg.get("depth_single"), axes_dims_rope=cfg.get("axes_dim"))
+        if family == "flux":
+            out["pooled_projection_dim"] = cfg.get("vec_dim")
+    return out
 
 
 def component_config(name: str, cfg: dict, model: dict) -> dict:

@@ -2,24 +2,31 @@
 
 Owns: turning a `precast export` folder into the layout `optimum-cli export openvino` writes, which
 `openvino_genai.Text2ImagePipeline(folder, device)` loads: `openvino_model.xml/.bin` per component
-folder (text_encoder/, unet/, vae_decoder/, vae_encoder/), `tokenizer/` with the OpenVINO tokenizer
-and detokenizer models (openvino-tokenizers, made from the export's CLIP tokenizer files, which are
-copied beside them), `model_index.json` naming the diffusers classes GenAI dispatches on,
-`scheduler/scheduler_config.json` and each component's `config.json` (compiler/interop.py's).
+folder (text_encoder*/, unet/ or transformer/, vae_decoder/, vae_encoder/), `tokenizer*/` with the
+OpenVINO tokenizer and detokenizer models (openvino-tokenizers, made from the export's CLIP or T5
+tokenizer files, which are copied beside them), `model_index.json` naming the diffusers / transformers
+classes GenAI dispatches on, `scheduler/scheduler_config.json` and each component's `config.json`
+(compiler/interop.py's).
 
 The graphs are precast's ONNX converted by OpenVINO with the IO GenAI feeds: it fills `input_ids`
-from its tokenizer as int64 and passes `timestep` as int64 [1], where precast's graphs take int32 ids
-and a float32 timestep, so both Parameters are retyped with a Convert inside the model; float inputs
-and outputs are float32 whatever the export's dtype (GenAI hands float32 latents and text states
-between the models); the text encoder's `token_embeddings_extra` input (textual inversion rows, with a
-one-zero-row default) becomes that constant, since GenAI feeds the CLIP model one input. Weights are
-stored fp16 only for an fp16 component (bf16 stays bf16), never compressed from fp32.
+from its tokenizers as int64 and passes the UNet's `timestep` as int64 [1], where precast's graphs take
+int32 ids and a float32 timestep, so those Parameters are retyped with a Convert inside the model (a
+DiT's float32 timestep is what GenAI feeds: sigma for Flux, sigma x 1000 for SD3, as precast's graphs
+take them); float inputs and outputs are float32 whatever the export's dtype (GenAI hands float32
+latents and text states between the models); a CLIP encoder's `token_embeddings_extra` input (textual
+inversion rows, with a one-zero-row default) becomes that constant, since GenAI feeds it one input.
+Weights are stored fp16 only for an fp16 component (bf16 stays bf16), never compressed from fp32.
 
-GenAI runs DDIM, Euler, Euler ancestral, PNDM, LCM and flow-match schedulers, not precast's default DPM++ 2M:
-the folder's scheduler is Euler discrete (`leading` spacing, steps_offset 1), which is `precast
-generate --scheduler euler`'s schedule, so the same noise gives the same image.
-SD 1.x / 2.x and SDXL base (its CLIP models' outputs laid out as GenAI indexes them: hidden_state_outputs);
-the SDXL refiner, SD3, Flux and Chroma are refused with a message.
+SD 1.x / 2.x, SDXL base: GenAI runs DDIM, Euler, Euler ancestral, PNDM and LCM, not precast's default
+DPM++ 2M: the folder's scheduler is Euler discrete (`leading` spacing, steps_offset 1), which is
+`precast generate --scheduler euler`'s schedule, so the same noise gives the same image. SDXL's and
+SD3's CLIP models have their outputs laid out as GenAI indexes them (hidden_state_outputs).
+Flux (dev, schnell) and SD3 / SD3.5 (with or without T5): GenAI's FluxPipeline /
+StableDiffusion3Pipeline with the export's own flow-matching schedule, which both sample as precast
+does (Flux: sigmas linspace(1, 1/steps), SD3: the scheduler's default; check_flow_schedule). GenAI pads
+T5 to generate()'s max_sequence_length, precast to the bundle's T5 length; an SD3 folder without T5
+gets 77 zero text tokens from GenAI whatever that length (precast: the T5 length).
+The SDXL refiner and Chroma (no GenAI pipeline) are refused with a message.
 """
 from __future__ import annotations
 
@@ -32,15 +39,32 @@ from .engines import read_export
 from .errors import BadInput
 from .interop import DIFFUSERS_VERSION, pipeline_files, write_json
 
-FAMILIES = ("sd1", "sd2", "sdxl")
-REQUIRED = {"sd1": ("text_encoder", "unet", "vae_decoder"), "sd2": ("text_encoder", "unet", "vae_decoder"),
-            "sdxl": ("text_encoder", "text_encoder_2", "unet", "vae_decoder")}
-PARTS = ("text_encoder", "text_encoder_2", "unet", "vae_decoder", "vae_encoder")
+FAMILIES = ("sd1", "sd2", "sdxl", "flux", "sd3")
+UNET = ("text_encoder", "unet", "vae_decoder")
+REQUIRED = {"sd1": UNET, "sd2": UNET, "sdxl": ("text_encoder", "text_encoder_2", "unet", "vae_decoder"),
+            "flux": ("text_encoder", "text_encoder_2", "transformer", "vae_decoder"),
+            "sd3": ("text_encoder", "text_encoder_2", "transformer", "vae_decoder")}
+PARTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "unet", "transformer", "vae_decoder", "vae_encoder")
+POOLED_FIRST = {"sdxl": ("text_encoder_2",), "sd3": ("text_encoder", "text_encoder_2")}
+# the schedule spacing each GenAI pipeline samples with (runtime/flow.py's names): FluxPipeline's own
+# sigmas, and StableDiffusion3Pipeline's scheduler default
+SPACING = {"flux": "1/steps", "sd3": "training"}
+CLIP, CLIP_PROJ, T5 = ["transformers", "CLIPTextModel"], ["transformers", "CLIPTextModelWithProjection"], \
+    ["transformers", "T5EncoderModel"]
+CLIP_TOK, T5_TOK = ["transformers", "CLIPTokenizer"], ["transformers", "T5TokenizerFast"]
+DIT_INDEX = {
+    "flux": {"_class_name": "FluxPipeline", "text_encoder": CLIP, "tokenizer": CLIP_TOK, "text_encoder_2": T5,
+             "tokenizer_2": T5_TOK, "transformer": ["diffusers", "FluxTransformer2DModel"]},
+    "sd3": {"_class_name": "StableDiffusion3Pipeline", "text_encoder": CLIP_PROJ, "tokenizer": CLIP_TOK,
+            "text_encoder_2": CLIP_PROJ, "tokenizer_2": CLIP_TOK, "text_encoder_3": T5, "tokenizer_3": T5_TOK,
+            "transformer": ["diffusers", "SD3Transformer2DModel"]}}
 INSTALL = "pip install 'precast[openvino-genai]' (openvino, openvino-tokenizers and transformers)"
 
 
 def model_index(family: str, components: list[str]) -> dict:
-    """model_index.json as optimum-intel writes it for a Stable Diffusion (XL) pipeline."""
+    """model_index.json as optimum-intel writes it for the family's pipeline."""
+    if family in DIT_INDEX:
+        return dit_model_index(family, components)
     out = {"_class_name": "StableDiffusionPipeline", "_diffusers_version": DIFFUSERS_VERSION,
            "scheduler": ["diffusers", "EulerDiscreteScheduler"], "tokenizer": ["transformers", "CLIPTokenizer"],
            "text_encoder": ["transformers", "CLIPTextModel"], "unet": ["diffusers", "UNet2DConditionModel"],
@@ -57,6 +81,17 @@ def model_index(family: str, components: list[str]) -> dict:
     return out
 
 
+def dit_model_index(family: str, components: list[str]) -> dict:
+    """Flux / SD3: an SD3 export without T5 names text_encoder_3 / tokenizer_3 null, as diffusers does."""
+    out = {"_diffusers_version": DIFFUSERS_VERSION, "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+           "vae": ["diffusers", "AutoencoderKL"], **DIT_INDEX[family]}
+    if family == "sd3" and "text_encoder_3" not in components:
+        out["text_encoder_3"] = out["tokenizer_3"] = [None, None]
+    if "vae_encoder" not in components:
+        out["_precast_note"] = "no vae_encoder: Text2ImagePipeline only"
+    return out
+
+
 def scheduler_config(prediction: str) -> dict:
     """Euler discrete as `precast generate --scheduler euler` runs it (runtime/schedulers.py Euler)."""
     return {"_class_name": "EulerDiscreteScheduler", "_diffusers_version": DIFFUSERS_VERSION,
@@ -65,6 +100,20 @@ def scheduler_config(prediction: str) -> dict:
             "timestep_spacing": "leading", "steps_offset": 1, "interpolation_type": "linear",
             "final_sigmas_type": "zero", "use_karras_sigmas": False, "timestep_type": "discrete",
             "rescale_betas_zero_snr": False}
+
+
+def check_flow_schedule(export_dir: Path, report: dict) -> None:
+    """A Flux / SD3 export's schedule must be one GenAI samples the way precast does."""
+    from .families import FLOW
+    family = report["family"]
+    sched = report.get("scheduler") or dict(FLOW.get((family, report.get("variant", "")), ({},))[0])
+    spacing = sched.get("spacing", "1/steps")
+    if spacing != SPACING[family]:
+        raise BadInput(f"{export_dir}: the export's scheduler spacing is {spacing!r}; OpenVINO GenAI's "
+                       f"{DIT_INDEX[family]['_class_name']} samples {SPACING[family]!r} only")
+    if family == "sd3" and sched.get("use_dynamic_shifting"):
+        raise BadInput(f"{export_dir}: the export's scheduler shifts dynamically; OpenVINO GenAI's "
+                       "StableDiffusion3Pipeline supports a static shift only")
 
 
 def _modules():
@@ -95,7 +144,7 @@ def convert_component(ov, onnx_path: Path, name: str, dtype: str):
     changed = False
     for port in model.inputs:
         want = None
-        if port.get_any_name() in ("input_ids", "timestep"):
+        if port.get_any_name() == "input_ids" or (name == "unet" and port.get_any_name() == "timestep"):
             want = ov.Type.i64
         elif port.get_element_type().is_real():
             want = ov.Type.f32
@@ -109,40 +158,65 @@ def convert_component(ov, onnx_path: Path, name: str, dtype: str):
     if changed:
         model = ppp.build()
     names = [p.get_any_name() for p in model.inputs]
-    if name == "text_encoder" and names != ["input_ids"]:
+    if name.startswith("text_encoder") and names != ["input_ids"]:
         raise BadInput(f"{onnx_path}: the text encoder converts with inputs {names}; OpenVINO GenAI feeds "
                        "input_ids only. Export again with this precast version")
     return model
 
 
-def hidden_state_outputs(ov, model, name: str, layers: int):
-    """SDXL: GenAI reads the text states as output `num_hidden_layers + 1` of each CLIP model (optimum's
-    order: last_hidden_state or text_embeds, then hidden_states.0..N) and the pooled text_embeds as output
-    0 of text_encoder_2. precast's graphs output only the layer SDXL uses (hidden_states.N-1, the
-    penultimate), plus text_embeds: their Results are repeated so those indices hold them."""
+def hidden_state_outputs(ov, model, name: str, layers: int, pooled: bool):
+    """SDXL, SD3: GenAI reads the text states as output `num_hidden_layers + 1` of each CLIP model
+    (optimum's order: last_hidden_state or text_embeds, then hidden_states.0..N) and the pooled
+    text_embeds as output 0 where it pools (`pooled`: SDXL's text_encoder_2, both of SD3's). precast's
+    graphs output only the layer these use (hidden_states.N-1, the penultimate), plus text_embeds: their
+    Results are repeated so those indices hold them."""
     from openvino import opset13 as ops
     outs = {p.get_any_name(): p for p in model.outputs}
     states = [p for n, p in outs.items() if n.startswith("hidden_states") or n == "last_hidden_state"]
-    if len(states) != 1 or (name == "text_encoder_2" and "text_embeds" not in outs):
+    if len(states) != 1 or (pooled and "text_embeds" not in outs):
         raise BadInput(f"{name}: outputs {sorted(outs)}; expected one hidden_states output"
-                       + (" and text_embeds" if name == "text_encoder_2" else ""))
-    first = outs["text_embeds"] if name == "text_encoder_2" else states[0]
+                       + (" and text_embeds" if pooled else ""))
+    first = outs["text_embeds"] if pooled else states[0]
     order = [first] + [states[0]] * (layers + 1)
     results = [ops.result(p.get_node().input_value(0)) for p in order]   # model.outputs are its Results' ports
     return ov.Model(results, model.get_parameters(), name)
 
 
 def write_tokenizer(ov, ovt, source: Path, dest: Path) -> list[str]:
-    """Copy the export's CLIP tokenizer files and add openvino_tokenizer.xml / openvino_detokenizer.xml."""
-    from transformers import CLIPTokenizer
+    """Copy the export's CLIP (vocab.json) or T5 (spiece.model, tokenizer.json) tokenizer files and add
+    openvino_tokenizer.xml / openvino_detokenizer.xml."""
+    from transformers import CLIPTokenizer, T5TokenizerFast
     dest.mkdir(parents=True, exist_ok=True)
     for f in sorted(source.iterdir()):
         if f.is_file():
             shutil.copy2(f, dest / f.name)
-    tokenizer, detokenizer = ovt.convert_tokenizer(CLIPTokenizer.from_pretrained(source), with_detokenizer=True)
+    kind = CLIPTokenizer if (source / "vocab.json").is_file() else T5TokenizerFast
+    tokenizer, detokenizer = ovt.convert_tokenizer(kind.from_pretrained(source), with_detokenizer=True)
     ov.save_model(tokenizer, str(dest / "openvino_tokenizer.xml"))
     ov.save_model(detokenizer, str(dest / "openvino_detokenizer.xml"))
     return sorted(f.name for f in dest.iterdir())
+
+
+def check_export(export_dir: Path, report: dict, comps: dict) -> list[str]:
+    """The export is one GenAI runs, else one BadInput; returns the tokenizer folders to write."""
+    family = report.get("family")
+    if family == "chroma":
+        raise BadInput(f"{export_dir}: a Chroma export; OpenVINO GenAI has no Chroma pipeline (its Text2ImagePipeline "
+                       "runs SD 1.x / 2.x, SDXL, SD3 and Flux), so export-openvino-genai cannot write one")
+    if family not in FAMILIES:
+        raise BadInput(f"{export_dir}: a {family} export; export-openvino-genai writes SD 1.x / 2.x, SDXL, SD3 / SD3.5 "
+                       "and Flux pipelines (the SDXL refiner is not written yet)")
+    missing = [n for n in REQUIRED[family] if n not in comps]
+    if missing:
+        raise BadInput(f"{export_dir}: has no {', '.join(missing)}; OpenVINO GenAI's Text2ImagePipeline needs "
+                       f"{', '.join(REQUIRED[family])}: export them (precast export --component ...)")
+    if family in SPACING:
+        check_flow_schedule(export_dir, report)
+    tokenizers = [n.replace("text_encoder", "tokenizer") for n in PARTS if n.startswith("text_encoder") and n in comps]
+    for folder in tokenizers:
+        if not (export_dir / folder).is_dir():
+            raise BadInput(f"{export_dir}: no {folder}/ folder; export again with this precast version")
+    return tokenizers
 
 
 def export_openvino_genai(export_dir: str | Path, out: str | Path, progress=None) -> dict:
@@ -153,17 +227,7 @@ def export_openvino_genai(export_dir: str | Path, out: str | Path, progress=None
     comps = read_export(export_dir)
     report = json.loads((export_dir / "precast_export.json").read_text())
     family = report.get("family")
-    if family not in FAMILIES:
-        raise BadInput(f"{export_dir}: a {family} export; export-openvino-genai writes SD 1.x / 2.x and SDXL "
-                       "pipelines for now (SD3, Flux and the SDXL refiner are not written yet)")
-    missing = [n for n in REQUIRED[family] if n not in comps]
-    if missing:
-        raise BadInput(f"{export_dir}: has no {', '.join(missing)}; OpenVINO GenAI's Text2ImagePipeline needs "
-                       f"{', '.join(REQUIRED[family])}: export them (precast export --component ...)")
-    tokenizers = [n.replace("text_encoder", "tokenizer") for n in REQUIRED[family] if n.startswith("text_encoder")]
-    for folder in tokenizers:
-        if not (export_dir / folder).is_dir():
-            raise BadInput(f"{export_dir}: no {folder}/ folder; export again with this precast version")
+    tokenizers = check_export(export_dir, report, comps)
     if out.resolve() == export_dir.resolve():
         raise BadInput(f"--out {out}: is the export folder; give a new folder")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not (out / "precast_openvino_genai.json").is_file():
@@ -181,8 +245,8 @@ def export_openvino_genai(export_dir: str | Path, out: str | Path, progress=None
         for name in parts:
             comp = comps[name]
             model = convert_component(ov, comp.onnx_path, name, comp.export_dtype)
-            if family == "sdxl" and name.startswith("text_encoder"):
-                model = hidden_state_outputs(ov, model, name, configs[name]["layers"])
+            if family in POOLED_FIRST and name in ("text_encoder", "text_encoder_2"):
+                model = hidden_state_outputs(ov, model, name, configs[name]["layers"], name in POOLED_FIRST[family])
             (staging / name).mkdir()
             ov.save_model(model, str(staging / name / "openvino_model.xml"), compress_to_fp16=comp.export_dtype == "fp16")
             written.append({"name": name, "dtype": comp.export_dtype,
@@ -196,7 +260,8 @@ def export_openvino_genai(export_dir: str | Path, out: str | Path, progress=None
             say(f"{folder}: openvino_tokenizer.xml, openvino_detokenizer.xml")
         files = pipeline_files(report, configs)
         files["model_index.json"] = model_index(family, parts)
-        files["scheduler/scheduler_config.json"] = scheduler_config(report.get("prediction", "epsilon"))
+        if family not in SPACING:      # flow families keep interop's FlowMatch schedule (the export's)
+            files["scheduler/scheduler_config.json"] = scheduler_config(report.get("prediction", "epsilon"))
         for rel, data in files.items():
             write_json(staging / rel, data)
         write_json(staging / "precast_openvino_genai.json",
@@ -207,5 +272,6 @@ def export_openvino_genai(export_dir: str | Path, out: str | Path, progress=None
         staging.rename(out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return {"out": str(out), "family": family, "components": written, "scheduler": "EulerDiscreteScheduler",
+    return {"out": str(out), "family": family, "components": written,
+            "scheduler": files["scheduler/scheduler_config.json"]["_class_name"],
             "seconds": round(time.perf_counter() - t0, 3)}

@@ -422,7 +422,7 @@ def _check_target_dtypes(doc: _Doc, targets, precision: dict, explicit: frozense
             source = "precision"
             if comp.startswith("vae_") and comp not in explicit and family in FP32_VAE_FAMILIES:
                 dtype, source = "fp32", f"{family}'s VAE is kept fp32 unless precision.{comp} says otherwise"
-            why = dtype_problem(spec, dtype)
+            why = dtype_problem(spec, dtype, comp)
             if why:
                 raise doc.error(f"targets[{i}]", f"{comp} is {dtype} ({source}), which {spec.label()} cannot "
                                                  f"build: {why}")

@@ -587,7 +587,7 @@ class Bundle:
         extra = tuple(dict.fromkeys(COMPONENT_MODULE.get(c, "diffusion") for c in self.manifest.components))
         modules = DEFAULT_MODULES + tuple(x for x in extra if x not in DEFAULT_MODULES)
         placements = assign_modules(devices, backend, params_backend, modules, strict=strict)
-        return _Machine(devices, warning, placements, installed_backends())
+        return _Machine(devices, warning, placements, installed_backends(self.sysroot))
 
     def _report(self, size, devices, warning, installed, placements, plans) -> Report:
         from .run_commands import _missing_for_generate

@@ -151,7 +151,6 @@ class FluxTxt2Img(BundleModel):
         self.stages = {"manifest": manifest_s, **self.stages}
         inputs = {i["name"]: i["shape"] for i in manifest.components["transformer"]["inputs"]}
         self.channels = int(inputs["hidden_states"][-1]) // 4
-        self.takes_guidance = "guidance" in self.component("transformer").session.input_names
         scale, shift = LATENT[family]
         self.latent_scale = float(manifest.model.get("latent_scale") or scale)
         self.latent_shift = float(manifest.model.get("latent_shift", shift))
@@ -213,9 +212,9 @@ class FluxTxt2Img(BundleModel):
         cfg = self.family == "chroma" and guidance > 1.0
         uncond = self.encode(negative) if cfg else None
         fixed = {"img_ids": image_ids(self.rows, self.cols)}
-        if self.takes_guidance:
-            fixed["guidance"] = np.full((1,), guidance, np.float32)
         transformer = self.component("transformer").session
+        if "guidance" in transformer.input_names:
+            fixed["guidance"] = np.full((1,), guidance, np.float32)
         run["encode"] = round(time.perf_counter() - t0, 3)
         for i, t in self.denoising(sampler.timesteps, progress):
             step = {"hidden_states": x, "timestep": np.full((1,), t, np.float32), **fixed}

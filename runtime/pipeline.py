@@ -11,6 +11,8 @@ Imports numpy, the runtime's own modules, and lazily the backends in use; never 
 """
 from __future__ import annotations
 
+import dataclasses
+import gc
 import os
 import sys
 import time
@@ -26,7 +28,8 @@ from .devices import apply_device_override, discover_devices
 from .errors import UserError
 from .manifest import Manifest, read_manifest
 from .schedulers import NoiseSchedule, make_sampler, start_index
-from .select import (component_report, installed_backends, load_component, passed_text, select_all,
+from .select import (component_report, installed_backends, keep_shared_plan, load_component, passed_text,
+                     select_all,
                      select_component)
 from .verified import verify_mode
 
@@ -225,6 +228,10 @@ class BundleModel:
     runs last) are left loading in the background: `component()` waits for one on first use, and
     `report()` for all. A load error is raised as the component's own UserError (one line), the
     first in `needed` order; `check_loading()` raises a background one as soon as it is known.
+    When the memory plan loads components one at a time (their weights together exceed the device's
+    budget: select._share_budgets), nothing is loaded up front: `component()` loads one on first use
+    and releases the others under that plan first, so the text encoders are gone before the denoiser
+    loads, and the denoiser before the VAE decoder.
     `stages` records the seconds of each stage (see README, "JSON output"): discover, assign,
     backends, tokenizers, select; per component verify and load (each in its own thread); ready
     (from the loads' start until the pipeline can run: every component but `later` loaded) and
@@ -250,11 +257,12 @@ class BundleModel:
                                                     else ())
             self.placements = assign_modules(self.devices, backend, params_backend, modules, strict=strict)
         with timed(self.stages, "backends"):
-            self.installed = installed_backends()
+            self.installed = installed_backends(sysroot)
         with timed(self.stages, "tokenizers"):
             self.tokenizers, self.embeddings = bundle_tokenizers(manifest, needed)
         with timed(self.stages, "select"):   # headers and manifests only: which artifact goes first for every component
-            self.selections = select_all(manifest, self.placements, self.devices, reqs, self.installed, False)
+            self.selections = select_all(manifest, self.placements, self.devices, reqs, self.installed, False,
+                                         together=needed)
         # per component, in `needed` order whatever order the threads finish in (null until loaded)
         self.stages["verify"], self.stages["load"] = dict.fromkeys(needed), dict.fromkeys(needed)
         self.stages["ready"] = self.stages["open"] = None
@@ -262,6 +270,13 @@ class BundleModel:
         self._ended: dict[str, float] = {}
         self._opened = time.perf_counter()
         checks = verify_mode(verify) != "off"    # "full" made the manifest hash everything again, above
+        self.one_at_a_time = {c for c, s in self.selections.items()
+                              if c in needed and s.choice is not None and (s.choice.memory or {}).get("plan") == "one-at-a-time"}
+        if self.one_at_a_time:      # loaded on first use, the others under the plan released first
+            self._futures = {}
+            self._load_later = (manifest, reqs, checks)
+            self.stages["ready"] = 0.0
+            return
         # one loader per 4 cores: on 2 cores parallel imports only slow the UNet's (measured: 2.82 s
         # against 2.01 s alone, benchmarks/startup.py); one loader there still overlaps the VAE decoder
         # with encoding and denoising
@@ -291,6 +306,7 @@ class BundleModel:
         placement = self.placements[module_of(comp)]
         if verify:
             sel = select_component(manifest, comp, placement, self.devices, request, self.installed, True)
+            keep_shared_plan(self.selections[comp], sel)     # a plan made over all components (one at a time)
             self.selections[comp] = sel
         else:
             sel = self.selections[comp]
@@ -303,9 +319,19 @@ class BundleModel:
         return Loaded(session, component_report(comp, cand, reasons), reasons)
 
     def component(self, comp: str) -> Loaded:
-        """The loaded component, waiting for its loader thread the first time."""
-        if comp not in self.loaded:
-            self.loaded[comp] = self._futures[comp].result()
+        """The loaded component, waiting for its loader thread the first time (one at a time: loaded
+        here, after releasing the others under that plan)."""
+        if comp in self.loaded and self.loaded[comp].session is not None:
+            return self.loaded[comp]
+        if self.one_at_a_time:
+            for other in self.one_at_a_time - {comp}:
+                if other in self.loaded and self.loaded[other].session is not None:
+                    self.loaded[other] = dataclasses.replace(self.loaded[other], session=None)
+            gc.collect()          # a session's memory goes with its last reference
+            manifest, reqs, checks = self._load_later
+            self.loaded[comp] = self._open(manifest, comp, reqs.get(comp, {}), checks)
+            return self.loaded[comp]
+        self.loaded[comp] = self._futures[comp].result()
         return self.loaded[comp]
 
     def check_loading(self) -> None:
@@ -318,7 +344,8 @@ class BundleModel:
         """Every component loaded, in `needed` order (so the first failure raised is deterministic);
         `stages["open"]` is then the wall time from the first load's start to the last one's end."""
         for comp in self.needed:
-            self.component(comp)
+            if not (self.one_at_a_time and comp in self.loaded):    # one at a time: loaded once is enough
+                self.component(comp)
         self.stages["open"] = round(max(self._ended.values(), default=self._opened) - self._opened, 3)
 
     def text_limits(self) -> dict[str, int]:

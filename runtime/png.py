@@ -19,6 +19,8 @@ import zlib
 
 import numpy as np
 
+from .fileops import replace_file
+
 SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MAX_PIXELS = 2 ** 26            # 8192 x 8192: a larger image is refused before it is decompressed
 CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}   # colour type -> samples per pixel
@@ -49,7 +51,7 @@ def write_png(path: str | os.PathLike, image: np.ndarray) -> None:
     try:
         with open(tmp, "wb") as f:
             f.write(data)
-        os.replace(tmp, path)
+        replace_file(tmp, path)       # an image viewer holding the old one open (Windows): retried, then said
     except BaseException:
         try:
             os.unlink(tmp)

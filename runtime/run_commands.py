@@ -137,7 +137,7 @@ def doctor_cmd(bundle, backend, params_backend, size, strict, sysroot, as_json, 
         with timed(stages, "assign"):
             placements = assign_modules(devices, backend, params_backend, strict=strict)
         with timed(stages, "backends"):
-            installed = installed_backends()
+            installed = installed_backends(sysroot)
         out = {"bundle": bundle, "devices": [d.describe() for d in devices], "device_warning": warning,
                "installed_backends": installed, "strict": strict,
                "assignment": {mod: p.describe() for mod, p in placements.items()},

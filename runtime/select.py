@@ -10,12 +10,17 @@ assigned device first (the bundle's ONNX through that backend when it has no eng
 follow as fallbacks, or are left out under --strict. Reasons are `passed` records {artifact,
 backend, device, reason}, including engines for devices this machine does not have (a
 TensorRT-RTX engine without an NVIDIA GPU); `component_report` is the per-component record
-doctor and generate both print.
+doctor and generate both print. `installed_backends(root)` answers for a recorded machine when its tree
+holds installed_backends.json; the bundle's ONNX through the CoreML EP is compiled once per ONNX content
+into the user's cache (`coreml_cache_dir`).
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import importlib.util
+import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,15 +33,28 @@ from .verified import verify_mode
 
 BACKENDS_FOR = {"nvidia": ("tensorrt-rtx",), "amd": ("migraphx",), "intel": ("openvino",),
                 "cpu": ("openvino", "onnxruntime")}
-DISTRIBUTIONS = {"tensorrt-rtx": ("tensorrt_rtx", "tensorrt-rtx"), "onnxruntime": ("onnxruntime",),
+# every ONNX Runtime wheel carries the CPU EP: on Windows onnxruntime-directml replaces (not joins) onnxruntime
+DISTRIBUTIONS = {"tensorrt-rtx": ("tensorrt_rtx", "tensorrt-rtx"),
+                 "onnxruntime": ("onnxruntime", "onnxruntime-directml", "onnxruntime-gpu"),
                  "openvino": ("openvino",), "onnxruntime-directml": ("onnxruntime-directml",)}
 # the bundle's ONNX runs on the device itself through these (the EP compiles it at load time)
 ONNX_ON_DEVICE = ("onnxruntime-directml", "onnxruntime-coreml")
 
 
-def installed_backends() -> dict[str, str]:
+RECORDED_BACKENDS = "installed_backends.json"
+
+
+def installed_backends(root: str = "/") -> dict[str, str]:
     """Backend -> version, for the backends importable here (without importing them, except
-    OpenVINO, whose blobs are keyed by the full build string only its module reports)."""
+    OpenVINO, whose blobs are keyed by the full build string only its module reports).
+
+    `root` as discover_devices': a recorded machine's tree holding installed_backends.json (what
+    `precast doctor --json` printed there) answers for that machine -- how tests put onnxruntime-directml
+    on a recorded Windows machine and the CoreML EP on a recorded Mac; without one, this machine's."""
+    if os.path.realpath(root or ".") != "/":
+        recorded = _recorded_backends(os.path.join(root, RECORDED_BACKENDS))
+        if recorded is not None:
+            return recorded
     out = {}
     for backend, dists in DISTRIBUTIONS.items():
         for d in dists:
@@ -59,6 +77,17 @@ def installed_backends() -> dict[str, str]:
     if platform.system() != "Windows":           # onnxruntime-directml is a Windows-only wheel
         out.pop("onnxruntime-directml", None)
     return out
+
+
+def _recorded_backends(path: str) -> dict[str, str] | None:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
+        raise UserError(f"{path}: expected a JSON object of backend -> version strings")
+    return dict(data)
 
 
 def device_fingerprint(device: Device, backend: str, version: str) -> Fingerprint:
@@ -90,6 +119,7 @@ class Candidate:
     pending: tuple = ()              # (manifest, file): sha256 checked just before loading
     memory: dict | None = None       # memory_plan(): weights against the device's budget
     weight_budget: int | None = None  # TensorRT-RTX weight streaming: bytes of weights kept on the GPU
+    ep_cache: str = ""               # the CoreML EP's ModelCacheDirectory for this ONNX (coreml_cache_dir)
 
     def describe(self) -> dict:
         return {"component": self.component, "device": self.device.id, "device_name": self.device.name,
@@ -177,6 +207,15 @@ def _share_budgets(sels: dict[str, "Selection"], placements: dict[str, Placement
                                                          f"{_gib(total)} together, {dev}'s budget is {_gib(budget)}"]))
 
 
+def keep_shared_plan(before: "Selection", after: "Selection") -> None:
+    """A component selected again (with its sha256 checks) keeps the plan _share_budgets made for it
+    over all components, when the same candidate comes first."""
+    a, b = before.choice, after.choice
+    if a is not None and b is not None and (a.memory or {}).get("plan") == "one-at-a-time" \
+            and (a.device.id, a.backend, a.entry) == (b.device.id, b.backend, b.entry):
+        b.memory, b.note = a.memory, a.note
+
+
 def passed(reason: str, artifact: str | None = None, backend: str | None = None, device: str | None = None) -> dict:
     """One entry of a component's `passed_over`: what was not used (an artifact id, "onnx" for the
     bundle's ONNX, or null for an assignment), with which backend, on which device, and why."""
@@ -211,7 +250,13 @@ def component_report(component: str, candidate: Candidate | None, passed_over: l
     return {"module": COMPONENT_MODULE.get(component, "diffusion"), **where, "passed_over": list(passed_over)}
 
 
-RUNS_ON_WORDS = {"tensorrt-rtx": ("nvidia", "an NVIDIA GPU"), "migraphx": ("amd", "an AMD GPU")}
+RUNS_ON_WORDS = {"tensorrt-rtx": "an NVIDIA GPU", "migraphx": "an AMD GPU under ROCm (Linux)",
+                 "onnxruntime-directml": "a Direct3D 12 GPU (Windows)", "onnxruntime-coreml": "an Apple GPU (macOS)"}
+
+
+def offers(device: Device) -> tuple[str, ...]:
+    """The backends that run on `device` (its own list; the vendor's default for records without one)."""
+    return device.backends or BACKENDS_FOR.get(device.vendor if device.kind != "cpu" else "cpu", ())
 
 
 def select_component(manifest: Manifest, component: str, placement: Placement, devices: list[Device],
@@ -245,7 +290,7 @@ def select_component(manifest: Manifest, component: str, placement: Placement, d
         how = "install ROCm, which ships it" if pin == "migraphx" else f"pip install 'precast[{pin}]'"
         sel.refused.append(passed(f"{pin} is not installed ({how})", None, pin, placement.device.id))
     for dev in order:
-        for backend in (dev.backends or BACKENDS_FOR.get(dev.vendor if dev.kind != "cpu" else "cpu", ())):
+        for backend in offers(dev):
             mine = [a for a in artifacts if a.backend == backend]
             onnx_here = (backend in ONNX_ON_DEVICE and backend in installed and component in manifest.components
                          and (pin == backend or not any(a.backend == backend for a in artifacts)))
@@ -253,7 +298,9 @@ def select_component(manifest: Manifest, component: str, placement: Placement, d
                 comp = manifest.components[component]
                 sel.viable.append(Candidate(component, dev, backend, None, manifest.root / comp["onnx"],
                                             f"the bundle's ONNX through {backend} (compiled by the EP at load time)",
-                                            tuple((manifest, rel) for rel in comp["files"]) if verify else ()))
+                                            tuple((manifest, rel) for rel in comp["files"]) if verify else (),
+                                            ep_cache=coreml_cache_dir(manifest, comp, installed[backend])
+                                            if backend == "onnxruntime-coreml" else ""))
                 continue
             if not mine:
                 continue
@@ -276,8 +323,8 @@ def select_component(manifest: Manifest, component: str, placement: Placement, d
     for a in artifacts:          # engines for devices this machine lacks, or that the assignment left out
         if a.id in examined:
             continue
-        vendor, words = RUNS_ON_WORDS.get(a.backend, (None, f"a device {a.backend} runs on"))
-        if vendor and not any(d.vendor == vendor and d.kind != "cpu" for d in devices):
+        words = RUNS_ON_WORDS.get(a.backend, f"a device {a.backend} runs on")
+        if not any(a.backend in offers(d) for d in devices):
             why = f"needs {words}; none here (devices: {', '.join(d.id for d in devices)})"
         else:
             why = f"not tried: {COMPONENT_MODULE.get(component, 'diffusion')} is assigned to {placement.target}"
@@ -327,9 +374,10 @@ def select_component(manifest: Manifest, component: str, placement: Placement, d
 
 def select_all(manifest: Manifest, placements: dict[str, Placement], devices: list[Device],
                requests: dict[str, dict[str, tuple[int, ...]]], installed: dict[str, str] | None = None,
-               verify: bool | str = True) -> dict[str, Selection]:
+               verify: bool | str = True, together: tuple[str, ...] | None = None) -> dict[str, Selection]:
     """`verify`: True/"auto" (files hashed once per file state, runtime/verified.py), "full" (every
-    file hashed again) or False (no sha256 checks)."""
+    file hashed again) or False (no sha256 checks). `together`: the components that will be loaded
+    (default all), whose weights are weighed together against each device's budget."""
     installed = installed_backends() if installed is None else installed
     if verify_mode(verify) == "full" and not (manifest.verified is not None and manifest.verified.full):
         manifest = manifest.with_verify("full")      # one record store for every component
@@ -338,8 +386,18 @@ def select_all(manifest: Manifest, placements: dict[str, Placement], devices: li
         module = COMPONENT_MODULE.get(component, "diffusion")
         out[component] = select_component(manifest, component, placements[module], devices,
                                           requests.get(component, {}), installed, verify)
-    _share_budgets(out, placements, devices)
+    _share_budgets({c: s for c, s in out.items() if together is None or c in together}, placements, devices)
     return out
+
+
+def coreml_cache_dir(manifest: Manifest, comp: dict, version: str) -> str:
+    """Where the CoreML EP keeps what it compiled from a component's ONNX: the user's precast cache,
+    coreml/<digest of the ONNX files' sha256s>-ort<version>, so a changed model or onnxruntime never
+    meets a stale compile (the EP does not check that itself)."""
+    from .verified import user_records_dir
+    sums = {rel: manifest.files.get(rel, {}).get("sha256") for rel in comp["files"]}
+    digest = hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()[:16]
+    return str(user_records_dir().parent / "coreml" / f"{digest}-ort{version}")
 
 
 def open_candidate(c: Candidate, output_names: list[str], offload: bool = False):
@@ -348,7 +406,8 @@ def open_candidate(c: Candidate, output_names: list[str], offload: bool = False)
     from .cpu import default_precision
     if c.artifact is None:
         if c.backend in ONNX_ON_DEVICE:
-            return sessions.OnnxRuntimeSession(c.entry, provider=c.backend, device_index=max(c.device.adapter, 0))
+            return sessions.OnnxRuntimeSession(c.entry, provider=c.backend, device_index=max(c.device.adapter, 0),
+                                               cache_dir=_writable(c.ep_cache))
         if c.backend == "openvino":
             config = {"PERFORMANCE_HINT": "LATENCY",
                       "INFERENCE_PRECISION_HINT": default_precision("CPU", c.device.arch, c.component)}
@@ -363,6 +422,17 @@ def open_candidate(c: Candidate, output_names: list[str], offload: bool = False)
     return sessions.open_artifact(_bundle_root(c), meta,
                                   device=device if c.backend == "openvino" else None,
                                   output_names=output_names, device_index=index, weight_budget=budget)
+
+
+def _writable(folder: str) -> str | None:
+    """`folder`, created if need be; None (the EP compiles again on each load) when it cannot be."""
+    try:
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+            return folder
+    except OSError:
+        pass
+    return None
 
 
 def _bundle_root(c: Candidate) -> Path:

@@ -31,6 +31,8 @@ import time
 import uuid
 from pathlib import Path
 
+from .fileops import replace_file
+
 RECORD_FILE = ".precast-verified.json"
 SCHEMA = 1
 RACY_NS = 50_000_000            # 50 ms: past the kernel's coarse timestamp tick (1-10 ms)
@@ -209,7 +211,7 @@ class VerifiedFiles:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, path)
+            replace_file(tmp, path, delays=(0.01, 0.05))   # a reader holding it open (Windows): briefly retried
             return True
         except OSError:
             try:

@@ -146,8 +146,11 @@ def test_refuses_families_not_written_yet(genai_folder, tmp_path):
     fake = tmp_path / "export"
     fake.mkdir()
     report = json.loads((src / "precast_export.json").read_text())
+    (fake / "precast_export.json").write_text(json.dumps({**report, "family": "sdxl-refiner"}))
+    with pytest.raises(BadInput, match="SD 1.x / 2.x, SDXL, SD3 / SD3.5 and Flux"):
+        export_openvino_genai(fake, tmp_path / "out")
     (fake / "precast_export.json").write_text(json.dumps({**report, "family": "flux"}))
-    with pytest.raises(BadInput, match="SD 1.x / 2.x and SDXL"):
+    with pytest.raises(BadInput, match="has no text_encoder_2, transformer"):   # an SD export relabelled
         export_openvino_genai(fake, tmp_path / "out")
     shutil.rmtree(fake)
     fake.mkdir()

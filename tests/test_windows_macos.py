@@ -175,3 +175,30 @@ def test_directml_target_builds_here(tmp_path):
     assert str(target.fingerprint(spec)).startswith("onnxruntime-directml/") and str(target.fingerprint(spec)).endswith(
         "/any-gpu/fl11_0")
     assert "bf16" in dtype_problem(spec, "bf16") and dtype_problem(spec, "fp16") is None
+
+
+def test_directml_text_encoder_keeps_textual_inversion_rows(tmp_path):
+    """The text encoder's token_embeddings_extra (a one-zero-row default) is stripped before the profile
+    pins dims, as for ONNX Runtime: the artifact builds, and a row it is fed (token id = vocab) reaches
+    the output."""
+    import json as _json
+
+    import numpy as np
+    import onnxruntime as ort
+    from conftest import precast
+    from precast.compiler.demo_model import TINY, write_demo_model
+    write_demo_model(str(tmp_path / "tiny.safetensors"))
+    precast("export", tmp_path / "tiny.safetensors", "--out", tmp_path / "exp", "--component", "text_encoder",
+            check=True)
+    proc = precast("compile", tmp_path / "exp", "--target", "directml", "--json",
+                   env={"PRECAST_CACHE": str(tmp_path / "cache")}, check=True)
+    art = _json.loads(proc.stdout[proc.stdout.index("{"):])["artifacts"][0]
+    s = ort.InferenceSession(art["artifact"], providers=["CPUExecutionProvider"])
+    shapes = {i.name: i.shape for i in s.get_inputs()}
+    rows = np.zeros([d if isinstance(d, int) else 1 for d in shapes["token_embeddings_extra"]], np.float32)
+    ids = np.zeros([d if isinstance(d, int) else 1 for d in shapes["input_ids"]], np.int32)
+    ids[0, 1] = TINY.vocab                        # the first extra row
+    plain = s.run(None, {"input_ids": ids, "token_embeddings_extra": rows})[0]
+    rows[0] = np.random.default_rng(0).standard_normal(rows.shape[1])
+    fed = s.run(None, {"input_ids": ids, "token_embeddings_extra": rows})[0]
+    assert np.isfinite(plain).all() and np.abs(fed - plain).max() > 1e-3

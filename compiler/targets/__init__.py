@@ -29,7 +29,7 @@ OPTIONS: dict[str, dict[str, tuple]] = {   # option -> allowed values (empty: fr
     "onnxruntime": {"simplify": BOOL, "optimize": BOOL, "weights": (), "block_size": (16, 32, 64, 128, 256)},
     "openvino": {"device": (), "precision": ("f32", "bf16", "f16"), "performance_hint": ("LATENCY", "THROUGHPUT"),
                  "num_streams": (), "threads": (), "ir": BOOL, "compress_to_fp16": BOOL, "winograd": BOOL,
-                 "weights": (), "group_size": (32, 64, 128)},
+                 "weights": (), "group_size": (32, 64, 128), "store": ("blob", "ir", "auto")},
     "tensorrt-rtx": {"compute_capabilities": (), "weight_streaming": BOOL, "refittable": BOOL, "strip_weights": BOOL,
                      "weights": ()},
     "migraphx": {"gfx": (), "fp16": BOOL, "fast_math": BOOL},
@@ -136,17 +136,20 @@ def io_dtype(io: list[dict]) -> str:
     return next((d for d in ("bf16", "fp16") if d in found), "fp32")
 
 
-def dtype_problem(spec: TargetSpec, dtype: str) -> str | None:
-    """Why `spec` cannot build a component exported in `dtype` (fp32 / fp16 / bf16); None if it can."""
+def dtype_problem(spec: TargetSpec, dtype: str, component: str | None = None) -> str | None:
+    """Why `spec` cannot build `component` (any, when None) exported in `dtype` (fp32 / fp16 / bf16);
+    None if it can."""
     check = getattr(TARGETS[spec.backend], "dtype_problem", None)
-    return check(dtype, spec) if check else None
+    if check is None:
+        return None
+    return check(dtype, spec, component) if spec.backend == "onnxruntime" else check(dtype, spec)
 
 
 def check_buildable(spec: TargetSpec, dtype: str, component: str) -> None:
     """Everything about (target, dtype) that can be refused before any work: the backend is
     installed, the dtype buildable, the options possible on this machine. BadInput otherwise."""
     target = TARGETS[spec.backend]
-    why = dtype_problem(spec, dtype)
+    why = dtype_problem(spec, dtype, component)
     if why:
         raise BadInput(f"{component} for {spec.label()}: {why}")
     target.toolchain()                      # BadInput when the backend is not installed

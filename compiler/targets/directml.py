@@ -20,11 +20,11 @@ from pathlib import Path
 
 from ...runtime.fingerprint import Fingerprint
 from ..errors import BadInput
-from .base import BuildJob, TargetSpec
+from .base import BuildJob, TargetSpec, required_inputs
 from .onnxruntime import pin_input_dims
 
 FEATURE_LEVEL = "fl11_0"
-REWRITES = "pinned-dims-1,basic-opt-1"
+REWRITES = "pinned-dims-1,basic-opt-1,required-inputs-1"
 
 
 class DirectMLTarget:
@@ -48,6 +48,10 @@ class DirectMLTarget:
         return Fingerprint("onnxruntime-directml", self.toolchain()["onnxruntime"], "any", "gpu", (FEATURE_LEVEL,))
 
     def build(self, job: BuildJob, spec: TargetSpec, folder: Path) -> dict:
+        with required_inputs(job, folder) as job:    # token_embeddings_extra's default stripped before pinning
+            return self._build(job, folder)
+
+    def _build(self, job: BuildJob, folder: Path) -> dict:
         import onnx
         import onnxruntime as ort
         model = onnx.load(str(job.onnx_path), load_external_data=False)

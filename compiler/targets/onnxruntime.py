@@ -47,12 +47,14 @@ class OnnxRuntimeTarget:
             out["onnxsim"] = "absent"
         return out
 
-    def dtype_problem(self, dtype: str, spec: TargetSpec) -> str | None:
+    def dtype_problem(self, dtype: str, spec: TargetSpec, component: str | None = None) -> str | None:
         """Why a component in `dtype` cannot be an ONNX Runtime (CPU) artifact, before any work: its CPU
-        provider has no bf16 kernels (MatMul, Sigmoid, ... refuse to load)."""
-        if dtype == "bf16":
+        provider has no bf16 kernels (MatMul, Sigmoid, ... refuse to load). A bf16 component built with
+        `weights` int8 / int4 can: the quantizer makes its graph compute in fp32 (quantize.py)."""
+        if dtype == "bf16" and not (spec.get("weights") and (component is None or quantized(component))):
             return ("the export is bf16, which ONNX Runtime's CPU provider cannot run; export it with --dtype fp32 "
-                    "or fp16 for onnxruntime (recipe precision: fp32 or fp16; bf16 serves openvino and tensorrt-rtx)")
+                    "or fp16 for onnxruntime (recipe precision: fp32 or fp16; bf16 serves openvino and tensorrt-rtx)"
+                    + ("" if spec.get("weights") else ", or build it with weights: int8 (MatMulNBits, fp32 compute)"))
         return None
 
     def fingerprint(self, spec: TargetSpec) -> Fingerprint:

@@ -1,4 +1,8 @@
-"""OpenVINO target: ONNX -> (optional IR) -> a compiled blob for one device via export_model.
+"""OpenVINO target: ONNX -> (optional IR) -> a compiled blob for one device via export_model, or
+(option `store: ir`, and `auto` for exports over 4 GiB) the rewritten / compressed model saved as IR
+(model.xml/.bin), compiled when the runtime loads it: a blob is made from a compiled model held in
+memory and handed out as one bytes object, two copies of the weights beside the source's, which a
+12 B transformer does not fit; the IR is written weight by weight and read back memory-mapped.
 
 Owns: the compile config (performance hint, inference precision chosen from what the CPU
 does fast: f32 unless AMX makes bf16 faster; static shapes when the profile is static), the
@@ -11,14 +15,16 @@ import_model.
 """
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 from ...runtime.cpu import cpu_flags, default_precision, isa_level
 from ...runtime.fingerprint import Fingerprint
 from ..errors import BadInput
 from .base import BuildJob, TargetSpec
-from .quantize import compress_openvino, quantized
+from .quantize import compress_openvino, quantized, transposes_into_matmuls, weights_as_parts
 
+IR_OVER = 4 << 30      # store: auto keeps exports over 4 GiB as IR (see the module docstring)
 REWRITES = "winograd-f4x4-1,attention-f32-1"   # bump when a model rewrite changes: it is part of the cache key
 
 
@@ -64,12 +70,30 @@ class OpenVinoTarget:
             cfg["INFERENCE_NUM_THREADS"] = str(spec.get("threads"))
         return cfg
 
+    @staticmethod
+    def stores_ir(spec: TargetSpec, onnx_path: Path) -> bool:
+        """IR instead of a blob: asked for, or (`auto`, the default) an export over IR_OVER bytes."""
+        store = spec.get("store", "auto")
+        if store != "auto":
+            return store == "ir"
+        data = onnx_path.with_name(onnx_path.name + "_data")
+        return onnx_path.stat().st_size + (data.stat().st_size if data.exists() else 0) > IR_OVER
+
     def build(self, job: BuildJob, spec: TargetSpec, folder: Path) -> dict:
+        if not (spec.get("weights") and quantized(job.component)):
+            return self._build(job, spec, folder, job.onnx_path)
+        with tempfile.TemporaryDirectory(dir=folder, prefix=".weights-") as tmp:   # quantize.py: parts, fp32 graph
+            _note(job, "weights as parts")
+            return self._build(job, spec, folder, weights_as_parts(job.onnx_path, Path(tmp)))
+
+    def _build(self, job: BuildJob, spec: TargetSpec, folder: Path, source: Path) -> dict:
         ov = self._ov()
         device = spec.get("device", "CPU")
         core = ov.Core()
         _note(job, "read_model")
-        model = core.read_model(str(job.onnx_path))
+        model = core.read_model(str(source))
+        weights = spec.get("weights") if quantized(job.component) else None
+        folded = transposes_into_matmuls(model) if weights else 0     # before reshape could fold a copy
         from ...runtime.sessions import restore_input_defaults
         restore_input_defaults(model, ov)    # token_embeddings_extra: read as a constant, made an input again
         if job.static:
@@ -77,7 +101,7 @@ class OpenVinoTarget:
         else:
             model.reshape({name: ov.PartialShape([ov.Dimension(a, b) for a, b in zip(mn, mx)])
                            for name, (mn, _, mx) in job.shapes.items()})
-        if spec.get("ir", False):
+        if spec.get("ir", False) and not self.stores_ir(spec, job.onnx_path):
             _note(job, "save_model")
             ov.save_model(model, str(folder / "model.xml"), compress_to_fp16=bool(spec.get("compress_to_fp16", False)))
         config = self.compile_config(spec, job.component)
@@ -86,7 +110,6 @@ class OpenVinoTarget:
             from ...runtime.openvino_attention import rewrite_attention
             if count := rewrite_attention(model):
                 rewrites["attention_f32"] = count
-        weights = spec.get("weights") if quantized(job.component) else None
         if device == "CPU" and job.static and config["INFERENCE_PRECISION_HINT"] == "f32" \
                 and spec.get("winograd", True) and weights is None:    # quantized weights: convolutions as NNCF left them
             from .openvino_winograd import rewrite_convolutions
@@ -95,6 +118,13 @@ class OpenVinoTarget:
         if weights:        # weight-only int8 / int4 (quantize.py): NNCF on the ov.Model, before compiling
             _note(job, f"compress_weights {weights}")
             model, compression = compress_openvino(model, weights, spec.get("group_size"))
+            compression["transposes_folded"] = folded
+        if self.stores_ir(spec, job.onnx_path):
+            _note(job, "save_model")
+            ov.save_model(model, str(folder / "model.xml"), compress_to_fp16=False)
+            return {"entry": "model.xml", "device": device, "compile_config": config, "static": job.static,
+                    "precision": config["INFERENCE_PRECISION_HINT"], "rewrites": rewrites,
+                    "store": "ir", "weights": {"format": weights, **compression} if weights else None}
         _note(job, "compile_model")
         compiled = core.compile_model(model, device, config)
         del model

@@ -7,9 +7,11 @@ convolutions decide image quality), and the graph rewrites themselves:
 - OpenVINO: NNCF's weight compression on the ov.Model (int8: INT8_ASYM per output channel; int4:
   INT4_SYM in groups of `group_size`, default 64, a layer whose width the group does not divide
   adjusted to a smaller group; the first/last layers and convolutions NNCF keeps at int8).
-- ONNX Runtime: its MatMulNBits contrib op (onnxruntime.quantization's MatMulNBitsQuantizer, 8 or 4
-  bits, symmetric, blocks of `block_size` along K, default 32) on the MatMul weights, which the CPU
-  provider runs; after onnxsim, before ONNX Runtime's own optimization.
+- ONNX Runtime: its MatMulNBits contrib op (8 or 4 bits, symmetric, blocks of `block_size` along K,
+  default 32; the blocks made by ONNX Runtime's own kernel, the one its MatMulNBitsQuantizer calls)
+  on the MatMul weights, which the CPU provider runs; after onnxsim, before ONNX Runtime's own
+  optimization. Streamed: one weight in memory at a time (a 12 B transformer quantizes in a few GB);
+  a bf16 export comes out computing in fp32, so the CPU fallback of a bf16-only model is one build.
 - TensorRT-RTX: DequantizeLinear on each MatMul weight (fp8 e4m3 or int8, symmetric, one scale
   per output channel computed from the weights' absolute maximum); TensorRT-RTX fuses it into the GEMM.
 The exports write MatMul(x, Transpose(W)); `fold_weight_transposes` first stores W transposed, so a
@@ -17,6 +19,8 @@ MatMul reads its weight initializer directly (what both quantizers look for).
 """
 from __future__ import annotations
 
+import contextlib
+import sys
 from pathlib import Path
 
 WEIGHTS = {"openvino": ("int8", "int4"), "onnxruntime": ("int8", "int4"), "tensorrt-rtx": ("fp8", "int8")}
@@ -107,8 +111,122 @@ def matmul_weights(model):
 
 # --- OpenVINO ----------------------------------------------------------------------------------
 
+def weights_as_parts(source: Path, out_dir: Path) -> Path:
+    """`source` rewritten into `out_dir` for NNCF, which compresses only a constant a MatMul reads
+    directly (or through Transpose / Convert), and for OpenVINO's CPU plugin, which keeps compressed
+    weights compressed only in an fp32 graph. Returns the new model.onnx; nothing big is copied:
+    - each Slice with constant bounds of a 2-D weight (a fused qkv / modulation weight cut into its
+      parts) becomes an initializer of its own: a slice of rows names the same bytes of the export's
+      weights file (hard-linked into `out_dir`), a slice of columns is copied;
+    - a bf16 / fp16 graph computes in fp32: its weights of 1 MiB or more stay half precision behind a
+      Cast to fp32 (OpenVINO's decompression pattern), smaller initializers are widened."""
+    import numpy as np
+    import onnx
+    model = onnx.load(str(source), load_external_data=False)
+    reader = _Initializers(model, Path(source).parent)
+    inits = {t.name: t for t in model.graph.initializer}
+    for name in {e.value for t in inits.values() for e in t.external_data if e.key == "location"}:
+        _link(Path(source).parent / name, out_dir / name)
+    half = (onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16)
+    widen = {t: onnx.TensorProto.FLOAT for t in half if reader.had(t)}
+    made = []
+    with _DataWriter(out_dir / "parts.onnx_data") as data:
+        for node in [n for n in model.graph.node if n.op_type == "Slice"]:
+            w = inits.get(node.input[0])
+            if w is None or len(w.dims) != 2 or (index := _slice_index(node, inits)) is None:
+                continue
+            made.append(_row_part(w, index, node.output[0]) or
+                        data.tensor(node.output[0], w.data_type, np.ascontiguousarray(reader.array(w.name)[index])))
+            model.graph.node.remove(node)
+        model.graph.initializer.extend(made)
+        used = {x for n in model.graph.node for x in n.input} | {o.name for o in model.graph.output}
+        kept, casts = [], []
+        for t in model.graph.initializer:
+            if t.name not in used:
+                continue
+            if t.data_type not in widen:
+                kept.append(t)
+            elif _nbytes(t) >= (1 << 20):        # stays half; a Cast makes it fp32 where it is read
+                casts.append(onnx.helper.make_node("Cast", [t.name + "_half"], [t.name], to=onnx.TensorProto.FLOAT,
+                                                   name=t.name + "_cast"))
+                t.name += "_half"
+                kept.append(t)
+            else:
+                arr = _tensor_array(t, out_dir)
+                kept.append(data.tensor(t.name, onnx.TensorProto.FLOAT, np.asarray(arr, np.float32)))
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(kept)
+    _retype(model.graph, widen)
+    for cast in reversed(casts):         # first: they read initializers only
+        model.graph.node.insert(0, cast)
+    out = out_dir / "model.onnx"
+    onnx.save_model(model, str(out))
+    return out
+
+
+def _row_part(w, index, name: str):
+    """A slice of whole rows of external weight `w` as a TensorProto naming the same bytes; None when
+    the slice is not whole rows of a stored tensor (then it is copied)."""
+    import onnx
+    rows, cols = index
+    if w.data_location != onnx.TensorProto.EXTERNAL or cols != slice(None):
+        return None
+    start, stop, _ = rows.indices(w.dims[0])
+    where = {e.key: e.value for e in w.external_data}
+    row_bytes = _nbytes(w) // w.dims[0]
+    t = onnx.TensorProto(name=name, data_type=w.data_type, dims=[max(stop - start, 0), w.dims[1]],
+                         data_location=onnx.TensorProto.EXTERNAL)
+    for key, value in (("location", where["location"]), ("offset", str(int(where.get("offset", 0)) + start * row_bytes)),
+                       ("length", str(max(stop - start, 0) * row_bytes))):
+        t.external_data.add(key=key, value=value)
+    return t
+
+
+def _nbytes(t) -> int:
+    import numpy as np
+    import onnx
+    size = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+    return int(np.prod(t.dims)) * size if t.dims else size
+
+
+def _link(src: Path, dst: Path) -> None:
+    """`dst` naming `src`'s bytes: a hard link, else a symbolic link (another volume), never a copy."""
+    import os
+    try:
+        os.link(src, dst)
+    except OSError:
+        os.symlink(os.path.abspath(src), dst)
+
+
+def transposes_into_matmuls(model) -> int:
+    """MatMul(x, Transpose(W)) with W a 2-D constant (or a Convert of one) -> MatMul(x, W,
+    transpose_b): how NNCF finds a Linear's weight, and no transposed copy of W is ever made
+    (OpenVINO's reshape would fold one in memory)."""
+    import numpy as np
+    import openvino.opset13 as ops
+    done = 0
+    for op in list(model.get_ordered_ops()):
+        if op.get_type_name() != "MatMul":
+            continue
+        t = op.input_value(1).get_node()
+        if t.get_type_name() != "Transpose" or len(t.output(0).get_target_inputs()) != 1:
+            continue
+        w, perm = t.input_value(0).get_node(), t.input_value(1).get_node()
+        source = w.input_value(0).get_node() if w.get_type_name() == "Convert" else w
+        if source.get_type_name() != "Constant" or perm.get_type_name() != "Constant" \
+                or len(w.get_output_partial_shape(0)) != 2 or list(np.asarray(perm.get_data())) != [1, 0]:
+            continue
+        attrs = op.get_attributes()
+        new = ops.matmul(op.input_value(0), w.output(0), attrs["transpose_a"], not attrs["transpose_b"])
+        new.set_friendly_name(op.get_friendly_name())
+        op.output(0).replace(new.output(0))
+        done += 1
+    return done
+
+
 def compress_openvino(model, weights: str, group_size: int | None = None):
-    """NNCF weight compression of an ov.Model in place of it; returns (model, summary)."""
+    """NNCF weight compression of an ov.Model (read from weights_as_parts' ONNX, its Linear weights
+    made transpose_b by transposes_into_matmuls) in place of it; returns (model, summary)."""
     import logging
     try:
         import nncf
@@ -117,6 +235,11 @@ def compress_openvino(model, weights: str, group_size: int | None = None):
         raise BadInput("target openvino weights=...: the nncf package is not installed "
                        "(pip install 'precast[quantize]')") from None
     logging.getLogger("nncf").setLevel(logging.ERROR)
+    with contextlib.redirect_stdout(sys.stderr):    # NNCF's progress bar: stdout is `--json`'s
+        return _nncf_compress(nncf, model, weights, group_size)
+
+
+def _nncf_compress(nncf, model, weights: str, group_size: int | None):
     if weights == "int8":
         out = nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
         summary = {"mode": "int8_asym", "granularity": "per-channel"}
@@ -139,30 +262,240 @@ def compress_openvino(model, weights: str, group_size: int | None = None):
 # --- ONNX Runtime ------------------------------------------------------------------------------
 
 def quantize_onnxruntime(source: Path, out: Path, weights: str, block_size: int | None = None) -> dict:
-    """MatMulNBits (8 or 4 bits) for `source`'s MatMul weights, written to `out` (+ `out`_data)."""
+    """MatMulNBits (8 or 4 bits) for `source`'s MatMul weights, written to `out` (+ `out`_data),
+    one weight at a time: `source`'s external weights are memory-mapped and each quantized weight or
+    other initializer is appended to `out`_data as it is made, so a 12 B transformer needs host memory
+    for one weight, not the model. A bf16 graph (which ONNX Runtime's CPU provider cannot run) comes out
+    computing in fp32: its other initializers, inputs, outputs and casts made fp32."""
     import logging
 
+    import numpy as np
     import onnx
     try:
-        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+        from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
     except ImportError as e:
         from ..errors import BadInput
         raise BadInput(f"target onnxruntime weights={weights}: onnxruntime's quantizer cannot load ({e}); "
                        "pip install 'precast[quantize]'") from None
-    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
-    model = load_with_weights(source)
-    folded = fold_weight_transposes(model)
+    logging.getLogger("onnxruntime").setLevel(logging.WARNING)
     bits = 8 if weights == "int8" else 4
     block = block_size or DEFAULT_GROUP["onnxruntime"]
-    q = MatMulNBitsQuantizer(model, bits=bits, block_size=block, is_symmetric=True)
-    q.process()
-    model = q.model.model
-    count = sum(1 for n in model.graph.node if n.op_type == "MatMulNBits")
+    model = onnx.load(str(source), load_external_data=False)
+    reader = _Initializers(model, Path(source).parent)
+    widen = {onnx.TensorProto.BFLOAT16: onnx.TensorProto.FLOAT}
+    count, folded, done = 0, 0, {}
+    with _DataWriter(out.with_name(out.name + "_data")) as data:
+        for node, (name, index), transposed, between in _matmul_weight_sources(model):
+            key = (name, str(index))
+            if key not in done:      # a weight two MatMuls share is quantized once
+                w = reader.array(name)
+                w = (w if index is None else w[index]).astype(np.float32)   # [N, K] through a Transpose, else [K, N]
+                if not transposed:
+                    w = w.T
+                n_out, k = w.shape
+                packed, scales = _nbits(w, bits, block, quantize_matmul_8bits if bits == 8 else quantize_matmul_4bits)
+                del w
+                act = widen.get(reader.dtype(name), reader.dtype(name))
+                scales = scales.astype(onnx.helper.tensor_dtype_to_np_dtype(act))
+                part = name if index is None else f"{name}_part{len(done)}"
+                qname, sname = part + f"_Q{bits}", part + "_scales"
+                model.graph.initializer.extend([data.tensor(qname, onnx.TensorProto.UINT8, packed),
+                                                data.tensor(sname, act, scales)])
+                done[key] = (qname, sname, k, n_out)
+            qname, sname, k, n_out = done[key]
+            node.op_type, node.domain = "MatMulNBits", "com.microsoft"
+            del node.input[1:]
+            node.input.extend([qname, sname])
+            node.attribute.extend([onnx.helper.make_attribute(a, v) for a, v in
+                                   (("K", k), ("N", n_out), ("bits", bits), ("block_size", block))])
+            for b in between:
+                model.graph.node.remove(b)
+            folded += transposed
+            count += 1
+        used = {x for n in model.graph.node for x in n.input}
+        kept = []
+        for t in model.graph.initializer:
+            if t.name in reader and t.name in used:
+                kind = reader.dtype(t.name)
+                arr = reader.array(t.name)
+                if kind in widen:
+                    arr, kind = arr.astype(np.float32), widen[kind]
+                kept.append(data.tensor(t.name, kind, arr))
+            elif t.name not in reader:
+                kept.append(t)                   # made above (already in the data file)
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(kept)
+    _retype(model.graph, widen)
+    onnx.save_model(model, str(out))
     left = sum(1 for n in model.graph.node if n.op_type == "MatMul")
-    onnx.save_model(model, str(out), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=out.name + "_data", size_threshold=1024)
     return {"op": "MatMulNBits", "bits": bits, "block_size": block, "symmetric": True, "matmuls": count,
-            "matmuls_float": left, "transposes_folded": folded}
+            "matmuls_float": left, "transposes_folded": folded,
+            **({"activations": "fp32 (from bf16)"} if reader.had(onnx.TensorProto.BFLOAT16) else {})}
+
+
+def _nbits(w, bits: int, block: int, kernel):
+    """ONNX Runtime's own block quantizer (the kernel MatMulNBitsQuantizer calls) on one weight w[N, K]:
+    (packed uint8 [N, K/block, block*bits/8], scales [N, K/block]), symmetric, K zero-padded to the block."""
+    import numpy as np
+    n_out, k = w.shape
+    blocks = -(-k // block)
+    kw = np.zeros((blocks * block, n_out), np.float32)     # the kernel reads W as [K, N], row-major
+    kw[:k] = w.T
+    packed = np.zeros((n_out, blocks, block * bits // 8), np.uint8)
+    scales = np.zeros((n_out, blocks), np.float32)
+    zero_points = np.zeros((n_out, -(-blocks * bits // 8)), np.uint8)
+    kernel(packed, kw, scales, zero_points, block, n_out, blocks * block, True)
+    return packed, scales
+
+
+def _matmul_weight_sources(model):
+    """(MatMul node, weight, [nodes between them]) for each MatMul whose B is a 2-D initializer read
+    directly, through Transpose(perm [1, 0]), through a Slice with constant bounds (a fused qkv or
+    modulation weight cut into its parts), or both; a weight is (initializer name, numpy index or None).
+    The nodes between are returned for removal, so each must feed nothing else."""
+    inits = {t.name: t for t in model.graph.initializer}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    readers: dict[str, list] = {}
+    for n in model.graph.node:
+        for x in n.input:
+            readers.setdefault(x, []).append(n)
+    outputs = {o.name for o in model.graph.output}
+    found = []
+    for n in list(model.graph.node):
+        if n.op_type != "MatMul" or n.domain not in ("", "ai.onnx"):
+            continue
+        x, between, transposed, index = n.input[1], [], False, None
+        for _ in range(2):
+            if x in inits:
+                break
+            p = producer.get(x)
+            if p is None or x in outputs or len(readers[x]) != 1:
+                x = None
+                break
+            if p.op_type == "Transpose" and not transposed and index is None \
+                    and next((list(a.ints) for a in p.attribute if a.name == "perm"), [1, 0]) == [1, 0]:
+                transposed = True
+            elif p.op_type == "Slice" and index is None and (index := _slice_index(p, inits)) is not None:
+                pass
+            else:
+                x = None
+                break
+            between.append(p)
+            x = p.input[0]
+        if x in inits and len(inits[x].dims) == 2:
+            found.append((n, (x, index), transposed, between))
+    return found
+
+
+def _slice_index(node, inits):
+    """A Slice with constant starts / ends (/ axes, steps 1) as a numpy index; None otherwise."""
+    from onnx import numpy_helper
+    vals = []
+    for name in list(node.input[1:5]) + [""] * (5 - len(node.input)):
+        if not name:
+            vals.append(None)
+        elif name in inits and inits[name].data_location != 1:
+            vals.append([int(v) for v in numpy_helper.to_array(inits[name]).reshape(-1)])
+        else:
+            return None
+    starts, ends, axes, steps = vals
+    if starts is None or ends is None or (steps is not None and any(v != 1 for v in steps)):
+        return None
+    index = [slice(None), slice(None)]
+    for start, end, axis in zip(starts, ends, axes if axes is not None else range(len(starts))):
+        if axis not in (0, 1, -1, -2):
+            return None
+        index[axis % 2] = slice(start, end)
+    return tuple(index)
+
+
+def _retype(graph, widen: dict) -> None:
+    """Every place a graph names an element type, widened (bf16 -> fp32): IO, value infos, Cast
+    targets, dtype attributes, tensors held in attributes (Constant, ConstantOfShape)."""
+    import onnx
+    from onnx import numpy_helper
+    for v in [*graph.input, *graph.output, *graph.value_info]:
+        tt = v.type.tensor_type
+        if tt.elem_type in widen:
+            tt.elem_type = widen[tt.elem_type]
+    for n in graph.node:
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.INT and a.name in ("to", "dtype") and a.i in widen:
+                a.i = widen[a.i]
+            elif a.type == onnx.AttributeProto.TENSOR and a.t.data_type in widen:
+                arr = numpy_helper.to_array(a.t).astype("float32")
+                a.t.CopyFrom(numpy_helper.from_array(arr, a.t.name))
+            elif a.type == onnx.AttributeProto.GRAPH:
+                _retype(a.g, widen)
+
+
+class _Initializers:
+    """A graph's initializers read one at a time: inline ones decoded, external ones memory-mapped."""
+
+    def __init__(self, model, folder: Path):
+        self._folder = folder
+        self._by_name = {t.name: t for t in model.graph.initializer}
+        self._types = {t.data_type for t in model.graph.initializer}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_name
+
+    def dtype(self, name: str) -> int:
+        return self._by_name[name].data_type
+
+    def had(self, dtype: int) -> bool:
+        return dtype in self._types
+
+    def array(self, name: str):
+        return _tensor_array(self._by_name[name], self._folder)
+
+
+def _tensor_array(t, folder: Path):
+    """An initializer's values: inline ones decoded, external ones memory-mapped from `folder`."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+    if t.data_location != onnx.TensorProto.EXTERNAL:
+        return numpy_helper.to_array(t)
+    where = {e.key: e.value for e in t.external_data}
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
+    count = int(np.prod(t.dims)) if t.dims else 1
+    if count == 0:
+        return np.zeros(tuple(t.dims), dtype)
+    return np.memmap(folder / where["location"], dtype=dtype, mode="r",
+                     offset=int(where.get("offset", 0)), shape=(count,)).reshape(tuple(t.dims))
+
+
+class _DataWriter:
+    """Appends tensors to one external-data file, each at an aligned offset (4 KiB for large tensors,
+    so ONNX Runtime can map them), returning TensorProtos that point at them."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        self._f = open(self.path, "wb")
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+    def tensor(self, name: str, dtype: int, arr):
+        import numpy as np
+        import onnx
+        arr = np.ascontiguousarray(arr)
+        raw = memoryview(arr.view(np.uint8).reshape(-1)) if arr.size else b""
+        if len(raw) < 1024:     # small ones inline, as onnx.save_model's size_threshold would
+            t = onnx.helper.make_tensor(name, dtype, arr.shape, bytes(raw), raw=True)
+            return t
+        align = 4096 if len(raw) >= (1 << 20) else 64
+        offset = -(-self._f.tell() // align) * align
+        self._f.seek(offset)
+        self._f.write(raw)
+        t = onnx.TensorProto(name=name, data_type=dtype, dims=arr.shape, data_location=onnx.TensorProto.EXTERNAL)
+        for key, value in (("location", self.path.name), ("offset", str(offset)), ("length", str(len(raw)))):
+            t.external_data.add(key=key, value=value)
+        return t
 
 
 # --- TensorRT-RTX ------------------------------------------------------------------------------

@@ -1,0 +1,197 @@
+"""OpenVINO GenAI runs a precast Flux / SD3 export (issue 18, item 3): `precast export-openvino-genai`
+writes the tiny Flux.1 dev / schnell and SD3.5-medium / SD3-medium demos in optimum-intel's OpenVINO
+layout, openvino_genai.Text2ImagePipeline loads them as written (FluxPipeline, StableDiffusion3Pipeline)
+and, from the same initial noise (handed to GenAI through a Generator subclass: GenAI draws the
+unpacked [1, 16, h, w] latents with randn_tensor, as precast does) with the export's own flow-matching
+schedule, produces the image precast's pipeline (`precast generate`) produces from a bundle of the same
+checkpoint: PSNR >= 40 dB (GenAI returns uint8, so ~54 dB is the ceiling). Chroma is refused."""
+import json
+
+import numpy as np
+import pytest
+
+from precast.compiler.export import export
+
+PROMPT = "a photo of an astronaut riding a horse on the moon"
+FLUX = ["text_encoder", "text_encoder_2", "transformer", "vae_decoder"]
+SD3 = ["text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae_decoder"]
+# case: (demo, components, the bundle's T5 length, steps, guidance, negative prompt)
+# Without T5, GenAI's StableDiffusion3Pipeline pads the text with 77 zero tokens (CLIP's length) whatever
+# max_sequence_length says, where precast (like diffusers) pads with the T5 length: a bundle of 77 matches.
+CASES = {"flux-dev": ("tiny-flux-dev", FLUX, 32, 4, 3.5, None),
+         "flux-schnell": ("tiny-flux-schnell", FLUX, 32, 3, 0.0, None),
+         "sd35-medium": ("tiny-sd35-medium", SD3, 32, 4, 4.5, "blurry"),
+         "sd3-no-t5": ("tiny-sd3", SD3[:2] + SD3[3:], 77, 4, 5.0, None)}
+PINS = "openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0 (they must match openvino 2026.4.1)"
+
+
+def _need(module: str):
+    return pytest.importorskip(module, reason=f"{module} is not installed: pip install {PINS}")
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """case -> (GenAI folder, bundle, export), each made on first use: the bundle (ONNX Runtime, 64x64)
+    by `precast build` of the demo recipe, the export from the checkpoint that build wrote."""
+    _need("openvino_tokenizers")
+    tmp, done = tmp_path_factory.mktemp("ov-genai-dit"), {}
+
+    def get(case):
+        if case not in done:
+            done[case] = _make(tmp, case)
+        return done[case]
+    return get
+
+
+def _make(tmp, case):
+    from conftest import precast
+    from precast.compiler.demo_dit import DEMO_AXES
+    from precast.compiler.openvino_genai import export_openvino_genai
+    demo, comps, t5, *_ = CASES[case]
+    recipe = tmp / f"{case}.yaml"
+    recipe.write_text(f"model: {{source: 'demo:{demo}'}}\ncomponents: [{', '.join(comps)}]\nprecision: fp32\n"
+                      f"profiles: {{batch: 1, height: 64, width: 64, t5_tokens: {t5}}}\ntargets: [onnxruntime]\n")
+    precast("build", recipe, "--out", tmp / case, env={"PRECAST_CACHE": str(tmp / "cache")}, check=True)
+    overrides = {"transformer": {"axes_dims_rope": DEMO_AXES}} if demo.startswith("tiny-flux") else None
+    export(tmp / "cache" / "demo" / f"{demo}-seed0.safetensors", tmp / f"{case}-export", comps, overrides=overrides,
+           progress=False)
+    report = export_openvino_genai(tmp / f"{case}-export", tmp / f"{case}-genai")
+    assert report["scheduler"] == "FlowMatchEulerDiscreteScheduler"
+    return tmp / f"{case}-genai", tmp / case, tmp / f"{case}-export"
+
+
+def _io(path):
+    import openvino as ov
+    m = ov.Core().read_model(path)
+    return ({p.get_any_name(): p.get_element_type().get_type_name() for p in m.inputs},
+            [p.get_any_name() for p in m.outputs])
+
+
+def test_flux_layout_is_optimum_intels(made):
+    import openvino as ov
+    from precast.runtime.t5_tokenizer import T5Tokenizer
+    root, _, src = made("flux-dev")
+    index = json.loads((root / "model_index.json").read_text())
+    assert index["_class_name"] == "FluxPipeline" and index["transformer"] == ["diffusers", "FluxTransformer2DModel"]
+    assert (index["text_encoder"], index["text_encoder_2"]) == (["transformers", "CLIPTextModel"],
+                                                                ["transformers", "T5EncoderModel"])
+    sched = json.loads((root / "scheduler/scheduler_config.json").read_text())
+    assert sched == json.loads((src / "scheduler/scheduler_config.json").read_text())   # the export's own
+    assert sched["_class_name"] == "FlowMatchEulerDiscreteScheduler" and sched["use_dynamic_shifting"] is True
+    cfg = json.loads((root / "transformer/config.json").read_text())
+    assert (cfg["in_channels"], cfg["guidance_embeds"], cfg["joint_attention_dim"]) == (64, True, 32)
+    vae = json.loads((root / "vae_decoder/config.json").read_text())
+    assert (vae["latent_channels"], vae["scaling_factor"], vae["shift_factor"]) == (16, 0.3611, 0.1159)
+    assert len(vae["block_out_channels"]) == 2          # GenAI's VAE factor 2 ** (levels - 1): the tiny VAE's 2
+    # what GenAI feeds: int64 ids, float32 everything else (Flux's timestep is sigma, as precast's graph takes)
+    clip = ({"input_ids": "i64"}, ["last_hidden_state", "pooler_output"])    # GenAI pools output 1
+    assert _io(root / "text_encoder/openvino_model.xml") == clip
+    assert _io(root / "text_encoder_2/openvino_model.xml") == ({"input_ids": "i64"}, ["last_hidden_state"])
+    inputs, outputs = _io(root / "transformer/openvino_model.xml")
+    assert set(inputs.values()) == {"f32"} and outputs == ["out_hidden_states"]
+    assert set(inputs) == {"hidden_states", "encoder_hidden_states", "timestep", "img_ids", "txt_ids", "guidance",
+                           "pooled_projections"}
+    for name in ("openvino_tokenizer.xml", "openvino_detokenizer.xml", "spiece.model", "tokenizer.json"):
+        assert (root / "tokenizer_2" / name).is_file()
+    tok = ov.Core().compile_model(root / "tokenizer_2/openvino_tokenizer.xml", "CPU")
+    ids = tok([PROMPT])["input_ids"][0].tolist()
+    ours, _ = T5Tokenizer.from_folder(root / "tokenizer_2")(PROMPT, 32)
+    assert ids == ours.tolist()[:len(ids)]                  # ours pads to the T5 length
+
+
+@pytest.mark.parametrize("case", ["sd35-medium", "sd3-no-t5"])
+def test_sd3_layout_is_optimum_intels(made, case):
+    root, _, _ = made(case)
+    index = json.loads((root / "model_index.json").read_text())
+    assert index["_class_name"] == "StableDiffusion3Pipeline"
+    assert index["text_encoder"] == index["text_encoder_2"] == ["transformers", "CLIPTextModelWithProjection"]
+    with_t5 = case == "sd35-medium"
+    assert index["text_encoder_3"] == (["transformers", "T5EncoderModel"] if with_t5 else [None, None])
+    assert (root / "text_encoder_3").is_dir() == (root / "tokenizer_3").is_dir() == with_t5
+    sched = json.loads((root / "scheduler/scheduler_config.json").read_text())
+    assert (sched["_class_name"], sched["shift"], sched["use_dynamic_shifting"]) == \
+        ("FlowMatchEulerDiscreteScheduler", 3.0, False)
+    cfg = json.loads((root / "transformer/config.json").read_text())
+    assert (cfg["_class_name"], cfg["in_channels"], cfg["patch_size"], cfg["joint_attention_dim"]) == \
+        ("SD3Transformer2DModel", 16, 2, 128)
+    assert cfg["sample_size"] <= cfg["patch_size"] * cfg["pos_embed_max_size"]
+    for comp in ("text_encoder", "text_encoder_2"):
+        layers = json.loads((root / comp / "config.json").read_text())["num_hidden_layers"]
+        inputs, outputs = _io(root / comp / "openvino_model.xml")
+        # GenAI: pooled = output 0, penultimate states = output num_hidden_layers + 1 (optimum's order)
+        assert inputs == {"input_ids": "i64"} and outputs[0] == "text_embeds"
+        assert len(outputs) == layers + 2 and outputs[layers + 1] == f"hidden_states.{layers - 1}"
+    inputs, _ = _io(root / "transformer/openvino_model.xml")
+    assert inputs == {"hidden_states": "f32", "encoder_hidden_states": "f32", "pooled_projections": "f32",
+                      "timestep": "f32"}
+
+
+class _Noise:
+    """An openvino_genai.Generator handing GenAI precast's initial noise (the flow schedules draw no more)."""
+
+    def __new__(cls, x):
+        ov_genai = _need("openvino_genai")
+        import openvino as ov
+
+        class FixedNoise(ov_genai.Generator):
+            def next(self):
+                raise AssertionError("the flow-matching Euler scheduler draws no noise")
+
+            def randn_tensor(self, shape):
+                assert list(shape) == list(x.shape), shape        # unpacked [1, 16, h, w], as precast draws
+                return ov.Tensor(x.copy())
+
+            def seed(self, new_seed):
+                pass
+        return FixedNoise()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_text2image_pipeline_matches_precast_generate(made, case):
+    ov_genai = _need("openvino_genai")
+    from precast.runtime.dit_pipeline import FluxTxt2Img
+    from precast.runtime.sd3_pipeline import SD3Txt2Img
+    folder, bundle, _ = made(case)
+    demo, _, t5, steps, guidance, negative = CASES[case]
+    noise = np.random.default_rng(7).standard_normal((1, 16, 32, 32)).astype(np.float32)
+    pipe = ov_genai.Text2ImagePipeline(str(folder), "CPU", INFERENCE_PRECISION_HINT="f32")
+    kw = {} if negative is None else {"negative_prompt": negative}
+    out = pipe.generate(PROMPT, width=64, height=64, num_inference_steps=steps, guidance_scale=guidance,
+                        max_sequence_length=t5, generator=_Noise(noise), **kw)
+    image = out.data[0].astype(np.float64) / 255          # [64, 64, 3] uint8 -> [0, 1]
+    runtime = FluxTxt2Img if demo.startswith("tiny-flux") else SD3Txt2Img
+    ours = runtime(bundle, "cpu", width=64, height=64)(PROMPT, negative or "", steps=steps, guidance=guidance,
+                                                       latents=noise, progress=False)
+    assert image.shape == ours.shape == (64, 64, 3) and image.std() > 0.05   # a picture, not a flat fill
+    psnr = 10 * np.log10(1.0 / max(float(np.mean((image - ours) ** 2)), 1e-12))
+    print(f"{case}: PSNR {psnr:.1f} dB")
+    assert psnr >= 40, psnr
+    assert np.abs(image - ours).max() <= 2 / 255            # uint8 rounding, nothing more
+
+
+def _fake_export(src, dest, **changes):
+    dest.mkdir()
+    report = json.loads((src / "precast_export.json").read_text())
+    (dest / "precast_export.json").write_text(json.dumps({**report, **changes}))
+    return dest
+
+
+def test_refusals_are_one_clear_error(made, tmp_path):
+    from precast.compiler.errors import BadInput
+    from precast.compiler.openvino_genai import export_openvino_genai
+    _, _, flux = made("flux-dev")
+    with pytest.raises(BadInput, match="OpenVINO GenAI has no Chroma pipeline"):
+        export_openvino_genai(_fake_export(flux, tmp_path / "chroma", family="chroma"), tmp_path / "out")
+    with pytest.raises(BadInput, match="SDXL refiner is not written yet"):
+        export_openvino_genai(_fake_export(flux, tmp_path / "refiner", family="sdxl-refiner"), tmp_path / "out")
+    # a schedule GenAI's FluxPipeline does not sample (its sigmas are linspace(1, 1/steps))
+    fake = _fake_export(flux, tmp_path / "spacing", scheduler={"use_dynamic_shifting": False, "shift": 3.0,
+                                                             "spacing": "training"})
+    with pytest.raises(BadInput, match="samples '1/steps' only"):
+        export_openvino_genai(fake, tmp_path / "out")
+    report = json.loads((flux / "precast_export.json").read_text())
+    fake = _fake_export(flux, tmp_path / "no-t5", components=[c for c in report["components"]
+                                                             if c["name"] != "text_encoder_2"])
+    with pytest.raises(BadInput, match="has no text_encoder_2"):
+        export_openvino_genai(fake, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
