@@ -18,7 +18,7 @@ import onnx
 
 from ..runtime.fileops import rename_dir, replace_file
 from .errors import BadInput
-from .families import (FAMILIES, FP32_VAE_FAMILIES, LATENT_SCALE, LATENT_SHIFT, T5_TOKENS, Component,
+from .families import (FAMILIES, FP32_VAE_FAMILIES, LATENT_SCALE, LATENT_SHIFT, T5_TOKENS, Component, flow_defaults,
                        check_parts, latent_factor_of, overrides_for)
 from .graphs.onnx_graph import DTYPE_NAMES, NP_OF, Graph
 from .graphs.onnx_writer import save_model
@@ -145,6 +145,10 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
     if family.name in T5_TOKENS:
         report["t5_tokens"] = T5_TOKENS[family.name].get(family.variant, 512)
         report["latent_factor"] = latent_factor_of(ckpt.refs)   # for `precast compile` of a transformer alone
+    flow = flow_defaults(family.name, family.variant, ckpt.configs.get("scheduler", {}),
+                         f"{ckpt.path} scheduler/scheduler_config.json")
+    if flow is not None:             # the source folder's own schedule, as bundles record it (interop, GenAI)
+        report.update(flow)
     if quantization := source_quantization(ckpt.refs):    # a GGUF source: tensors per GGUF type
         report["source_quantization"] = quantization
     if vae is not None:

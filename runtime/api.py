@@ -269,36 +269,31 @@ def _stop_check(cancel: CancelHook) -> Callable[[], bool] | None:
     raise TypeError(f"cancel={cancel!r}: expected a callable returning True to stop, or a threading.Event")
 
 
+@dataclass
+class _StepHook:
+    """BundleModel.step_hook for one call: `stop` asked before each step and before decoding
+    (Cancelled if it says stop), `on_step(done, total)` called after each step."""
+    stop: Callable[[], bool] | None
+    on_step: StepCallback | None
+
+    def before(self, i: int, total: int) -> None:
+        if self.stop is not None and self.stop():
+            raise Cancelled(i, total)
+
+    def after(self, done: int, total: int) -> None:
+        if self.on_step is not None:
+            self.on_step(done, total)
+
+
 @contextmanager
 def _step_hooks(pipe: BundleModel, on_step: StepCallback | None, cancel: CancelHook) -> Iterator[None]:
-    """Wraps the pipeline's denoising loop (BundleModel.denoising) for one call: `cancel` is asked
-    before each step and before decoding (Cancelled if it says stop), `on_step(done, total)` is called
-    after each step."""
+    """The pipeline's step_hook set for one call (none when there is nothing to call)."""
     stop = _stop_check(cancel)
-    if on_step is None and stop is None:
-        yield
-        return
-    frame = type(pipe).denoising
-
-    def denoising(timesteps, progress):
-        total, steps = len(timesteps), frame(pipe, timesteps, progress)
-        try:
-            for i, t in steps:
-                if stop is not None and stop():
-                    raise Cancelled(i, total)
-                yield i, t
-                if on_step is not None:
-                    on_step(i + 1, total)
-            if stop is not None and stop():
-                raise Cancelled(total, total)
-        finally:
-            steps.close()                   # the progress bar closed, the loop's timings kept
-
-    pipe.denoising = denoising
+    pipe.step_hook = _StepHook(stop, on_step) if on_step is not None or stop is not None else None
     try:
         yield
     finally:
-        del pipe.denoising
+        pipe.step_hook = None
 
 
 class Pipeline:

@@ -363,19 +363,29 @@ class BundleModel:
                                "the rest is ignored")
         return out
 
+    step_hook = None     # an object with before(i, total) / after(done, total): the Python API's callbacks
+
     def denoising(self, timesteps, progress: bool):
         """(i, t) for each step of a denoising loop, with what every loop needs around its body: a
         VAE decoder that failed to load in the background stops the run before the step, the
-        progress bar (closed on an error too: an exception in the body closes this generator), and
-        `run_stages` first_step and denoise."""
+        progress bar (closed on an error too: an exception in the body closes this generator),
+        `step_hook` (before each step and before decoding; after each step) and `run_stages`
+        first_step and denoise."""
         t0 = time.perf_counter()
-        with _progress(len(timesteps), progress) as bar:
+        hook, total = self.step_hook, len(timesteps)
+        with _progress(total, progress) as bar:
             for i, t in enumerate(timesteps):
                 self.check_loading()
+                if hook is not None:
+                    hook.before(i, total)
                 yield i, t
                 bar.update(1)
+                if hook is not None:
+                    hook.after(i + 1, total)
                 if i == 0:
                     self.run_stages["first_step"] = round(time.perf_counter() - t0, 3)
+        if hook is not None:
+            hook.before(total, total)         # once more before decoding
         self.run_stages["denoise"] = round(time.perf_counter() - t0, 3)
 
     def decode(self, latents: np.ndarray) -> np.ndarray:

@@ -253,7 +253,13 @@ def test_diffusers_folder_exports_the_same_weights(files, exports, tmp_path):
                               ref.vae16_reference(files["dev"], TINY_VAE16), ref.t5_reference(files["dev"], TINY_T5),
                               ref.clip_l_reference(files["dev"], TINY_CLIP_L), variant="bf16", max_shard_size="20KB")
     assert len(list((folder / "transformer").glob("*.safetensors"))) > 1
+    sched_file = folder / "scheduler" / "scheduler_config.json"
+    sched = json.loads(sched_file.read_text())
+    sched_file.write_text(json.dumps({**sched, "max_shift": 1.25}))    # a fine-tune's own schedule
     out = _export(folder, tmp_path / "exp")
+    # the folder's schedule travels with the export (precast_export.json, scheduler/ for other tools)
+    assert json.loads((out / "precast_export.json").read_text())["scheduler"]["max_shift"] == 1.25
+    assert json.loads((out / "scheduler" / "scheduler_config.json").read_text())["max_shift"] == 1.25
     for comp in ("transformer", "text_encoder_2", "vae_decoder"):
         ga = onnx.load(str(out / comp / "model.onnx"), load_external_data=False).graph
         gb = onnx.load(str(exports["dev"] / comp / "model.onnx"), load_external_data=False).graph
