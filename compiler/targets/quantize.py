@@ -23,6 +23,8 @@ import contextlib
 import sys
 from pathlib import Path
 
+from .onnx_weights import DataWriter, Initializers, link, nbytes, retype, row_part, slice_index, tensor_array
+
 WEIGHTS = {"openvino": ("int8", "int4"), "onnxruntime": ("int8", "int4"), "tensorrt-rtx": ("fp8", "int8")}
 FP8_CCS = ("sm_89", "sm_120", "sm_121")     # Ada and Blackwell: FP8 tensor cores (sm_80 / sm_86 have none)
 DEFAULT_GROUP = {"openvino": 64, "onnxruntime": 32}
@@ -123,19 +125,19 @@ def weights_as_parts(source: Path, out_dir: Path) -> Path:
     import numpy as np
     import onnx
     model = onnx.load(str(source), load_external_data=False)
-    reader = _Initializers(model, Path(source).parent)
+    reader = Initializers(model, Path(source).parent)
     inits = {t.name: t for t in model.graph.initializer}
     for name in {e.value for t in inits.values() for e in t.external_data if e.key == "location"}:
-        _link(Path(source).parent / name, out_dir / name)
+        link(Path(source).parent / name, out_dir / name)
     half = (onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16)
     widen = {t: onnx.TensorProto.FLOAT for t in half if reader.had(t)}
     made = []
-    with _DataWriter(out_dir / "parts.onnx_data") as data:
+    with DataWriter(out_dir / "parts.onnx_data") as data:
         for node in [n for n in model.graph.node if n.op_type == "Slice"]:
             w = inits.get(node.input[0])
-            if w is None or len(w.dims) != 2 or (index := _slice_index(node, inits)) is None:
+            if w is None or len(w.dims) != 2 or (index := slice_index(node, inits)) is None:
                 continue
-            made.append(_row_part(w, index, node.output[0]) or
+            made.append(row_part(w, index, node.output[0]) or
                         data.tensor(node.output[0], w.data_type, np.ascontiguousarray(reader.array(w.name)[index])))
             model.graph.node.remove(node)
         model.graph.initializer.extend(made)
@@ -146,56 +148,22 @@ def weights_as_parts(source: Path, out_dir: Path) -> Path:
                 continue
             if t.data_type not in widen:
                 kept.append(t)
-            elif _nbytes(t) >= (1 << 20):        # stays half; a Cast makes it fp32 where it is read
+            elif nbytes(t) >= (1 << 20):        # stays half; a Cast makes it fp32 where it is read
                 casts.append(onnx.helper.make_node("Cast", [t.name + "_half"], [t.name], to=onnx.TensorProto.FLOAT,
                                                    name=t.name + "_cast"))
                 t.name += "_half"
                 kept.append(t)
             else:
-                arr = _tensor_array(t, out_dir)
+                arr = tensor_array(t, out_dir)
                 kept.append(data.tensor(t.name, onnx.TensorProto.FLOAT, np.asarray(arr, np.float32)))
         del model.graph.initializer[:]
         model.graph.initializer.extend(kept)
-    _retype(model.graph, widen)
+    retype(model.graph, widen)
     for cast in reversed(casts):         # first: they read initializers only
         model.graph.node.insert(0, cast)
     out = out_dir / "model.onnx"
     onnx.save_model(model, str(out))
     return out
-
-
-def _row_part(w, index, name: str):
-    """A slice of whole rows of external weight `w` as a TensorProto naming the same bytes; None when
-    the slice is not whole rows of a stored tensor (then it is copied)."""
-    import onnx
-    rows, cols = index
-    if w.data_location != onnx.TensorProto.EXTERNAL or cols != slice(None):
-        return None
-    start, stop, _ = rows.indices(w.dims[0])
-    where = {e.key: e.value for e in w.external_data}
-    row_bytes = _nbytes(w) // w.dims[0]
-    t = onnx.TensorProto(name=name, data_type=w.data_type, dims=[max(stop - start, 0), w.dims[1]],
-                         data_location=onnx.TensorProto.EXTERNAL)
-    for key, value in (("location", where["location"]), ("offset", str(int(where.get("offset", 0)) + start * row_bytes)),
-                       ("length", str(max(stop - start, 0) * row_bytes))):
-        t.external_data.add(key=key, value=value)
-    return t
-
-
-def _nbytes(t) -> int:
-    import numpy as np
-    import onnx
-    size = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
-    return int(np.prod(t.dims)) * size if t.dims else size
-
-
-def _link(src: Path, dst: Path) -> None:
-    """`dst` naming `src`'s bytes: a hard link, else a symbolic link (another volume), never a copy."""
-    import os
-    try:
-        os.link(src, dst)
-    except OSError:
-        os.symlink(os.path.abspath(src), dst)
 
 
 def transposes_into_matmuls(model) -> int:
@@ -281,10 +249,10 @@ def quantize_onnxruntime(source: Path, out: Path, weights: str, block_size: int 
     bits = 8 if weights == "int8" else 4
     block = block_size or DEFAULT_GROUP["onnxruntime"]
     model = onnx.load(str(source), load_external_data=False)
-    reader = _Initializers(model, Path(source).parent)
+    reader = Initializers(model, Path(source).parent)
     widen = {onnx.TensorProto.BFLOAT16: onnx.TensorProto.FLOAT}
     count, folded, done = 0, 0, {}
-    with _DataWriter(out.with_name(out.name + "_data")) as data:
+    with DataWriter(out.with_name(out.name + "_data")) as data:
         for node, (name, index), transposed, between in _matmul_weight_sources(model):
             key = (name, str(index))
             if key not in done:      # a weight two MatMuls share is quantized once
@@ -325,7 +293,7 @@ def quantize_onnxruntime(source: Path, out: Path, weights: str, block_size: int 
                 kept.append(t)                   # made above (already in the data file)
         del model.graph.initializer[:]
         model.graph.initializer.extend(kept)
-    _retype(model.graph, widen)
+    retype(model.graph, widen)
     onnx.save_model(model, str(out))
     left = sum(1 for n in model.graph.node if n.op_type == "MatMul")
     return {"op": "MatMulNBits", "bits": bits, "block_size": block, "symmetric": True, "matmuls": count,
@@ -375,7 +343,7 @@ def _matmul_weight_sources(model):
             if p.op_type == "Transpose" and not transposed and index is None \
                     and next((list(a.ints) for a in p.attribute if a.name == "perm"), [1, 0]) == [1, 0]:
                 transposed = True
-            elif p.op_type == "Slice" and index is None and (index := _slice_index(p, inits)) is not None:
+            elif p.op_type == "Slice" and index is None and (index := slice_index(p, inits)) is not None:
                 pass
             else:
                 x = None
@@ -385,117 +353,6 @@ def _matmul_weight_sources(model):
         if x in inits and len(inits[x].dims) == 2:
             found.append((n, (x, index), transposed, between))
     return found
-
-
-def _slice_index(node, inits):
-    """A Slice with constant starts / ends (/ axes, steps 1) as a numpy index; None otherwise."""
-    from onnx import numpy_helper
-    vals = []
-    for name in list(node.input[1:5]) + [""] * (5 - len(node.input)):
-        if not name:
-            vals.append(None)
-        elif name in inits and inits[name].data_location != 1:
-            vals.append([int(v) for v in numpy_helper.to_array(inits[name]).reshape(-1)])
-        else:
-            return None
-    starts, ends, axes, steps = vals
-    if starts is None or ends is None or (steps is not None and any(v != 1 for v in steps)):
-        return None
-    index = [slice(None), slice(None)]
-    for start, end, axis in zip(starts, ends, axes if axes is not None else range(len(starts))):
-        if axis not in (0, 1, -1, -2):
-            return None
-        index[axis % 2] = slice(start, end)
-    return tuple(index)
-
-
-def _retype(graph, widen: dict) -> None:
-    """Every place a graph names an element type, widened (bf16 -> fp32): IO, value infos, Cast
-    targets, dtype attributes, tensors held in attributes (Constant, ConstantOfShape)."""
-    import onnx
-    from onnx import numpy_helper
-    for v in [*graph.input, *graph.output, *graph.value_info]:
-        tt = v.type.tensor_type
-        if tt.elem_type in widen:
-            tt.elem_type = widen[tt.elem_type]
-    for n in graph.node:
-        for a in n.attribute:
-            if a.type == onnx.AttributeProto.INT and a.name in ("to", "dtype") and a.i in widen:
-                a.i = widen[a.i]
-            elif a.type == onnx.AttributeProto.TENSOR and a.t.data_type in widen:
-                arr = numpy_helper.to_array(a.t).astype("float32")
-                a.t.CopyFrom(numpy_helper.from_array(arr, a.t.name))
-            elif a.type == onnx.AttributeProto.GRAPH:
-                _retype(a.g, widen)
-
-
-class _Initializers:
-    """A graph's initializers read one at a time: inline ones decoded, external ones memory-mapped."""
-
-    def __init__(self, model, folder: Path):
-        self._folder = folder
-        self._by_name = {t.name: t for t in model.graph.initializer}
-        self._types = {t.data_type for t in model.graph.initializer}
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._by_name
-
-    def dtype(self, name: str) -> int:
-        return self._by_name[name].data_type
-
-    def had(self, dtype: int) -> bool:
-        return dtype in self._types
-
-    def array(self, name: str):
-        return _tensor_array(self._by_name[name], self._folder)
-
-
-def _tensor_array(t, folder: Path):
-    """An initializer's values: inline ones decoded, external ones memory-mapped from `folder`."""
-    import numpy as np
-    import onnx
-    from onnx import numpy_helper
-    if t.data_location != onnx.TensorProto.EXTERNAL:
-        return numpy_helper.to_array(t)
-    where = {e.key: e.value for e in t.external_data}
-    dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
-    count = int(np.prod(t.dims)) if t.dims else 1
-    if count == 0:
-        return np.zeros(tuple(t.dims), dtype)
-    return np.memmap(folder / where["location"], dtype=dtype, mode="r",
-                     offset=int(where.get("offset", 0)), shape=(count,)).reshape(tuple(t.dims))
-
-
-class _DataWriter:
-    """Appends tensors to one external-data file, each at an aligned offset (4 KiB for large tensors,
-    so ONNX Runtime can map them), returning TensorProtos that point at them."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __enter__(self):
-        self._f = open(self.path, "wb")
-        return self
-
-    def __exit__(self, *exc):
-        self._f.close()
-
-    def tensor(self, name: str, dtype: int, arr):
-        import numpy as np
-        import onnx
-        arr = np.ascontiguousarray(arr)
-        raw = memoryview(arr.view(np.uint8).reshape(-1)) if arr.size else b""
-        if len(raw) < 1024:     # small ones inline, as onnx.save_model's size_threshold would
-            t = onnx.helper.make_tensor(name, dtype, arr.shape, bytes(raw), raw=True)
-            return t
-        align = 4096 if len(raw) >= (1 << 20) else 64
-        offset = -(-self._f.tell() // align) * align
-        self._f.seek(offset)
-        self._f.write(raw)
-        t = onnx.TensorProto(name=name, data_type=dtype, dims=arr.shape, data_location=onnx.TensorProto.EXTERNAL)
-        for key, value in (("location", self.path.name), ("offset", str(offset)), ("length", str(len(raw)))):
-            t.external_data.add(key=key, value=value)
-        return t
 
 
 # --- TensorRT-RTX ------------------------------------------------------------------------------
