@@ -20,9 +20,12 @@ Parts (--parts, default all):
 2. slice: the Flux slice of benchmarks/flux_step.py (full width, 2 double + 2 single blocks, 1024 image +
    512 T5 tokens), exported fp32, built for onnxruntime (fp32, int8) and openvino (f32, int8, int4),
    each timed over --steps calls in a fresh process (median after a warm-up), output compared with the
-   fp32 ONNX Runtime artifact (relative L2, the metric tests/test_quantized.py uses), and the f32 GEMM
-   peak measured in the same run (weight-only int8/int4 still multiplies in f32: the win is memory
-   traffic and size, not arithmetic).
+   fp32 ONNX Runtime artifact (relative L2, the metric tests/test_quantized.py uses). Peaks measured in
+   the same run: the f32 GEMM peak (flux_step.gemm_peak) and the int8 one an OpenVINO FullyConnected with
+   int8-compressed weights reaches (4096^3): OpenVINO's CPU plugin quantizes the activations of a
+   compressed-weight layer on the fly (DYNAMIC_QUANTIZATION_GROUP_SIZE 32 by default) and multiplies in
+   int8 (VNNI), so int8 / int4 engines are bound by that peak, not the f32 one; ONNX Runtime's
+   MatMulNBits (accuracy level 0, the default kept here for its error) dequantizes to f32.
 
 All files live in one work folder (default benchmarks/results/work/quantized), deleted at the end, also
 on failure or interrupt. Usage:
@@ -282,6 +285,7 @@ def part_slice(work: Path, opts) -> dict:
     inputs = work / "slice_inputs.npz"
     np.savez(inputs, **flux_step.make_inputs("flux"))
     peak = flux_step.gemm_peak()
+    peak["openvino_int8_weights"] = int8_fc_peak()
     f32_peak = peak["f32"]
     runs = {}
     for label, target, options in (("onnxruntime-fp32", "onnxruntime", []), ("onnxruntime-int8", "onnxruntime",
@@ -312,6 +316,26 @@ def part_slice(work: Path, opts) -> dict:
     return {"runs": runs, "gflop": gflop, "gemm_peak": peak, "f32_peak": f32_peak}
 
 
+def int8_fc_peak(n: int = 4096, repeats: int = 4) -> float:
+    """GFLOP/s of an n^3 OpenVINO FullyConnected whose weight is int8-compressed as NNCF writes it
+    (u8 -> f32, minus zero point, times per-channel scale), f32 activations, default CPU config."""
+    import openvino as ov
+    import openvino.opset13 as ops
+    import flux_step
+    rng = np.random.default_rng(0)
+    a = rng.random((n, n), np.float32)
+    q = ops.constant(rng.integers(0, 256, (n, n), dtype=np.uint8))
+    zp = ops.constant(np.full((n, 1), 128, np.uint8))
+    scale = ops.constant(np.full((n, 1), 0.01, np.float32))
+    w = ops.multiply(ops.subtract(ops.convert(q, "f32"), ops.convert(zp, "f32")), scale)
+    x = ops.parameter([n, n], ov.Type.f32, name="x")
+    model = ov.Model([ops.matmul(x, w, False, True)], [x])
+    req = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32",
+                                                   "PERFORMANCE_HINT": "LATENCY"}).create_infer_request()
+    req.infer({0: a})
+    return round(2 * n ** 3 / min(flux_step._time_calls(lambda: req.infer({0: a}), repeats)[1:]) / 1e9, 1)
+
+
 # ---- report -------------------------------------------------------------------------------
 def print_report(res: dict) -> None:
     print("\n== issue 20 benchmark ==")
@@ -338,7 +362,8 @@ def print_report(res: dict) -> None:
     s = res.get("slice")
     if s:
         print(f"\nFlux slice step (full width, 2+2 blocks, 1024+512 tokens, {s['gflop']} GFLOP/call; "
-              f"f32 GEMM peak {s['f32_peak']} GFLOP/s)")
+              f"f32 GEMM peak {s['f32_peak']} GFLOP/s, OpenVINO int8-weight FC peak "
+              f"{s['gemm_peak'].get('openvino_int8_weights')} GFLOP/s)")
         base = s["runs"].get("onnxruntime-fp32", {}).get("median_s")
         ov = s["runs"].get("openvino-f32", {}).get("median_s")
         print(f"  {'artifact':<20}{'median s':>10}{'GFLOP/s':>9}{'vs ORT f32':>11}{'vs OV f32':>10}{'rel L2':>9}"
