@@ -17,6 +17,14 @@ def precast(*args, check=False, env=None):
     return proc
 
 
+def build_recipe(folder, text: str, name: str = "bundle"):
+    """`precast build` of a recipe given as YAML text, in `folder` with a cache of its own; the bundle."""
+    recipe = folder / f"{name}.yaml"
+    recipe.write_text(text)
+    precast("build", recipe, "--out", folder / name, env={"PRECAST_CACHE": str(folder / "cache")}, check=True)
+    return folder / name
+
+
 def flip_byte(path, offset: int, mask: int = 0xFF) -> None:
     """Change one byte of a file in place, as bit rot or a torn write would leave it."""
     with open(path, "r+b") as f:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, precast
+from conftest import ROOT, build_recipe, precast
 from precast.runtime.api import Cancelled, UserError, open_bundle
 
 
@@ -27,13 +27,10 @@ def sd(tiny_bundle):
 @pytest.fixture(scope="module")
 def flux(tmp_path_factory):
     """A tiny Flux schnell bundle (ONNX Runtime, 64x64, 32 T5 tokens), built once for this module."""
-    tmp = tmp_path_factory.mktemp("api-flux")
-    recipe = tmp / "flux.yaml"
-    recipe.write_text("model: {source: 'demo:tiny-flux-schnell'}\n"
-                      "components: [text_encoder, text_encoder_2, transformer, vae_decoder]\nprecision: fp32\n"
-                      "profiles: {batch: 1, height: 64, width: 64, t5_tokens: 32}\ntargets: [onnxruntime]\n")
-    precast("build", recipe, "--out", tmp / "bundle", env={"PRECAST_CACHE": str(tmp / "cache")}, check=True)
-    return tmp / "bundle"
+    return build_recipe(tmp_path_factory.mktemp("api-flux"),
+                        "model: {source: 'demo:tiny-flux-schnell'}\n"
+                        "components: [text_encoder, text_encoder_2, transformer, vae_decoder]\nprecision: fp32\n"
+                        "profiles: {batch: 1, height: 64, width: 64, t5_tokens: 32}\ntargets: [onnxruntime]\n")
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import ROOT, precast
+from conftest import ROOT, build_recipe, precast
 from precast.compiler.errors import BadInput
 from precast.compiler.targets import parse_target
 from precast.runtime.assign import assign_modules, parse_size
@@ -203,12 +203,10 @@ def test_bf16_export_builds_an_onnxruntime_int8_cpu_fallback(bundles, tmp_path):
 def test_openvino_ir_store_runs_like_the_blob(bundles, tmp_path):
     """store: ir (what `auto` picks for exports over 4 GiB) keeps the compressed model as model.xml/.bin,
     compiled when loaded: same output as the int8 blob."""
-    recipe = tmp_path / "ir.yaml"
-    recipe.write_text("model: {source: demo:tiny-flux-schnell}\ncomponents: [transformer]\n"
-                      "profiles: {batch: 1, height: 64, width: 64, t5_tokens: 32}\n"
-                      "targets:\n  - {openvino: {device: CPU, weights: int8, store: ir}}\n")
-    precast("build", recipe, "--out", tmp_path / "b", env={"PRECAST_CACHE": str(tmp_path / "cache")}, check=True)
-    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    b = build_recipe(tmp_path, "model: {source: demo:tiny-flux-schnell}\ncomponents: [transformer]\n"
+                               "profiles: {batch: 1, height: 64, width: 64, t5_tokens: 32}\n"
+                               "targets:\n  - {openvino: {device: CPU, weights: int8, store: ir}}\n", "b")
+    manifest = json.loads((b / "manifest.json").read_text())
     (a,) = [a for a in manifest["artifacts"] if a["component"] == "transformer"]
     assert a["entry"].endswith("model.xml") and a["metadata"]["store"] == "ir"
     assert any(f.endswith("model.bin") for f in a["files"])
@@ -221,7 +219,7 @@ def test_openvino_ir_store_runs_like_the_blob(bundles, tmp_path):
         return next(iter(session.run(feeds).values())).astype(np.float64)
 
     blob = run(bundles["flux"], arts["openvino-int8"])
-    ir = run(tmp_path / "b", a)
+    ir = run(b, a)
     assert np.linalg.norm(ir - blob) <= 1e-5 * np.linalg.norm(blob)
 
 
@@ -335,11 +333,9 @@ def test_components_load_one_at_a_time_under_a_budget(tmp_path):
     says so per component, loads each on first use and releases the others first (the text encoders
     are gone when the transformer runs, the transformer when the VAE decodes), same image as without."""
     from precast.runtime.dit_pipeline import FluxTxt2Img
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text("model: {source: demo:tiny-flux-schnell}\ncomponents: [text_encoder, text_encoder_2, "
-                      "transformer, vae_decoder]\nprofiles: {batch: 1, height: 64, width: 64, t5_tokens: 32}\n"
-                      "targets:\n  - onnxruntime\n")
-    precast("build", recipe, "--out", tmp_path / "b", env={"PRECAST_CACHE": str(tmp_path / "cache")}, check=True)
+    build_recipe(tmp_path, "model: {source: demo:tiny-flux-schnell}\ncomponents: [text_encoder, text_encoder_2, "
+                           "transformer, vae_decoder]\nprofiles: {batch: 1, height: 64, width: 64, t5_tokens: 32}\n"
+                           "targets:\n  - onnxruntime\n", "b")
     sizes = {c: sum(f.stat().st_size for f in (tmp_path / "b" / "artifacts" / c).rglob("*") if f.is_file())
              for c in ("text_encoder", "text_encoder_2", "transformer", "vae_decoder")}
     budget = max(sizes.values()) + (1 << 16)

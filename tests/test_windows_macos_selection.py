@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from conftest import ROOT, precast
+from conftest import ROOT, build_recipe, precast
 from precast.runtime.select import installed_backends
 
 MACHINES = f"{ROOT}/tests/data/machines"
@@ -19,13 +19,10 @@ WINDOWS = ("win-rtx3060-igpu", "win-laptop-780m", "win-rx7900xtx-desktop")
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
     """UNet + VAE decoder (64x64) with a TensorRT-RTX sm_86 engine and a DirectML artifact each."""
-    tmp = tmp_path_factory.mktemp("winmac")
-    recipe = tmp / "r.yaml"
-    recipe.write_text("model: {source: demo:tiny-sd15}\ncomponents: [unet, vae_decoder]\n"
-                      "profiles: {batch: 1, height: 64, width: 64}\n"
-                      "targets: [{tensorrt-rtx: {compute_capabilities: [sm_86]}}, directml]\n")
-    precast("build", recipe, "--out", tmp / "b", env={"PRECAST_CACHE": str(tmp / "cache")}, check=True)
-    return tmp / "b"
+    return build_recipe(tmp_path_factory.mktemp("winmac"),
+                        "model: {source: demo:tiny-sd15}\ncomponents: [unet, vae_decoder]\n"
+                        "profiles: {batch: 1, height: 64, width: 64}\n"
+                        "targets: [{tensorrt-rtx: {compute_capabilities: [sm_86]}}, directml]\n")
 
 
 def recorded(tmp_path, name, driver_umd=None):
