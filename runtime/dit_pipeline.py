@@ -223,6 +223,7 @@ class FluxTxt2Img(BundleModel):
                 v_neg = transformer.run({**step, **uncond})["out_hidden_states"].astype(np.float32)
                 v = v_neg + np.float32(guidance) * (v - v_neg)
             x = sampler.step(v, i, x)
+        del transformer          # one at a time: the VAE decoder may load only once the denoiser is released
         z = unpack(x, self.rows, self.cols) / np.float32(self.latent_scale) + np.float32(self.latent_shift)
         image = self.decode(z)
         return np.clip(image / 2 + 0.5, 0.0, 1.0)

@@ -325,7 +325,7 @@ class BundleModel:
             return self.loaded[comp]
         if self.one_at_a_time:
             for other in self.one_at_a_time - {comp}:
-                if other in self.loaded and self.loaded[other].session is not None:
+                if other in self.loaded and self.loaded[other].session is not None and self._displaces(comp, other):
                     self.loaded[other] = dataclasses.replace(self.loaded[other], session=None)
             gc.collect()          # a session's memory goes with its last reference
             manifest, reqs, checks = self._load_later
@@ -333,6 +333,13 @@ class BundleModel:
             return self.loaded[comp]
         self.loaded[comp] = self._futures[comp].result()
         return self.loaded[comp]
+
+    def _displaces(self, comp: str, other: str) -> bool:
+        """One at a time: loading `comp` releases `other` when they run at different stages on the same
+        device (text encoding, denoising -- the UNet or transformer with its ControlNets --, VAE)."""
+        stages = {module_of(c).replace("controlnet", "diffusion") for c in (comp, other)}
+        a, b = self.selections[comp].choice, self.selections[other].choice
+        return len(stages) == 2 and (a is None or b is None or a.device.id == b.device.id)
 
     def check_loading(self) -> None:
         """Raise a background load's error now, if one has failed (called between denoising steps)."""
@@ -557,6 +564,7 @@ class Txt2Img(BundleModel):
             if m_lat is not None and self.unet_channels == 4:   # latent blending: keep the unmasked region
                 kept = image_latents if i == last else sampler.add_noise(image_latents, noise, i + 1)
                 x = ((1 - m_lat) * kept + m_lat * x).astype(np.float32)
+        del unet                 # one at a time: the VAE decoder may load only once the denoiser is released
         image = self.decode(x / np.float32(self.latent_scale))
         return np.clip(image / 2 + 0.5, 0.0, 1.0)
 

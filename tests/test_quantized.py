@@ -14,6 +14,7 @@ run (not verified on hardware). Budgets: selection on recorded 8 GB / 12 GB NVID
 """
 import json
 import os
+import weakref
 
 import numpy as np
 import pytest
@@ -344,17 +345,21 @@ def test_components_load_one_at_a_time_under_a_budget(tmp_path):
     image = plain("a cat", steps=2, seed=1)
     model = FluxTxt2Img(tmp_path / "b", params_backend=f"cpu:{budget}")
     assert model.loaded == {}                                   # nothing loaded up front
-    live = {}
+    live, refs = {}, {}
     original = model.component
 
     def spy(comp):
         loaded = original(comp)
         live[comp] = sorted(c for c, l in model.loaded.items() if l.session is not None)
+        refs.setdefault(comp, weakref.ref(loaded.session))
+        if comp == "vae_decoder":     # the transformer's session is gone, not just unlisted
+            live["transformer alive at decode"] = refs["transformer"]() is not None
         return loaded
     model.component = spy
     again = model("a cat", steps=2, seed=1)
     assert np.array_equal(np.asarray(image), np.asarray(again))
     assert live["transformer"] == ["transformer"] and live["vae_decoder"] == ["vae_decoder"]
+    assert live["transformer alive at decode"] is False
     report = model.report()["components"]
     assert {c: r["memory"]["plan"] for c, r in report.items()} == dict.fromkeys(sizes, "one-at-a-time")
     assert "loaded one at a time: 4 components need" in report["transformer"]["note"]

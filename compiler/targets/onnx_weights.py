@@ -38,12 +38,14 @@ def nbytes(t) -> int:
 
 
 def link(src: Path, dst: Path) -> None:
-    """`dst` naming `src`'s bytes: a hard link, else a symbolic link (another volume), never a copy."""
+    """`dst` with `src`'s bytes: a hard link, else (another volume, a filesystem without hard links) a
+    copy -- not a symbolic link, which OpenVINO refuses when it points out of the model's folder."""
     import os
+    import shutil
     try:
         os.link(src, dst)
     except OSError:
-        os.symlink(os.path.abspath(src), dst)
+        shutil.copyfile(src, dst)
 
 
 def slice_index(node, inits):
@@ -142,16 +144,18 @@ class DataWriter:
     def tensor(self, name: str, dtype: int, arr):
         import numpy as np
         import onnx
+        shape = np.shape(arr)                 # ascontiguousarray makes a 0-d array 1-d
         arr = np.ascontiguousarray(arr)
         raw = memoryview(arr.view(np.uint8).reshape(-1)) if arr.size else b""
         if len(raw) < 1024:     # small ones inline, as onnx.save_model's size_threshold would
-            t = onnx.helper.make_tensor(name, dtype, arr.shape, bytes(raw), raw=True)
+            t = onnx.helper.make_tensor(name, dtype, shape, bytes(raw), raw=True)
             return t
         align = 4096 if len(raw) >= (1 << 20) else 64
         offset = -(-self._f.tell() // align) * align
         self._f.seek(offset)
         self._f.write(raw)
-        t = onnx.TensorProto(name=name, data_type=dtype, dims=arr.shape, data_location=onnx.TensorProto.EXTERNAL)
+        self._f.flush()                       # readable (memory-mapped) before the file is closed
+        t = onnx.TensorProto(name=name, data_type=dtype, dims=shape, data_location=onnx.TensorProto.EXTERNAL)
         for key, value in (("location", self.path.name), ("offset", str(offset)), ("length", str(len(raw)))):
             t.external_data.add(key=key, value=value)
         return t

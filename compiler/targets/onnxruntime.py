@@ -54,7 +54,8 @@ class OnnxRuntimeTarget:
         if dtype == "bf16" and not (spec.get("weights") and (component is None or quantized(component))):
             return ("the export is bf16, which ONNX Runtime's CPU provider cannot run; export it with --dtype fp32 "
                     "or fp16 for onnxruntime (recipe precision: fp32 or fp16; bf16 serves openvino and tensorrt-rtx)"
-                    + ("" if spec.get("weights") else ", or build it with weights: int8 (MatMulNBits, fp32 compute)"))
+                    + ("" if spec.get("weights") or (component is not None and not quantized(component))
+                       else ", or build it with weights: int8 (MatMulNBits, fp32 compute)"))
         return None
 
     def fingerprint(self, spec: TargetSpec) -> Fingerprint:

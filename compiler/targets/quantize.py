@@ -119,7 +119,7 @@ def weights_as_parts(source: Path, out_dir: Path) -> Path:
     weights compressed only in an fp32 graph. Returns the new model.onnx; nothing big is copied:
     - each Slice with constant bounds of a 2-D weight (a fused qkv / modulation weight cut into its
       parts) becomes an initializer of its own: a slice of rows names the same bytes of the export's
-      weights file (hard-linked into `out_dir`), a slice of columns is copied;
+      weights file (hard-linked into `out_dir`; copied where it cannot be), a slice of columns is copied;
     - a bf16 / fp16 graph computes in fp32: its weights of 1 MiB or more stay half precision behind a
       Cast to fp32 (OpenVINO's decompression pattern), smaller initializers are widened."""
     import numpy as np
@@ -141,7 +141,8 @@ def weights_as_parts(source: Path, out_dir: Path) -> Path:
                         data.tensor(node.output[0], w.data_type, np.ascontiguousarray(reader.array(w.name)[index])))
             model.graph.node.remove(node)
         model.graph.initializer.extend(made)
-        used = {x for n in model.graph.node for x in n.input} | {o.name for o in model.graph.output}
+        used = {x for n in model.graph.node for x in n.input} | {o.name for o in model.graph.output} \
+            | {i.name for i in model.graph.input}
         kept, casts = [], []
         for t in model.graph.initializer:
             if t.name not in used:
@@ -254,7 +255,7 @@ def quantize_onnxruntime(source: Path, out: Path, weights: str, block_size: int 
     count, folded, done = 0, 0, {}
     with DataWriter(out.with_name(out.name + "_data")) as data:
         for node, (name, index), transposed, between in _matmul_weight_sources(model):
-            key = (name, str(index))
+            key = (name, str(index), transposed)   # the orientation decides K and N
             if key not in done:      # a weight two MatMuls share is quantized once
                 w = reader.array(name)
                 w = (w if index is None else w[index]).astype(np.float32)   # [N, K] through a Transpose, else [K, N]
@@ -265,7 +266,7 @@ def quantize_onnxruntime(source: Path, out: Path, weights: str, block_size: int 
                 del w
                 act = widen.get(reader.dtype(name), reader.dtype(name))
                 scales = scales.astype(onnx.helper.tensor_dtype_to_np_dtype(act))
-                part = name if index is None else f"{name}_part{len(done)}"
+                part = name if index is None and not any(d[0] == name for d in done) else f"{name}_part{len(done)}"
                 qname, sname = part + f"_Q{bits}", part + "_scales"
                 model.graph.initializer.extend([data.tensor(qname, onnx.TensorProto.UINT8, packed),
                                                 data.tensor(sname, act, scales)])
@@ -280,7 +281,8 @@ def quantize_onnxruntime(source: Path, out: Path, weights: str, block_size: int 
                 model.graph.node.remove(b)
             folded += transposed
             count += 1
-        used = {x for n in model.graph.node for x in n.input}
+        used = {x for n in model.graph.node for x in n.input} | {o.name for o in model.graph.output} \
+            | {i.name for i in model.graph.input}
         kept = []
         for t in model.graph.initializer:
             if t.name in reader and t.name in used:
