@@ -102,7 +102,8 @@ def child_precast(spec: dict) -> dict:
     component loaded on return (lazy=False); "open-serial": the loop before this change, in the
     same process layout (select_all with sha256, then load_component one component after another)."""
     t_proc = time.perf_counter()
-    from precast.runtime.pipeline import NEEDED, Txt2Img, requests
+    from precast.runtime.pipeline import NEEDED, requests
+    from precast.runtime.sd_pipeline import Txt2Img
     out = {"import_s": time.perf_counter() - t_proc}
     verify = spec.get("verify", True)
     t0 = time.perf_counter()

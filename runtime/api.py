@@ -6,7 +6,7 @@ Owns: the API's types (`Bundle`, `Report` and `ComponentPlan` -- `precast doctor
 each family's generation defaults as `precast generate` applies them, and the per-step hooks (a
 progress callback, a cancel hook raising `Cancelled`) wrapped around the pipelines' denoising loop.
 Selection, fallback and the `--backend` grammar are runtime/select.py's and runtime/assign.py's;
-the pipelines are runtime/pipeline.py's, dit_pipeline.py's and sd3_pipeline.py's, picked by family as
+the pipelines are runtime/sd_pipeline.py's, dit_pipeline.py's and sd3_pipeline.py's, picked by family as
 `precast generate` picks them (run_commands.pipeline_class). Imports numpy and the
 runtime's own modules (the backends lazily, as they load); never the compiler, onnx or torch.
 

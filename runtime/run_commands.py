@@ -200,7 +200,7 @@ def pipeline_class(manifest):
     if "transformer" in manifest.components:
         from .dit_pipeline import FluxTxt2Img
         return FluxTxt2Img
-    from .pipeline import Txt2Img
+    from .sd_pipeline import Txt2Img
     return Txt2Img
 
 
@@ -276,7 +276,8 @@ def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, schedule
         from .assign import parse_assignment
         from .dit_pipeline import SCHEDULER
         from .manifest import read_manifest
-        from .pipeline import Txt2Img, check_image_mode, check_steps, describe_where, latent_factor, to_uint8
+        from .pipeline import check_image_mode, check_steps, describe_where, latent_factor, to_uint8
+        from .sd_pipeline import Txt2Img
         t_start = time.perf_counter()
         # Every option is checked here, before any engine is verified or loaded.
         if steps is not None:

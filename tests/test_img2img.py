@@ -107,7 +107,7 @@ CASES = {  # id: (bundle, mask?, scheduler, strength)
 
 @pytest.fixture(scope="module")
 def runtime_pipes(tiny):
-    from precast.runtime.pipeline import Txt2Img
+    from precast.runtime.sd_pipeline import Txt2Img
     return {name: Txt2Img(path, width=SIZE, height=SIZE, image_input=True) for name, (path, _, _) in tiny.items()}
 
 
@@ -162,7 +162,7 @@ def test_sdxl_matches_diffusers(sdxl, with_mask, strength, monkeypatch):
     from diffusers.pipelines.stable_diffusion_xl import pipeline_stable_diffusion_xl_inpaint as m_inp
     from PIL import Image
     from transformers import CLIPTokenizer
-    from precast.runtime.pipeline import Txt2Img
+    from precast.runtime.sd_pipeline import Txt2Img
     bundle, models = sdxl
     noise = np.random.default_rng(3).standard_normal((1, 4, 8, 8)).astype(np.float32)
     for mod in (m_i2i, m_inp):

@@ -25,7 +25,7 @@ def folders(tiny_bundle, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def noise_and_ours(tiny_bundle):
-    from precast.runtime.pipeline import Txt2Img
+    from precast.runtime.sd_pipeline import Txt2Img
     noise = np.random.default_rng(7).standard_normal((1, 4, 8, 8)).astype(np.float32)
     ours = Txt2Img(tiny_bundle[0], None, width=64, height=64)(PROMPT, "", STEPS, 0, GUIDANCE, "dpm++2m",
                                                                latents=noise, progress=False)

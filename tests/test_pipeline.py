@@ -29,7 +29,7 @@ def psnr(a, b):
 def test_txt2img_matches_diffusers(bundle, scheduler, backend):
     from diffusers import DPMSolverMultistepScheduler, EulerDiscreteScheduler, StableDiffusionPipeline
     from transformers import CLIPTokenizer
-    from precast.runtime.pipeline import Txt2Img
+    from precast.runtime.sd_pipeline import Txt2Img
     path, ckpt = bundle
     prompt, negative, steps, guidance = "a photo of a cat, (masterpiece:1.2)", "blurry", 8, 7.5
     noise = np.random.default_rng(7).standard_normal((1, 4, 8, 8)).astype(np.float32)
@@ -169,6 +169,7 @@ def test_a_changed_tokenizer_fails_before_any_engine_is_verified_or_loaded(bundl
     from conftest import flip_byte
     from precast.runtime import pipeline
     from precast.runtime.errors import UserError
+    from precast.runtime.sd_pipeline import Txt2Img
     copy = tmp_path / "copy"
     shutil.copytree(bundle[0], copy)
     flip_byte(copy / "tokenizer/vocab.json", 100, mask=1)
@@ -178,7 +179,7 @@ def test_a_changed_tokenizer_fails_before_any_engine_is_verified_or_loaded(bundl
     monkeypatch.setattr(pipeline, "select_all", no_engines)
     monkeypatch.setattr(pipeline, "load_component", no_engines)
     with pytest.raises(UserError, match="tokenizer/vocab.json: sha256 differs"):
-        pipeline.Txt2Img(copy, width=64, height=64)
+        Txt2Img(copy, width=64, height=64)
 
 
 def test_sdxl_embedding_files_are_checked_and_read_once_for_both_encoders(monkeypatch):
