@@ -26,8 +26,7 @@ from .errors import UserError
 from .manifest import Manifest
 from .schedulers import start_index
 from .select import (component_report, installed_backends, keep_shared_plan, load_component, passed_text,
-                     select_all,
-                     select_component)
+                     select_all, select_component)
 from .verified import verify_mode
 
 LATENT_SCALE = {"sd1": 0.18215, "sd2": 0.18215, "sdxl": 0.13025, "sdxl-refiner": 0.13025}

@@ -6,7 +6,9 @@ components are quantized (QUANTIZED: every component but the VAEs, which are sma
 convolutions decide image quality), and the graph rewrites themselves:
 - OpenVINO: NNCF's weight compression on the ov.Model (int8: INT8_ASYM per output channel; int4:
   INT4_SYM in groups of `group_size`, default 64, a layer whose width the group does not divide
-  adjusted to a smaller group; the first/last layers and convolutions NNCF keeps at int8).
+  adjusted to a smaller group; the first/last layers and convolutions NNCF keeps at int8), read from
+  the export as `weights_as_parts` rewrites it, Linear weights made transpose_b by
+  `transposes_into_matmuls`.
 - ONNX Runtime: its MatMulNBits contrib op (8 or 4 bits, symmetric, blocks of `block_size` along K,
   default 32; the blocks made by ONNX Runtime's own kernel, the one its MatMulNBitsQuantizer calls)
   on the MatMul weights, which the CPU provider runs; after onnxsim, before ONNX Runtime's own
@@ -14,8 +16,10 @@ convolutions decide image quality), and the graph rewrites themselves:
   a bf16 export comes out computing in fp32, so the CPU fallback of a bf16-only model is one build.
 - TensorRT-RTX: DequantizeLinear on each MatMul weight (fp8 e4m3 or int8, symmetric, one scale
   per output channel computed from the weights' absolute maximum); TensorRT-RTX fuses it into the GEMM.
-The exports write MatMul(x, Transpose(W)); `fold_weight_transposes` first stores W transposed, so a
-MatMul reads its weight initializer directly (what both quantizers look for).
+The exports write MatMul(x, Transpose(W)), fused weights cut by a Slice first. ONNX Runtime and OpenVINO
+follow those chains (a weight's parts quantized one by one); the TensorRT-RTX rewrite still loads the
+whole model and quantizes only weights read directly or through a Transpose (`fold_weight_transposes`
+first stores W transposed, so a MatMul reads its weight initializer directly).
 """
 from __future__ import annotations
 
