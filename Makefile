@@ -5,8 +5,14 @@ BIN := $(VENV)/bin
 DEMO := build/demo
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
+# optimum-onnx / optimum-intel need transformers < 4.58, the test extra 5.x: they get a venv of their own, which
+# tests/test_interop.py and test_foreign_onnx.py run in a subprocess (tests/interop_side.py). ~1 min, 1.5 GB.
+INTEROP := .venv-interop
+INTEROP_STAMP := $(INTEROP)/.installed
+INTEROP_PINS := torch==2.13.0 transformers==4.57.6 optimum==2.1.0 optimum-onnx==0.1.0 optimum-intel==1.27.0 \
+	diffusers==0.39.0 onnxruntime==1.32.0 openvino==2026.4.1 numpy==2.4.6
 
-.PHONY: setup test-setup demo demo-flux test bench clean
+.PHONY: setup test-setup interop-setup demo demo-flux test bench clean
 
 # The product: the compiler, the CPU runtimes (ONNX Runtime, OpenVINO) and TensorRT-RTX (its AOT builds need no GPU).
 $(STAMP): pyproject.toml Makefile
@@ -21,9 +27,17 @@ $(TEST_STAMP): $(STAMP)
 	$(BIN)/pip install -q -e '.[compiler,onnxruntime,openvino,tensorrt-rtx,quantize,test]'
 	touch $(TEST_STAMP)
 
+# The side environment the optimum / optimum-intel interop tests run in (nothing of precast is installed there).
+$(INTEROP_STAMP): Makefile
+	test -x $(INTEROP)/bin/python || $(PY) -m venv $(INTEROP)
+	$(INTEROP)/bin/pip install -q $(INTEROP_PINS)
+	touch $(INTEROP_STAMP)
+
 setup: $(STAMP)
 
 test-setup: $(TEST_STAMP)
+
+interop-setup: $(INTEROP_STAMP)
 
 # The main job on the embedded default: tiny SD 1.x checkpoint -> bundle for this machine -> image.
 demo: setup
@@ -41,7 +55,7 @@ demo-flux: setup
 	$(BIN)/precast doctor $(DEMO)/flux-bundle
 	$(BIN)/precast generate $(DEMO)/flux-bundle --prompt "a photo of a cat" --size 64x64 --out $(DEMO)/flux-cat.png
 
-test: test-setup
+test: test-setup interop-setup
 	$(BIN)/python -m pytest -q
 
 # Benchmarks (minutes to an hour; full-size weights are generated into benchmarks/results/work).
@@ -55,4 +69,4 @@ bench: test-setup
 	$(BIN)/python benchmarks/flux_step.py      # the ONNX peers of Flux need onnxscript on PYTHONPATH
 
 clean:
-	rm -rf build $(VENV)
+	rm -rf build $(VENV) $(INTEROP)

@@ -98,9 +98,11 @@ def clip_text_config(cfg: dict) -> dict:
 
 
 def t5_config(cfg: dict) -> dict:
-    """transformers T5Config (encoder only)."""
+    """transformers T5Config (encoder only). num_decoder_layers is the value T5Config itself defaults to
+    (num_layers); optimum's ORTTextEncoder reads it as the layer count of a config without num_hidden_layers."""
     return {"architectures": ["T5EncoderModel"], "model_type": "t5", "vocab_size": cfg["vocab"],
             "d_model": cfg["d_model"], "d_kv": cfg["d_kv"], "d_ff": cfg["d_ff"], "num_layers": cfg["layers"],
+            "num_decoder_layers": cfg["layers"],
             "num_heads": cfg["heads"], "relative_attention_num_buckets": cfg["buckets"],
             "relative_attention_max_distance": cfg["max_distance"], "layer_norm_epsilon": cfg["eps"],
             "feed_forward_proj": "gated-gelu" if cfg.get("gated", True) else "relu",

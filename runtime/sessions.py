@@ -261,8 +261,9 @@ _ORT_TYPES = {"tensor(float)": np.dtype(np.float32), "tensor(float16)": np.dtype
 
 
 def _cast(feeds: dict[str, np.ndarray], types: dict) -> dict[str, np.ndarray]:
-    """Feed each input in the dtype the artifact declares (e.g. fp16 graphs take fp16)."""
-    return {k: np.ascontiguousarray(v, dtype=types.get(k) or v.dtype) for k, v in feeds.items()}
+    """Feed each input in the dtype the artifact declares (e.g. fp16 graphs take fp16); a 0-d feed (an
+    optimum export's scalar timestep) stays 0-d (np.ascontiguousarray would make it [1])."""
+    return {k: np.asarray(v, dtype=types.get(k) or v.dtype, order="C") for k, v in feeds.items()}
 
 
 def open_artifact(folder: str | Path, metadata: dict, device: str | None = None,

@@ -1,7 +1,8 @@
 """`precast compile` of ONNX folders precast did not write (compiler/foreign_onnx.py).
 
-optimum-onnx cannot be installed next to this venv's transformers (it pins transformers<4.58), so the
-foreign folders are made here the way optimum makes them: `torch.onnx.export` of the tiny diffusers /
+One folder is written by optimum's own exporter in the side environment (tests/side_env.py: optimum-onnx
+0.1.0 needs transformers<4.58, this venv has 5.x; test_compile_real_optimum_export, skipped with the way to
+make it where that environment is missing). The others are made here the way optimum makes them: `torch.onnx.export` of the tiny diffusers /
 transformers models (tests/reference.py models_from_single_file on compiler/demo_model's checkpoint),
 with optimum's input/output names and dynamic-axis names (batch_size, sequence_length, steps,
 num_channels, height, width, num_channels_latent, height_latent, width_latent), laid out as
@@ -144,13 +145,16 @@ def folders(tmp_path_factory):
 def _feeds(folder: Path, component: str) -> dict:
     import onnxruntime as ort
     rng = np.random.default_rng(3)
-    types = {i.name: i.type for i in ort.InferenceSession(str(folder / component / "model.onnx")).get_inputs()}
+    inputs = ort.InferenceSession(str(folder / component / "model.onnx")).get_inputs()
+    types, ranks = {i.name: i.type for i in inputs}, {i.name: len(i.shape) for i in inputs}
     ids_dtype = np.int64 if types.get("input_ids") == "tensor(int64)" else np.int32
     t_dtype = np.int64 if types.get("timestep") == "tensor(int64)" else np.float32
+    # optimum-onnx 0.1.0's own UNet export takes one scalar timestep for the whole batch
+    timestep = np.array([500, 20], t_dtype) if ranks.get("timestep", 1) else np.array(500, t_dtype)
     return {
         "text_encoder": {"input_ids": np.array([[49406, 320, 1125, 49407] + [49407] * 73], ids_dtype)},
         "unet": {"sample": rng.standard_normal((2, 4, 8, 8)).astype(np.float32),
-                 "timestep": np.array([500, 20], t_dtype),
+                 "timestep": timestep,
                  "encoder_hidden_states": rng.standard_normal((2, 77, TINY.context_dim)).astype(np.float32)},
         "vae_encoder": {"sample": rng.standard_normal((1, 3, 64, 64)).astype(np.float32)},
         "vae_decoder": {"latent_sample": rng.standard_normal((1, 4, 8, 8)).astype(np.float32)},
@@ -187,8 +191,19 @@ def test_compile_foreign_folder_matches_its_onnx(folders, tmp_path, layout):
     assert sorted((r["backend"], r["component"]) for r in records) == sorted(
         (b, c) for b in backends for c in ("text_encoder", "unet", "vae_encoder", "vae_decoder"))
     assert all(r["cache"] == "miss" for r in records)
+    _engines_match_folder(folder, records, env["PRECAST_CACHE"])
+    if layout == "optimum":     # a second compile: every engine from the cache
+        again = precast(*args, env=env)
+        assert again.returncode == 0, again.stderr
+        assert [r["cache"] for r in json.loads(again.stdout)["artifacts"]] == ["hit"] * 8
+
+
+def _engines_match_folder(folder: Path, records: list, cache: str) -> None:
+    """Each engine `precast compile` recorded gives the outputs of the folder's own model.onnx run directly in
+    ONNX Runtime on the same inputs (1e-5)."""
+    import onnxruntime as ort
     for rec in records:
-        entry, _ = Cache(env["PRECAST_CACHE"]).get(rec["key"])
+        entry, _ = Cache(cache).get(rec["key"])
         feeds = _feeds(folder, rec["component"])
         got = open_artifact(entry.path, entry.metadata).run(feeds)
         sess = ort.InferenceSession(str(folder / rec["component"] / "model.onnx"), providers=["CPUExecutionProvider"])
@@ -197,10 +212,46 @@ def test_compile_foreign_folder_matches_its_onnx(folders, tmp_path, layout):
         for name, w in want.items():
             np.testing.assert_allclose(got[name], w, rtol=1e-5, atol=1e-5,
                                        err_msg=f"{rec['backend']} {rec['component']} {name}")
-    if layout == "optimum":     # a second compile: every engine from the cache
-        again = precast(*args, env=env)
-        assert again.returncode == 0, again.stderr
-        assert [r["cache"] for r in json.loads(again.stdout)["artifacts"]] == ["hit"] * 8
+
+
+@pytest.fixture(scope="module")
+def real_optimum(tiny_bundle, tmp_path_factory):
+    """The folder optimum's own exporter writes (`optimum-cli export onnx --task text-to-image`, run through
+    its Python API in the side environment of tests/side_env.py: optimum-onnx 0.1.0 needs transformers<4.58)
+    from a tiny seeded diffusers StableDiffusionPipeline, and `precast compile` of it for ONNX Runtime and
+    OpenVINO: (folder, records, cache)."""
+    import side_env
+    tmp = tmp_path_factory.mktemp("real-optimum")
+    report = side_env.run_side({"export": {"tokenizer": str(tiny_bundle[0] / "onnx" / "tokenizer"),
+                                           "model": str(tmp / "diffusers"), "out": str(tmp / "optimum")}},
+                               tmp / "side")
+    assert report["optimum-onnx"] == "0.1.0", report
+    folder, env = tmp / "optimum", {"PRECAST_CACHE": str(tmp / "cache")}
+    proc = precast("compile", folder, "--target", "onnxruntime", "--target", "openvino", "--height", "64",
+                   "--width", "64", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    return folder, json.loads(proc.stdout)["artifacts"], env["PRECAST_CACHE"]
+
+
+def test_real_optimum_export_is_read(real_optimum):
+    from precast.compiler.foreign_onnx import read_foreign
+    folder, records, _ = real_optimum
+    comps, found = read_foreign(folder)
+    assert found["family"] == "sd1" and set(comps) == {"text_encoder", "unet", "vae_encoder", "vae_decoder"}
+    shapes = {c: {t["name"]: t["shape"] for t in comps[c].inputs + comps[c].outputs} for c in comps}
+    assert shapes["unet"]["sample"] == ["batch", 4, "height", "width"]
+    assert shapes["unet"]["timestep"] == []            # optimum-onnx 0.1.0: one scalar timestep
+    assert shapes["unet"]["encoder_hidden_states"] == ["batch", "sequence", 64]
+    assert shapes["vae_encoder"]["sample"] == ["batch", 3, "height", "width"]   # its sample_height / sample_width
+    assert shapes["vae_decoder"]["latent_sample"] == ["batch", 4, "latent_height", "latent_width"]
+    assert sorted((r["backend"], r["component"]) for r in records) == sorted(
+        (b, c) for b in ("onnxruntime", "openvino") for c in ("text_encoder", "unet", "vae_encoder", "vae_decoder"))
+
+
+@pytest.mark.parametrize("component", ["text_encoder", "unet", "vae_encoder", "vae_decoder"])
+def test_real_optimum_engines_match_its_onnx(real_optimum, component):
+    folder, records, cache = real_optimum
+    _engines_match_folder(folder, [r for r in records if r["component"] == component], cache)
 
 
 def test_weights_change_changes_the_key(folders, tmp_path):
