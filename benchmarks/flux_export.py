@@ -184,10 +184,15 @@ class Sampler(threading.Thread):
             except psutil.NoSuchProcess:
                 break
             rss = anon = 0
+            seen: dict[int, tuple] = {}
             for p in procs:
                 try:
-                    rss += p.memory_info().rss
-                    anon += self._anon(p.pid)
+                    mem, a = p.memory_info(), self._anon(p.pid)
+                    seen[p.pid] = (mem.vms, mem.rss, a)
+                    if seen.get(p.ppid()) == seen[p.pid]:
+                        continue    # a vfork child before its exec: its parent's memory, not more of it
+                    rss += mem.rss
+                    anon += a
                 except psutil.NoSuchProcess:
                     pass
             mi = meminfo()

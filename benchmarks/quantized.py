@@ -11,12 +11,13 @@ Parts (--parts, default all):
      streaming), against the plain copy of the same bytes (read the GGUF, write the export's size);
    - `precast compile` of that export for `onnxruntime` weights=int8 (MatMulNBits: the CPU fallback of a
      bf16-only model, computing in fp32), `openvino` weights=int8 and weights=int4 (NNCF; stored as IR
-     since the export is over 4 GiB): build time, peak RSS, artifact size;
+     since the export is over 4 GiB), and weights=gguf for both (the file's Q8_0 / Q4_0 blocks kept, each
+     checked against the export): build time, peak RSS, artifact size;
    - the peer a user would pick for the ONNX Runtime artifact: onnxruntime.quantization's
      MatMulNBitsQuantizer on the same export (it loads the whole model), under the same watchdog;
    - each artifact opened with the runtime's session (runtime/sessions.py) and called once at 256x256
      (256 image tokens + 64 T5 tokens): load time, call time, peak host memory -- the 12 B CPU fallback.
-   Disk: the GGUF is deleted once exported, each artifact once measured (peak ~40 GB).
+   Disk: the GGUF is deleted once built from, each artifact once measured (peak ~50 GB).
 2. slice: the Flux slice of benchmarks/flux_step.py (full width, 2 double + 2 single blocks, 1024 image +
    512 T5 tokens), exported fp32, built for onnxruntime (fp32, int8) and openvino (f32, int8, int4),
    each timed over --steps calls in a fresh process (median after a warm-up), output compared with the
@@ -31,6 +32,7 @@ All files live in one work folder (default benchmarks/results/work/quantized), d
 on failure or interrupt. Usage:
   .venv/bin/python benchmarks/quantized.py [--parts gguf,slice] [--types Q8_0,Q4_K] [--steps 3]
       [--cap-gib 20] [--work DIR] [--json OUT] [--small]   (--small: a 1+1-block full-width Flux)
+      [--builds onnxruntime-gguf,...] [--sessions LABEL,...]   (types: Q8_0, Q4_0, Q4_K)
 """
 from __future__ import annotations
 
@@ -78,7 +80,8 @@ def write_flux_gguf(path: Path, cfg, qtype_name: str, seed: int = 0) -> dict:
             plan.append((name, shape, qtype))
     w = gguf.GGUFWriter(str(path), arch="flux")
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    w.add_file_type(int({"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_M}[qtype_name]))
+    w.add_file_type(int({"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+                         "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_M}[qtype_name]))
     nbytes = {}
     for name, shape, t in plan:
         n = int(np.prod(shape))
@@ -99,8 +102,9 @@ def write_flux_gguf(path: Path, cfg, qtype_name: str, seed: int = 0) -> dict:
                                 .reshape(shape))
             continue
         blocks = _random_bytes(pool, nbytes[name], i).reshape(-1, size)
-        scale = (rng.uniform(0.5, 1.0, blocks.shape[0]) * (0.05 / 127 if t == Q.Q8_0 else 0.3 / 945)).astype(np.float16)
-        for off in ((0,) if t == Q.Q8_0 else (0, 2)):          # Q8_0: d; Q4_K: d and dmin
+        largest = {Q.Q8_0: 127, Q.Q4_0: 8, Q.Q4_K: 945 / 0.3 * 0.05}[t]          # |q| / d at most
+        scale = (rng.uniform(0.5, 1.0, blocks.shape[0]) * 0.05 / largest).astype(np.float16)
+        for off in ((0, 2) if t == Q.Q4_K else (0,)):          # Q8_0 / Q4_0: d; Q4_K: d and dmin
             blocks[:, off:off + 2] = scale.view(np.uint8).reshape(-1, 2)
         w.write_tensor_data(blocks.reshape(shape[0], -1))
     w.close()
@@ -229,6 +233,14 @@ def session_inputs(path: Path, image: int, t5: int, cfg) -> None:
 
 
 # ---- part 1: GGUF at full size ------------------------------------------------------------
+BUILDS = [("onnxruntime-int8", "onnxruntime", ["weights=int8"]), ("onnxruntime-gguf", "onnxruntime", ["weights=gguf"]),
+          ("openvino-int8", "openvino", ["weights=int8"]), ("openvino-gguf", "openvino", ["weights=gguf"]),
+          ("openvino-int4", "openvino", ["weights=int4"])]
+# per file type: what its user builds (gguf: the file's own blocks kept, Q8_0 / Q4_0 only)
+BUILDS_FOR = {"Q8_0": ("onnxruntime-int8", "onnxruntime-gguf", "openvino-int8", "openvino-gguf", "openvino-int4"),
+              "Q4_0": ("onnxruntime-gguf", "openvino-gguf"), "Q4_K": ("openvino-int4",)}
+
+
 def part_gguf(work: Path, qtype: str, cfg, opts) -> dict:
     from flux_export import plain_copy
     out: dict = {"type": qtype}
@@ -249,21 +261,18 @@ def part_gguf(work: Path, qtype: str, cfg, opts) -> dict:
     logs.mkdir(exist_ok=True)
     out["copy"] = plain_copy(src, folder_bytes(export / "transformer"), work, logs, f"copy-{qtype}")
     print(f"  plain copy of the GGUF to the export's size: {out['copy'].get('wall_s')} s", flush=True)
-    src.unlink()
     inputs = work / "session_inputs.npz"
     session_inputs(inputs, SESSION_IMAGE, SESSION_T5, cfg)
-    builds = [("onnxruntime-int8", "onnxruntime", ["weights=int8"]), ("openvino-int8", "openvino", ["weights=int8"]),
-              ("openvino-int4", "openvino", ["weights=int4"])]
-    if qtype != opts.types[0]:
-        builds = [b for b in builds if b[0] == "openvino-int4"]     # the Q4 user's path; the rest as for Q8_0
+    builds = [b for b in BUILDS if b[0] in BUILDS_FOR[qtype] and (not opts.builds or b[0] in opts.builds)]
     for label, target, options in builds:
         cache = work / f"cache-{qtype}-{label}"
         b = compile_step(f"compile {label}", export, cache, target, options, SESSION_IMAGE, SESSION_T5, work, opts.cap)
         out[label] = b
-        if b["rc"] == 0:
+        if b["rc"] == 0 and (not opts.sessions or label in opts.sessions):
             b["session"] = run_session(f"session {label}", work, {"kind": "session", "entry": b["entry"],
                                                                     "inputs": str(inputs), "steps": 1}, opts.cap)
         shutil.rmtree(cache, ignore_errors=True)
+    src.unlink()                    # weights=gguf reads its blocks from it: kept until the builds are done
     if qtype == opts.types[0] and not opts.no_peer:
         peer = work / "peer"
         peer.mkdir(exist_ok=True)
@@ -346,7 +355,7 @@ def print_report(res: dict) -> None:
               f"plain copy {c.get('wall_s')} s -> {e.get('wall_s', 0) / max(c.get('wall_s') or 1, 1e-9):.2f}x")
         print(f"  {'artifact':<20}{'build s':>9}{'peak RSS GB':>13}{'size GB':>9}{'load s':>8}{'call s':>8}"
               f"{'session peak GB':>17}")
-        for label in ("onnxruntime-int8", "openvino-int8", "openvino-int4"):
+        for label, _, _ in BUILDS:
             b = g.get(label)
             if not b:
                 continue
@@ -355,6 +364,10 @@ def print_report(res: dict) -> None:
                   f"{b.get('size_gb', 0) or 0:>9.2f}{s.get('load_s', 0) or 0:>8.1f}"
                   f"{(s.get('times') or [0])[0]:>8.1f}{s.get('sampled_peak_rss_gb', 0):>17.2f}"
                   + (f"  [{b['watchdog_kill']}]" if b.get("watchdog_kill") else ""))
+        for kind in ("onnxruntime", "openvino"):     # keeping the file's blocks against quantizing again
+            kept, redone = g.get(f"{kind}-gguf", {}).get("wall_s"), g.get(f"{kind}-int8", {}).get("wall_s")
+            if kept and redone:
+                print(f"  {kind}: weights=gguf builds in {kept / redone:.2f}x the time of weights=int8")
         p = g.get("peer_quantizer")
         if p:
             print(f"  peer MatMulNBitsQuantizer: rc {p['rc']} after {p['wall_s']:.0f} s, peak RSS "
@@ -387,7 +400,11 @@ def main() -> None:
     ap.add_argument("--work", default=str(HERE / "results" / "work" / "quantized"))
     ap.add_argument("--json", default=str(HERE / "results" / "quantized.json"))
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--builds", default="", help="only these builds (e.g. onnxruntime-gguf,openvino-gguf)")
+    ap.add_argument("--sessions", default="", help="open a session only for these builds (default: every build)")
     opts = ap.parse_args()
+    opts.builds = [b for b in opts.builds.split(",") if b]
+    opts.sessions = [b for b in opts.sessions.split(",") if b]
     if opts.child:
         return child_main(opts.child)
     from machine import describe

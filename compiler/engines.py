@@ -32,6 +32,8 @@ class ExportedComponent:
     sizes: dict | None = None   # file name -> bytes, as the export recorded them
     dtype: str | None = None    # fp32 / fp16 / bf16 as the export recorded it (else read from the IO)
     max_positions: int | None = None   # a CLIP text encoder's learned positions (77): the most tokens it takes
+    gguf_blocks: Path | None = None    # where the weights copied from GGUF Q8_0 / Q4_0 blocks lie (weights: gguf)
+    from_gguf: bool = False            # the export's source was a .gguf file
 
     @property
     def export_dtype(self) -> str:
@@ -51,13 +53,20 @@ def read_export(folder: str | Path) -> dict[str, ExportedComponent]:
         raise BadInput(f"{folder}: not a precast export folder (no precast_export.json); run `precast export` first")
     try:
         report = json.loads(index.read_text())
+        gguf = bool(report.get("source_quantization"))
         comps = {c["name"]: ExportedComponent(c["name"], folder / c["path"], c["inputs"], c["outputs"],
                                               dict(c.get("files") or {}), c.get("dtype"),
-                                              _positive_int((c.get("config") or {}).get("max_positions")))
+                                              _positive_int((c.get("config") or {}).get("max_positions")),
+                                              _gguf_blocks(folder / c["path"], c.get("gguf_blocks")), gguf)
                  for c in report["components"]}
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise BadInput(f"{index}: damaged ({e}); export again") from None
     return comps
+
+
+def _gguf_blocks(onnx_path: Path, record) -> Path | None:
+    name = record.get("file") if isinstance(record, dict) else None
+    return onnx_path.parent / name if isinstance(name, str) and "/" not in name and "\\" not in name else None
 
 
 def _positive_int(value) -> int | None:
@@ -141,6 +150,8 @@ def artifact_key(comp: ExportedComponent, spec: TargetSpec, shapes: dict, toolch
         "fingerprint": fingerprint,
         "toolchain": {**toolchain, "precast": PRECAST_VERSION},
         **({"quantizer": quantizer_versions(spec)} if spec.get("weights") else {}),   # weight-only quantization
+        **({"gguf_blocks_sha256": input_digest(comp.gguf_blocks, memo_dir)}     # where the kept blocks lie
+           if spec.get("weights") == "gguf" and comp.gguf_blocks is not None and comp.gguf_blocks.is_file() else {}),
     })
 
 
@@ -150,6 +161,10 @@ def preflight(comp: ExportedComponent, spec: TargetSpec, profile: ShapeProfile) 
     refittable without a driver), a backend not installed, a device not present, the shapes."""
     check_exported(comp)
     check_buildable(spec, comp.export_dtype, comp.name)
+    if spec.get("weights") == "gguf" and not comp.from_gguf:
+        raise BadInput(f"{comp.name} for {spec.label()}: weights=gguf keeps the quantized blocks of the .gguf file an "
+                       f"export was made from; {comp.onnx_path.parent.parent} was not exported from one: build with "
+                       "weights: int8 or int4")
     get_target(spec.backend).fingerprint(spec)      # a device that is not here; MIGraphX without a gfx name
     profile.input_shapes(comp.name, comp.inputs)
     reads_tokens = any("sequence" in i["shape"] for i in comp.inputs)
@@ -171,7 +186,8 @@ def compile_component(comp: ExportedComponent, spec: TargetSpec, profile: ShapeP
     fingerprint = target.fingerprint(spec).to_string()
     shapes = profile.input_shapes(comp.name, comp.inputs)
     key = artifact_key(comp, spec, shapes, toolchain, fingerprint, cache.root)
-    job = BuildJob(comp.onnx_path, comp.name, comp.inputs, shapes, progress)
+    job = BuildJob(comp.onnx_path, comp.name, comp.inputs, shapes, progress,
+                   {"gguf_blocks": comp.gguf_blocks} if spec.get("weights") == "gguf" else {})
 
     def build(folder: Path) -> dict:
         b0 = time.perf_counter()

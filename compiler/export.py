@@ -26,7 +26,7 @@ from .interop import write_pipeline_folder
 from .sources.checkpoint import Checkpoint, open_checkpoint
 from .sources.config_fields import field
 from .sources.detect import Family, detect_family, require_supported
-from .sources.gguf_file import source_quantization
+from .sources.gguf_file import GGUF_BLOCKS, carried_blocks, source_quantization
 
 
 IGNORED_SUFFIXES = ("position_ids", "attn_mask", "logit_scale")  # buffers some saves carry; not weights
@@ -173,9 +173,11 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
                     transform=merged.transform if merged else None,
                     exact=frozenset(merged.touched()) if merged else frozenset())
                 graph = g.to_proto()
+                blocks = _record_gguf_blocks(g, folder, merged.touched() if merged else set())
                 report["components"].append({
                     "name": comp.name, "path": comp.name + "/model.onnx", "config": cfg,
                     "dtype": DTYPE_NAMES[g.dtype], **({"precision_notes": g.notes} if g.notes else {}),
+                    **({"gguf_blocks": blocks} if blocks else {}),
                     "inputs": _io(graph.input), "outputs": _io(graph.output),
                     "files": {os.path.basename(p): os.path.getsize(p) for p in (model_path, data_path)}})
         written = [c.name for c, _, _ in planned]
@@ -189,6 +191,22 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
     report["out"] = str(out)
     report["seconds"] = round(time.perf_counter() - t0, 3)
     return report
+
+
+def _record_gguf_blocks(g, folder: Path, touched: set[str]) -> dict | None:
+    """`folder/gguf_blocks.json`: for each weight the export copied unchanged from GGUF Q8_0 / Q4_0 blocks
+    (no LoRA merged into it), where those blocks lie, so that a target built with `weights: gguf` keeps
+    them as they are (compiler/targets/gguf_blocks.py). Returns the component's record of it, or None."""
+    tensors = {w.name: b for w in g.weights.values() if w.key not in touched
+               and (b := carried_blocks(g.ckpt.refs[w.key])) is not None}
+    if not tensors:
+        return None
+    files = {f: os.path.getsize(f) for b in tensors.values() for f, _, _ in b["segments"]}
+    (folder / GGUF_BLOCKS).write_text(json.dumps({"files": files, "tensors": tensors}, sort_keys=True) + "\n")
+    types: dict[str, int] = {}
+    for b in tensors.values():
+        types[b["type"]] = types.get(b["type"], 0) + 1
+    return {"file": GGUF_BLOCKS, "weights": len(tensors), "types": dict(sorted(types.items()))}
 
 
 CONTROLNET_PREFIX = "controlnet_"

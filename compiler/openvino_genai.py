@@ -20,7 +20,8 @@ Weights are stored fp16 only for an fp16 component (bf16 stays bf16), never comp
 SD 1.x / 2.x, SDXL base: GenAI runs DDIM, Euler, Euler ancestral, PNDM and LCM, not precast's default
 DPM++ 2M: the folder's scheduler is Euler discrete (`leading` spacing, steps_offset 1), which is
 `precast generate --scheduler euler`'s schedule, so the same noise gives the same image. SDXL's and
-SD3's CLIP models have their outputs laid out as GenAI indexes them (hidden_state_outputs).
+SD3's CLIP models output every hidden state in optimum's order, which is how GenAI indexes them
+(hidden_state_outputs).
 Flux (dev, schnell) and SD3 / SD3.5 (with or without T5): GenAI's FluxPipeline /
 StableDiffusion3Pipeline with the export's own flow-matching schedule, which both sample as precast
 does (Flux: sigmas linspace(1, 1/steps), SD3: the scheduler's default; check_flow_schedule). GenAI pads
@@ -164,20 +165,31 @@ def convert_component(ov, onnx_path: Path, name: str, dtype: str):
     return model
 
 
-def hidden_state_outputs(ov, model, name: str, layers: int, pooled: bool):
+def hidden_state_outputs(ov, model, name: str, layers: int, pooled: bool, recorded: str | None = None):
     """SDXL, SD3: GenAI reads the text states as output `num_hidden_layers + 1` of each CLIP model
-    (optimum's order: last_hidden_state or text_embeds, then hidden_states.0..N) and the pooled
-    text_embeds as output 0 where it pools (`pooled`: SDXL's text_encoder_2, both of SD3's). precast's
-    graphs output only the layer these use (hidden_states.N-1, the penultimate), plus text_embeds: their
-    Results are repeated so those indices hold them."""
+    (optimum's order: text_embeds, last_hidden_state or last_hidden_state, pooler_output, then
+    hidden_states.0..N) and the pooled text_embeds as output 0 where it pools (`pooled`: SDXL's
+    text_encoder_2, both of SD3's). precast's graphs output that layout (compiler/graphs/clip_text.py):
+    its Results are kept in that order, and the slot GenAI reads holds the state the export recorded
+    (`recorded`, the config's hidden_name: the penultimate hidden_states.N-1 unless clip_skip chose
+    another). An export from before that layout (one hidden_states output, plus text_embeds) has its
+    one state repeated so those indices hold it."""
     from openvino import opset13 as ops
     outs = {p.get_any_name(): p for p in model.outputs}
-    states = [p for n, p in outs.items() if n.startswith("hidden_states") or n == "last_hidden_state"]
-    if len(states) != 1 or (pooled and "text_embeds" not in outs):
-        raise BadInput(f"{name}: outputs {sorted(outs)}; expected one hidden_states output"
-                       + (" and text_embeds" if pooled else ""))
-    first = outs["text_embeds"] if pooled else states[0]
-    order = [first] + [states[0]] * (layers + 1)
+    every = [f"hidden_states.{i}" for i in range(layers + 1)]
+    heads = ["text_embeds", "last_hidden_state"] if pooled else ["last_hidden_state", "pooler_output"]
+    if all(n in outs for n in every + heads):
+        order = [outs[n] for n in heads + every]
+        if recorded in outs:
+            order[layers + 1] = outs[recorded]
+    else:
+        states = [p for n, p in outs.items() if n.startswith("hidden_states") or n == "last_hidden_state"]
+        if len(states) != 1 or (pooled and "text_embeds" not in outs):
+            raise BadInput(f"{name}: outputs {sorted(outs)}; expected {', '.join(heads)}, hidden_states.0 .. "
+                           f"hidden_states.{layers} (optimum's layout), or one hidden_states output"
+                           + (" and text_embeds" if pooled else ""))
+        first = outs["text_embeds"] if pooled else states[0]
+        order = [first] + [states[0]] * (layers + 1)
     results = [ops.result(p.get_node().input_value(0)) for p in order]   # model.outputs are its Results' ports
     return ov.Model(results, model.get_parameters(), name)
 
@@ -246,7 +258,8 @@ def export_openvino_genai(export_dir: str | Path, out: str | Path, progress=None
             comp = comps[name]
             model = convert_component(ov, comp.onnx_path, name, comp.export_dtype)
             if family in POOLED_FIRST and name in ("text_encoder", "text_encoder_2"):
-                model = hidden_state_outputs(ov, model, name, configs[name]["layers"], name in POOLED_FIRST[family])
+                model = hidden_state_outputs(ov, model, name, configs[name]["layers"], name in POOLED_FIRST[family],
+                                             configs[name].get("hidden_name"))
             (staging / name).mkdir()
             ov.save_model(model, str(staging / name / "openvino_model.xml"), compress_to_fp16=comp.export_dtype == "fp16")
             written.append({"name": name, "dtype": comp.export_dtype,

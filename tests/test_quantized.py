@@ -67,17 +67,20 @@ def _kind(a: dict) -> str:
 
 
 def _linear_weights(onnx_path) -> int:
-    """MatMuls of the export whose B is a weight: an initializer, maybe through Transpose / Slice."""
+    """MatMuls of the export whose B is a weight: an initializer, maybe through Transpose / Slice, reducing
+    over 16 values or more (Flux's RoPE frequency table [3, 8], also a constant MatMul operand, is no weight)."""
     import onnx
     m = onnx.load(str(onnx_path), load_external_data=False)
-    inits = {t.name for t in m.graph.initializer}
+    inits = {t.name: t for t in m.graph.initializer}
     producer = {o: n for n in m.graph.node for o in n.output}
     count = 0
     for n in m.graph.node:
         x = n.input[1] if n.op_type == "MatMul" else None
+        transposed = False
         while x is not None and x not in inits and x in producer and producer[x].op_type in ("Transpose", "Slice"):
+            transposed |= producer[x].op_type == "Transpose"
             x = producer[x].input[0]
-        count += x in inits
+        count += x in inits and inits[x].dims[1 if transposed else 0] >= 16
     return count
 
 

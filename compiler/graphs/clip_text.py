@@ -4,7 +4,12 @@
 Owns: the text-encoder graph for every family, its config inferred from tensor shapes, and
 which hidden state each family uses (SD 1.x: last layer + final LayerNorm; SD 2.x: penultimate
 + final LayerNorm; SDXL: penultimate without it, plus bigG's projected pooled output; SD3: the
-penultimate of CLIP-L and CLIP-G, both with projected pooled outputs). The fused
+penultimate of CLIP-L and CLIP-G, both with projected pooled outputs). SDXL's and SD3's encoders
+output what transformers' CLIPTextModel(WithProjection) returns with output_hidden_states=True, in
+optimum's ONNX order: [text_embeds,] last_hidden_state[, pooler_output], hidden_states.0 .. hidden_states.N
+(N + 1 of them: the embeddings, then each layer's output), so optimum's and optimum-intel's SDXL / SD3
+pipelines and OpenVINO GenAI index them as they index optimum's own export; precast's runtime reads the
+one the config names (`hidden_name`, the penultimate unless clip_skip says otherwise). The fused
 OpenCLIP q/k/v projection is bound as one weight and split in the graph, not copied around.
 Heads are not in the weights: CLIP uses 64-wide heads; a diffusers folder's config.json or an
 override (`text_encoder.num_heads`) says otherwise.
@@ -49,6 +54,7 @@ class ClipTextConfig:
     hidden_name: str = "last_hidden_state"
     pooled: str = "pooler_output"    # pooler_output (from the hidden output) | text_embeds (last layer, projected) | none
     projection: int = 0              # text_embeds width (0: no projected output)
+    all_hidden_states: bool = False  # every layer's output too, laid out as optimum's export (SDXL, SD3)
 
     def describe(self) -> dict:
         return asdict(self)
@@ -74,6 +80,7 @@ def clip_text_config(g: Graph, config_json: dict, overrides: dict, role: str = "
     if layers == 0:
         raise BadInput(f"{g.ckpt.path}: text encoder under {g.prefix} has no layers")
     where = f"{g.ckpt.path} {g.name}/config.json"
+    every = False
     heads = overrides.get("num_heads") or field(config_json, "num_attention_heads", "count", max(1, hidden // 64), where)
     if hidden % int(heads):
         raise BadInput(f"text_encoder.num_heads={heads} does not divide the hidden size {hidden}")
@@ -86,6 +93,7 @@ def clip_text_config(g: Graph, config_json: dict, overrides: dict, role: str = "
     elif role in ("sdxl-l", "sdxl-g", "sd3-l", "sd3-g"):
         hidden_layer, norm, name = layers - 1, False, f"hidden_states.{layers - 1}"
         pooled = "none" if role == "sdxl-l" else "text_embeds"
+        every = True
     else:
         hidden_layer, norm, name, pooled = layers, True, "last_hidden_state", "pooler_output"
     skip = int(overrides.get("clip_skip", 1)) - 1
@@ -93,6 +101,8 @@ def clip_text_config(g: Graph, config_json: dict, overrides: dict, role: str = "
         hidden_layer -= skip
         if not 1 <= hidden_layer <= layers:
             raise BadInput(f"text_encoder.clip_skip={skip + 1}: the encoder has {layers} layers")
+        if every:
+            name = f"hidden_states.{hidden_layer}"
     return ClipTextConfig(
         layout=layout, vocab=vocab, hidden=hidden, layers=layers, heads=int(heads),
         intermediate=g.shape(f"{L['layer'].format(0)}.{L['fc1']}.weight")[0], max_positions=g.shape(L["pos"])[0],
@@ -100,7 +110,7 @@ def clip_text_config(g: Graph, config_json: dict, overrides: dict, role: str = "
         eps=float(field(config_json, "layer_norm_eps", "positive", 1e-5, where)),
         eos_token_id=int(overrides.get("eos_token_id", field(config_json, "eos_token_id", "index", None, where) or 49407)),
         hidden_layer=hidden_layer, hidden_norm=norm, hidden_name=name, pooled=pooled,
-        projection=_projection_width(g, L, layout) if pooled == "text_embeds" else 0)
+        projection=_projection_width(g, L, layout) if pooled == "text_embeds" else 0, all_hidden_states=every)
 
 
 def _projection_width(g: Graph, L: dict, layout: str) -> int:
@@ -169,8 +179,8 @@ def build_clip_text(g: Graph, cfg: ClipTextConfig) -> None:
     mask = g.op("Slice", g.const(_causal_mask(cfg.max_positions), hint="causal_mask"),
                 g.ints(0, 0), g.op("Concat", seq, seq, axis=0), g.ints(0, 1))
     act = g.quick_gelu if cfg.activation == "quick_gelu" else g.gelu
-    run = cfg.layers if cfg.pooled == "text_embeds" else cfg.hidden_layer
-    hidden = None
+    run = cfg.layers if cfg.pooled == "text_embeds" or cfg.all_hidden_states else cfg.hidden_layer
+    hidden, states = None, [x]       # states: hidden_states.0 (the embeddings), then each layer's output
     for i in range(cfg.layers):
         p = L["layer"].format(i)
         if i >= run:  # layers after the one the model reads: belong to the checkpoint, not the graph
@@ -185,24 +195,51 @@ def build_clip_text(g: Graph, cfg: ClipTextConfig) -> None:
         x = g.op("Add", x, g.linear(g.attention(q, k, v, cfg.heads, cfg.hidden, mask=mask), f"{p}.{L['out']}"))
         h = act(g.linear(g.layer_norm(x, f"{p}.{L['ln2']}", cfg.eps), f"{p}.{L['fc1']}"))
         x = g.op("Add", x, g.linear(h, f"{p}.{L['fc2']}"))
+        states.append(x)
         if i + 1 == cfg.hidden_layer:
             hidden = x
+    eos = _eos_position(g, ids, cfg)
+    if cfg.all_hidden_states:
+        _all_hidden_outputs(g, cfg, L, states, eos)
+        return
     used_final = cfg.hidden_norm or cfg.pooled == "text_embeds"
     out = g.layer_norm(hidden, L["final"], cfg.eps) if cfg.hidden_norm else hidden
     g.output(out, cfg.hidden_name, g.dtype, ["batch", "sequence", cfg.hidden])
-    eos = _eos_position(g, ids, cfg)
     if cfg.pooled == "pooler_output":
         g.output(g.op("GatherND", out, eos, batch_dims=1), "pooler_output", g.dtype, ["batch", cfg.hidden])
     elif cfg.pooled == "text_embeds":
-        pooled = g.op("GatherND", g.layer_norm(x, L["final"], cfg.eps), eos, batch_dims=1)
-        if cfg.layout == "hf":
-            proj = g.linear(pooled, "text_projection", bias=False)
-            dim = g.shape(L["proj"])[0]
-        else:
-            proj = g.op("MatMul", pooled, g.param(L["proj"]))
-            dim = g.shape(L["proj"])[1]
-        g.output(proj, "text_embeds", g.dtype, ["batch", dim])
+        g.output(_projected(g, cfg, L, g.layer_norm(x, L["final"], cfg.eps), eos), "text_embeds", g.dtype,
+                 ["batch", cfg.projection])
     if not used_final:
         g.skip([k for k in _layer_keys(g, L["final"])])
     if cfg.pooled != "text_embeds" and g.has(L["proj"]):
         g.skip([L["proj"]])
+
+
+def _projected(g: Graph, cfg: ClipTextConfig, L: dict, last: str, eos: str) -> str:
+    """text_embeds: the final-normed last layer at the first EOS, through text_projection."""
+    pooled = g.op("GatherND", last, eos, batch_dims=1)
+    if cfg.layout == "hf":
+        return g.linear(pooled, "text_projection", bias=False)
+    return g.op("MatMul", pooled, g.param(L["proj"]))
+
+
+def _all_hidden_outputs(g: Graph, cfg: ClipTextConfig, L: dict, states: list[str], eos: str) -> None:
+    """What transformers' CLIPTextModel(WithProjection)(output_hidden_states=True) returns, in optimum's
+    ONNX order: text_embeds, last_hidden_state (projected) or last_hidden_state, pooler_output (plain),
+    then hidden_states.0 .. hidden_states.N. optimum's ORTTextEncoder pops hidden_states.0..N-1 and
+    appends last_hidden_state, optimum-intel keeps every hidden_states.* output, GenAI reads output
+    N + 1 (hidden_states.N-1, the penultimate) and output 0 (the pooled embedding where it pools):
+    each finds its tensor where it finds it in optimum's own export."""
+    seq = ["batch", "sequence", cfg.hidden]
+    last = g.layer_norm(states[-1], L["final"], cfg.eps)
+    if cfg.pooled == "text_embeds":
+        g.output(_projected(g, cfg, L, last, eos), "text_embeds", g.dtype, ["batch", cfg.projection])
+        g.output(last, "last_hidden_state", g.dtype, seq)
+    else:
+        g.output(last, "last_hidden_state", g.dtype, seq)
+        g.output(g.op("GatherND", last, eos, batch_dims=1), "pooler_output", g.dtype, ["batch", cfg.hidden])
+        if g.has(L["proj"]):
+            g.skip([L["proj"]])
+    for i, state in enumerate(states):
+        g.output(state, f"hidden_states.{i}", g.dtype, seq)

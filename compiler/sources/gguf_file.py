@@ -292,3 +292,37 @@ def source_quantization(refs) -> dict[str, int]:
                 seen.add((id(f), key))
                 out[f.tensors[key].dtype] = out.get(f.tensors[key].dtype, 0) + 1
     return dict(sorted(out.items()))
+
+
+CARRIED = ("Q8_0", "Q4_0")     # block formats a target can keep as they are (compiler/targets/gguf_blocks.py)
+GGUF_BLOCKS = "gguf_blocks.json"   # beside a component's model.onnx: where its carried weights' blocks lie
+
+
+def carried_blocks(ref) -> dict | None:
+    """Where the blocks of a 2-D weight lie when every byte of it is one GGUF block format a target
+    can keep (CARRIED): {"type", "shape" [N, K], "segments": [[file, offset, rows]]}, the weight's rows
+    being those segments' rows in order (a fused weight: one segment per part). Blocks run along the
+    last axis, so a row of K values is K / 32 whole blocks wherever the file's converter flattened the
+    tensor; None for anything else (float or K-quant storage, a scale, a width the block does not divide)."""
+    parts = ref.parts or (ref,)
+    if len(ref.shape) != 2 or any(not isinstance(p.file, GGUFFile) or p.scale or p.parts for p in parts):
+        return None
+    kinds = {p.file.tensors[p.key].dtype for p in parts}
+    if len(kinds) != 1 or (kind := kinds.pop()) not in CARRIED:
+        return None
+    n, k = ref.shape
+    block, size = _sizes(_gguf(parts[0].file.path).GGMLQuantizationType[kind])
+    if k % block:
+        return None
+    row_bytes = k // block * size
+    segments = []
+    for p in parts:
+        info = p.file.tensors[p.key]
+        rows = (info.end - info.start) // row_bytes
+        if rows * row_bytes != info.end - info.start:
+            return None
+        a, b = p.rows or (0, rows)
+        segments.append([os.path.abspath(p.file.path), info.start + a * row_bytes, b - a])
+    if sum(r for _, _, r in segments) != n:
+        return None
+    return {"type": kind, "shape": [n, k], "segments": segments}

@@ -44,8 +44,8 @@ OPTION_TYPES: dict[str, tuple[str, object]] = {   # free-form option -> (what it
     "gfx": ("a gfx name such as gfx1100", _text),
     "threads": (f"an integer from 0 to {MAX_COUNT} (0: OpenVINO decides)", lambda v: _count(v, 0)),
     "num_streams": (f"an integer from 1 to {MAX_COUNT} or AUTO", lambda v: _count(v, 1) or v == "AUTO"),
-    "weights": ("a weight format: int8 or int4 (openvino, onnxruntime), fp8 or int8 (tensorrt-rtx)",
-                lambda v: v in ("int8", "int4", "fp8")),
+    "weights": ("a weight format: int8, int4 or gguf (openvino, onnxruntime), fp8 or int8 (tensorrt-rtx)",
+                lambda v: v in ("int8", "int4", "fp8", "gguf")),
     "compute_capabilities": ("a list such as [sm_86, sm_89]",
                              lambda v: _text(v) or (isinstance(v, list) and all(
                                  _text(c) or _count(c, 0) or type(c) is float for c in v))),

@@ -23,6 +23,7 @@ from ...runtime.fingerprint import Fingerprint
 from ..errors import BadInput
 from .base import BuildJob, required_inputs, TargetSpec
 from .onnxruntime_groupnorm import rewrite_group_norms
+from . import gguf_blocks
 from .quantize import quantize_onnxruntime, quantized
 
 PROTOBUF_LIMIT = 2 << 30
@@ -73,9 +74,12 @@ class OnnxRuntimeTarget:
         size = job.onnx_path.stat().st_size + (data.stat().st_size if data.exists() else 0)
         note = "not simplified (over protobuf's 2 GB limit)" if size >= PROTOBUF_LIMIT else ""
         optimize = bool(spec.get("optimize", True))
+        weights_option = spec.get("weights") if quantized(job.component) else None
         with tempfile.TemporaryDirectory(dir=folder, prefix=".simplified-") as tmp:
             source = job.onnx_path
             simplified = False
+            if weights_option == "gguf":     # onnxsim folds Transpose(W) into new tensors: the record names W
+                note = note or "not simplified (weights: gguf reads the export's weights by name)"
             if spec.get("simplify", True) and not note and self.toolchain()["onnxsim"] != "absent":
                 _note(job, "onnxsim")
                 source = _simplified(job.onnx_path, Path(tmp), job.shapes if optimize else {}) or source
@@ -87,8 +91,9 @@ class OnnxRuntimeTarget:
                 _note(job, f"quantize {weights}")
                 quantized_path = Path(tmp) / "quantized" / "model.onnx"
                 quantized_path.parent.mkdir()
+                carried = gguf_blocks.of(job.extra.get("gguf_blocks")) if weights == "gguf" else None
                 compression = {"format": weights, **quantize_onnxruntime(source, quantized_path, weights,
-                                                                         spec.get("block_size"))}
+                                                                         spec.get("block_size"), carried)}
                 source = quantized_path
             if optimize:
                 _note(job, "optimize")

@@ -22,6 +22,7 @@ from ...runtime.cpu import cpu_flags, default_precision, isa_level
 from ...runtime.fingerprint import Fingerprint
 from ..errors import BadInput
 from .base import BuildJob, TargetSpec
+from . import gguf_blocks
 from .quantize import compress_openvino, quantized, transposes_into_matmuls, weights_as_parts
 
 IR_OVER = 4 << 30      # store: auto keeps exports over 4 GiB as IR (see the module docstring)
@@ -84,9 +85,10 @@ class OpenVinoTarget:
             return self._build(job, spec, folder, job.onnx_path)
         with tempfile.TemporaryDirectory(dir=folder, prefix=".weights-") as tmp:   # quantize.py: parts, fp32 graph
             _note(job, "weights as parts")
-            return self._build(job, spec, folder, weights_as_parts(job.onnx_path, Path(tmp)))
+            parts: dict = {}
+            return self._build(job, spec, folder, weights_as_parts(job.onnx_path, Path(tmp), parts), parts)
 
-    def _build(self, job: BuildJob, spec: TargetSpec, folder: Path, source: Path) -> dict:
+    def _build(self, job: BuildJob, spec: TargetSpec, folder: Path, source: Path, parts: dict | None = None) -> dict:
         ov = self._ov()
         device = spec.get("device", "CPU")
         core = ov.Core()
@@ -94,6 +96,8 @@ class OpenVinoTarget:
         model = core.read_model(str(source))
         weights = spec.get("weights") if quantized(job.component) else None
         folded = transposes_into_matmuls(model) if weights else 0     # before reshape could fold a copy
+        carried = gguf_blocks.of(job.extra.get("gguf_blocks")) if weights == "gguf" else None
+        kept = gguf_blocks.into_openvino(model, carried, parts or {}, job.onnx_path) if carried else {}
         from ...runtime.sessions import restore_input_defaults
         restore_input_defaults(model, ov)    # token_embeddings_extra: read as a constant, made an input again
         if job.static:
@@ -119,6 +123,8 @@ class OpenVinoTarget:
             _note(job, f"compress_weights {weights}")
             model, compression = compress_openvino(model, weights, spec.get("group_size"))
             compression["transposes_folded"] = folded
+            if weights == "gguf":
+                compression["gguf_blocks"] = kept
         if self.stores_ir(spec, job.onnx_path):
             _note(job, "save_model")
             ov.save_model(model, str(folder / "model.xml"), compress_to_fp16=False)

@@ -15,11 +15,14 @@ convolutions decide image quality), and the graph rewrites themselves:
   optimization. Streamed: one weight in memory at a time (a 12 B transformer quantizes in a few GB);
   a bf16 export comes out computing in fp32, so the CPU fallback of a bf16-only model is one build.
 - TensorRT-RTX: DequantizeLinear on each MatMul weight (fp8 e4m3 or int8, symmetric, one scale
-  per output channel computed from the weights' absolute maximum); TensorRT-RTX fuses it into the GEMM.
-The exports write MatMul(x, Transpose(W)), fused weights cut by a Slice first. ONNX Runtime and OpenVINO
-follow those chains (a weight's parts quantized one by one); the TensorRT-RTX rewrite still loads the
-whole model and quantizes only weights read directly or through a Transpose (`fold_weight_transposes`
-first stores W transposed, so a MatMul reads its weight initializer directly).
+  per output channel computed from the weights' absolute maximum), quantize_tensorrt.py.
+- `weights: gguf` (OpenVINO, ONNX Runtime): the Q8_0 / Q4_0 blocks of the .gguf file the export was
+  made from kept as they are (gguf_blocks.py), the other weights int8 as above.
+A constant MatMul operand reducing over fewer than MIN_K values is a table (Flux's RoPE frequencies),
+not a Linear: never quantized (an int8 angle table shifts every position's rotation).
+The exports write MatMul(x, Transpose(W)), fused weights cut by a Slice first. Every rewrite follows those
+chains (`_matmul_weight_sources`; a weight's parts quantized one by one) and streams: one weight in memory
+at a time.
 """
 from __future__ import annotations
 
@@ -27,12 +30,15 @@ import contextlib
 import sys
 from pathlib import Path
 
+from . import gguf_blocks
 from .onnx_weights import DataWriter, Initializers, link, nbytes, retype, row_part, slice_index, tensor_array
 
-WEIGHTS = {"openvino": ("int8", "int4"), "onnxruntime": ("int8", "int4"), "tensorrt-rtx": ("fp8", "int8")}
+# gguf: the blocks of the .gguf file the export was made from, kept as they are (gguf_blocks.py)
+WEIGHTS = {"openvino": ("int8", "int4", "gguf"), "onnxruntime": ("int8", "int4", "gguf"), "tensorrt-rtx": ("fp8", "int8")}
 FP8_CCS = ("sm_89", "sm_120", "sm_121")     # Ada and Blackwell: FP8 tensor cores (sm_80 / sm_86 have none)
 DEFAULT_GROUP = {"openvino": 64, "onnxruntime": 32}
-REVISION = "weights-1"                       # bump when a quantizer changes: it is in the cache key (toolchain)
+MIN_K = 16      # a constant MatMul operand reducing over fewer values is a table (Flux's RoPE frequencies), not a Linear
+REVISION = "weights-2"                       # bump when a quantizer changes: it is in the cache key (toolchain)
 
 
 def quantized(component: str) -> bool:
@@ -58,66 +64,9 @@ def weights_problem(backend: str, weights: str | None, ccs: tuple[str, ...] = ()
     return None
 
 
-def fold_weight_transposes(model) -> int:
-    """MatMul(x, Transpose(W, perm=[1, 0])) with W an initializer -> MatMul(x, W^T), W^T stored.
-    Returns how many were folded. The Transpose goes only when nothing else reads it."""
-    import numpy as np
-    from onnx import numpy_helper
-    inits = {t.name: t for t in model.graph.initializer}
-    readers: dict[str, list] = {}
-    for n in model.graph.node:
-        for x in n.input:
-            readers.setdefault(x, []).append(n)
-    graph_outputs = {o.name for o in model.graph.output}
-    folded = 0
-    for t in [n for n in model.graph.node if n.op_type == "Transpose"]:
-        w = t.input[0]
-        perm = next((list(a.ints) for a in t.attribute if a.name == "perm"), None)
-        users = readers.get(t.output[0], [])
-        if w not in inits or perm != [1, 0] or len(inits[w].dims) != 2 or t.output[0] in graph_outputs \
-                or not users or any(u.op_type != "MatMul" or list(u.input).index(t.output[0]) != 1 for u in users):
-            continue
-        arr = numpy_helper.to_array(inits[w], base_dir="")
-        new = numpy_helper.from_array(np.ascontiguousarray(arr.T), t.output[0])
-        model.graph.initializer.append(new)
-        model.graph.node.remove(t)
-        if len(readers.get(w, [])) == 1:
-            model.graph.initializer.remove(inits[w])
-        folded += 1
-    return folded
-
-
-def load_with_weights(path: Path):
-    """onnx.load with the external weights read into the model here: onnx refuses a weights file
-    with more than one hard link, and the cache hard-links exports into bundles."""
-    import onnx
-    model = onnx.load(str(path), load_external_data=False)
-    files: dict[str, bytes] = {}
-    for t in model.graph.initializer:
-        if t.data_location != onnx.TensorProto.EXTERNAL:
-            continue
-        where = {e.key: e.value for e in t.external_data}
-        name = where["location"]
-        if name not in files:
-            files[name] = (Path(path).parent / name).read_bytes()
-        offset = int(where.get("offset", 0))
-        length = int(where.get("length", len(files[name]) - offset))
-        t.raw_data = files[name][offset:offset + length]
-        t.data_location = onnx.TensorProto.DEFAULT
-        del t.external_data[:]
-    return model
-
-
-def matmul_weights(model):
-    """(MatMul node, its 2-D weight initializer) for each MatMul that reads one as its B input."""
-    inits = {t.name: t for t in model.graph.initializer}
-    return [(n, inits[n.input[1]]) for n in model.graph.node
-            if n.op_type == "MatMul" and n.input[1] in inits and len(inits[n.input[1]].dims) == 2]
-
-
 # --- OpenVINO ----------------------------------------------------------------------------------
 
-def weights_as_parts(source: Path, out_dir: Path) -> Path:
+def weights_as_parts(source: Path, out_dir: Path, parts: dict | None = None) -> Path:
     """`source` rewritten into `out_dir` for NNCF, which compresses only a constant a MatMul reads
     directly (or through Transpose / Convert), and for OpenVINO's CPU plugin, which keeps compressed
     weights compressed only in an fp32 graph. Returns the new model.onnx; nothing big is copied:
@@ -125,7 +74,8 @@ def weights_as_parts(source: Path, out_dir: Path) -> Path:
       parts) becomes an initializer of its own: a slice of rows names the same bytes of the export's
       weights file (hard-linked into `out_dir`; copied where it cannot be), a slice of columns is copied;
     - a bf16 / fp16 graph computes in fp32: its weights of 1 MiB or more stay half precision behind a
-      Cast to fp32 (OpenVINO's decompression pattern), smaller initializers are widened."""
+      Cast to fp32 (OpenVINO's decompression pattern), smaller initializers are widened.
+    `parts`, where given, is filled with each part's name -> (the weight's name, its numpy index)."""
     import numpy as np
     import onnx
     model = onnx.load(str(source), load_external_data=False)
@@ -143,6 +93,8 @@ def weights_as_parts(source: Path, out_dir: Path) -> Path:
                 continue
             made.append(row_part(w, index, node.output[0]) or
                         data.tensor(node.output[0], w.data_type, np.ascontiguousarray(reader.array(w.name)[index])))
+            if parts is not None:
+                parts[node.output[0]] = (w.name, index)
             model.graph.node.remove(node)
         model.graph.initializer.extend(made)
         used = {x for n in model.graph.node for x in n.input} | {o.name for o in model.graph.output} \
@@ -201,6 +153,10 @@ def compress_openvino(model, weights: str, group_size: int | None = None):
     """NNCF weight compression of an ov.Model (read from weights_as_parts' ONNX, its Linear weights
     made transpose_b by transposes_into_matmuls) in place of it; returns (model, summary)."""
     import logging
+    import os
+    # NNCF reports usage to OpenVINO's telemetry (a forked sender process per event) unless NNCF_CI is set,
+    # read when nncf is imported: a precast build sends nothing anywhere
+    os.environ.setdefault("NNCF_CI", "1")
     try:
         import nncf
     except ImportError:
@@ -213,13 +169,14 @@ def compress_openvino(model, weights: str, group_size: int | None = None):
 
 
 def _nncf_compress(nncf, model, weights: str, group_size: int | None):
-    if weights == "int8":
-        out = nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
+    tables = nncf.IgnoredScope(names=_tables(model), validate=False)
+    if weights in ("int8", "gguf"):       # gguf: the weights not kept as GGUF blocks (gguf_blocks.into_openvino)
+        out = nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM, ignored_scope=tables)
         summary = {"mode": "int8_asym", "granularity": "per-channel"}
     else:
         group = group_size or DEFAULT_GROUP["openvino"]
         out = nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT4_SYM, group_size=group, ratio=1.0,
-                                    advanced_parameters=nncf.AdvancedCompressionParameters(
+                                    ignored_scope=tables, advanced_parameters=nncf.AdvancedCompressionParameters(
                                         group_size_fallback_mode=nncf.GroupSizeFallbackMode.ADJUST))
         summary = {"mode": "int4_sym", "group_size": group, "backup": "int8_asym"}
     counts: dict[str, int] = {}
@@ -232,14 +189,34 @@ def _nncf_compress(nncf, model, weights: str, group_size: int | None):
     return out, summary
 
 
+def _tables(model) -> list[str]:
+    """MatMuls of an ov.Model whose constant operand reduces over fewer than MIN_K values (a table such
+    as Flux's RoPE frequencies, not a Linear): kept float."""
+    names = []
+    for op in model.get_ordered_ops():
+        if op.get_type_name() != "MatMul":
+            continue
+        w = op.input_value(1).get_node()
+        source = w.input_value(0).get_node() if w.get_type_name() == "Convert" else w
+        shape = w.get_output_partial_shape(0)
+        if source.get_type_name() == "Constant" and len(shape) == 2 and shape.is_static:
+            k = shape[1].get_length() if op.get_attributes()["transpose_b"] else shape[0].get_length()
+            if k < MIN_K:
+                names.append(op.get_friendly_name())
+    return names
+
+
 # --- ONNX Runtime ------------------------------------------------------------------------------
 
-def quantize_onnxruntime(source: Path, out: Path, weights: str, block_size: int | None = None) -> dict:
+def quantize_onnxruntime(source: Path, out: Path, weights: str, block_size: int | None = None,
+                         carried=None) -> dict:
     """MatMulNBits (8 or 4 bits) for `source`'s MatMul weights, written to `out` (+ `out`_data),
     one weight at a time: `source`'s external weights are memory-mapped and each quantized weight or
     other initializer is appended to `out`_data as it is made, so a 12 B transformer needs host memory
     for one weight, not the model. A bf16 graph (which ONNX Runtime's CPU provider cannot run) comes out
-    computing in fp32: its other initializers, inputs, outputs and casts made fp32."""
+    computing in fp32: its other initializers, inputs, outputs and casts made fp32.
+    weights=gguf: a weight `carried` (gguf_blocks.GgufBlocks) holds keeps its GGUF blocks (Q8_0 8 bits,
+    Q4_0 4 bits, block 32); the others are quantized int8."""
     import logging
 
     import numpy as np
@@ -251,8 +228,9 @@ def quantize_onnxruntime(source: Path, out: Path, weights: str, block_size: int 
         raise BadInput(f"target onnxruntime weights={weights}: onnxruntime's quantizer cannot load ({e}); "
                        "pip install 'precast[quantize]'") from None
     logging.getLogger("onnxruntime").setLevel(logging.WARNING)
-    bits = 8 if weights == "int8" else 4
+    bits = 4 if weights == "int4" else 8
     block = block_size or DEFAULT_GROUP["onnxruntime"]
+    from_gguf = {}                             # GGUF type -> weights that keep its blocks
     model = onnx.load(str(source), load_external_data=False)
     reader = Initializers(model, Path(source).parent)
     widen = {onnx.TensorProto.BFLOAT16: onnx.TensorProto.FLOAT}
@@ -261,26 +239,34 @@ def quantize_onnxruntime(source: Path, out: Path, weights: str, block_size: int 
         for node, (name, index), transposed, between in _matmul_weight_sources(model):
             key = (name, str(index), transposed)   # the orientation decides K and N
             if key not in done:      # a weight two MatMuls share is quantized once
-                w = reader.array(name)
-                w = (w if index is None else w[index]).astype(np.float32)   # [N, K] through a Transpose, else [K, N]
-                if not transposed:
-                    w = w.T
-                n_out, k = w.shape
-                packed, scales = _nbits(w, bits, block, quantize_matmul_8bits if bits == 8 else quantize_matmul_4bits)
-                del w
+                # GGUF blocks run along K: a weight read through a Transpose ([N, K]) can keep them
+                got = carried.weight(name, index, reader.array(name)) if carried is not None and transposed else None
+                if got is not None:
+                    packed, scales, nbits = gguf_blocks.matmul_nbits(*got)
+                    n_out, k, nblock = packed.shape[0], packed.shape[1] * gguf_blocks.BLOCK, gguf_blocks.BLOCK
+                    from_gguf[got[0]] = from_gguf.get(got[0], 0) + 1
+                else:
+                    w = reader.array(name)
+                    w = (w if index is None else w[index]).astype(np.float32)   # [N, K] through a Transpose, else [K, N]
+                    if not transposed:
+                        w = w.T
+                    n_out, k = w.shape
+                    nbits, nblock = bits, block
+                    packed, scales = _nbits(w, bits, block, quantize_matmul_8bits if bits == 8 else quantize_matmul_4bits)
+                    del w
                 act = widen.get(reader.dtype(name), reader.dtype(name))
                 scales = scales.astype(onnx.helper.tensor_dtype_to_np_dtype(act))
                 part = name if index is None and not any(d[0] == name for d in done) else f"{name}_part{len(done)}"
-                qname, sname = part + f"_Q{bits}", part + "_scales"
+                qname, sname = part + f"_Q{nbits}", part + "_scales"
                 model.graph.initializer.extend([data.tensor(qname, onnx.TensorProto.UINT8, packed),
                                                 data.tensor(sname, act, scales)])
-                done[key] = (qname, sname, k, n_out)
-            qname, sname, k, n_out = done[key]
+                done[key] = (qname, sname, k, n_out, nbits, nblock)
+            qname, sname, k, n_out, nbits, nblock = done[key]
             node.op_type, node.domain = "MatMulNBits", "com.microsoft"
             del node.input[1:]
             node.input.extend([qname, sname])
             node.attribute.extend([onnx.helper.make_attribute(a, v) for a, v in
-                                   (("K", k), ("N", n_out), ("bits", bits), ("block_size", block))])
+                                   (("K", k), ("N", n_out), ("bits", nbits), ("block_size", nblock))])
             for b in between:
                 model.graph.node.remove(b)
             folded += transposed
@@ -304,6 +290,8 @@ def quantize_onnxruntime(source: Path, out: Path, weights: str, block_size: int 
     left = sum(1 for n in model.graph.node if n.op_type == "MatMul")
     return {"op": "MatMulNBits", "bits": bits, "block_size": block, "symmetric": True, "matmuls": count,
             "matmuls_float": left, "transposes_folded": folded,
+            **({"gguf_blocks": dict(sorted(from_gguf.items())), "requantized": len(done) - sum(from_gguf.values())}
+               if weights == "gguf" else {}),
             **({"activations": "fp32 (from bf16)"} if reader.had(onnx.TensorProto.BFLOAT16) else {})}
 
 
@@ -323,8 +311,8 @@ def _nbits(w, bits: int, block: int, kernel):
 
 
 def _matmul_weight_sources(model):
-    """(MatMul node, weight, [nodes between them]) for each MatMul whose B is a 2-D initializer read
-    directly, through Transpose(perm [1, 0]), through a Slice with constant bounds (a fused qkv or
+    """(MatMul node, weight, [nodes between them]) for each MatMul whose B is a 2-D initializer reducing
+    over K >= MIN_K values, read directly, through Transpose(perm [1, 0]), through a Slice with constant bounds (a fused qkv or
     modulation weight cut into its parts), or both; a weight is (initializer name, numpy index or None).
     The nodes between are returned for removal, so each must feed nothing else."""
     inits = {t.name: t for t in model.graph.initializer}
@@ -356,46 +344,17 @@ def _matmul_weight_sources(model):
                 break
             between.append(p)
             x = p.input[0]
-        if x in inits and len(inits[x].dims) == 2:
+        if x in inits and len(inits[x].dims) == 2 and _reduced(inits[x].dims, index, transposed) >= MIN_K:
             found.append((n, (x, index), transposed, between))
     return found
 
 
-# --- TensorRT-RTX ------------------------------------------------------------------------------
-
-def qdq_weights(source: Path, out: Path, weights: str) -> dict:
-    """DequantizeLinear on each MatMul weight: W ~ q * scale, q fp8 e4m3 (|q| <= 448) or int8
-    (|q| <= 127), one fp32 scale per output channel (W's column, as MatMul reads W[K, N]) from max|W|."""
-    import numpy as np
-    import onnx
-    from onnx import helper, numpy_helper
-    model = load_with_weights(source)
-    folded = fold_weight_transposes(model)
-    count = 0
-    for node, init in matmul_weights(model):
-        w = numpy_helper.to_array(init, base_dir="").astype(np.float32)
-        top = 448.0 if weights == "fp8" else 127.0
-        amax = np.abs(w).max(axis=0)
-        scale = np.where(amax > 0, amax / top, 1.0).astype(np.float32)
-        if weights == "fp8":
-            import ml_dtypes
-            q = (w / scale).astype(ml_dtypes.float8_e4m3fn)
-            qt = helper.make_tensor(init.name + "_q", onnx.TensorProto.FLOAT8E4M3FN, q.shape,
-                                    q.view(np.uint8).tobytes(), raw=True)
-        else:
-            qt = numpy_helper.from_array(np.clip(np.round(w / scale), -127, 127).astype(np.int8), init.name + "_q")
-        if init.data_type != onnx.TensorProto.FLOAT:     # scale in the weight's own type (strongly typed)
-            scale = scale.astype(onnx.helper.tensor_dtype_to_np_dtype(init.data_type))
-        st = numpy_helper.from_array(scale, init.name + "_scale")
-        model.graph.initializer.remove(init)
-        model.graph.initializer.extend([qt, st])
-        dq = helper.make_node("DequantizeLinear", [qt.name, st.name], [init.name], name=init.name + "_dq", axis=1)
-        model.graph.node.insert(list(model.graph.node).index(node), dq)
-        count += 1
-    onnx.save_model(model, str(out), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=out.name + "_data", size_threshold=1024)
-    return {"format": "fp8_e4m3" if weights == "fp8" else "int8", "scales": "per-channel", "symmetric": True,
-            "matmuls": count, "transposes_folded": folded}
+def _reduced(dims, index, transposed: bool) -> int:
+    """K, the length a MatMul reduces over, of a weight [rows, cols] (maybe sliced; [N, K] when read
+    through a Transpose, else [K, N])."""
+    rows, cols = index if index is not None else (slice(None), slice(None))
+    axis, part = (1, cols) if transposed else (0, rows)
+    return len(range(*part.indices(int(dims[axis]))))
 
 
 def quantizer_versions(spec) -> dict:

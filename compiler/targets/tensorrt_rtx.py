@@ -23,7 +23,8 @@ from ...runtime.fingerprint import Fingerprint
 from ...runtime.trt_header import CC_BITS, read_header
 from ..errors import BadInput
 from .base import BuildJob, required_inputs, TargetSpec
-from .quantize import qdq_weights, quantized, weights_problem
+from .quantize import quantized, weights_problem
+from .quantize_tensorrt import qdq_weights
 
 DEFAULT_CCS = ("sm_80", "sm_86", "sm_89", "sm_120", "sm_121")  # what a build with no CC list serves
 KNOWN_CCS = ("sm_75",) + DEFAULT_CCS
@@ -216,7 +217,8 @@ class TensorRtRtxTarget:
             weights = spec.get("weights") if quantized(job.component) else None
             if not weights:
                 return {**self._build(job, spec, folder), "weights": None}
-            # weight-only fp8 / int8 (quantize.py): DequantizeLinear on each MatMul weight, in the ONNX parsed
+            # weight-only fp8 / int8 (quantize_tensorrt.py): DequantizeLinear on each MatMul weight, the
+            # parts of fused weights too, in the ONNX parsed (streamed: about one weight in host memory)
             import dataclasses
             import tempfile
             with tempfile.TemporaryDirectory(dir=folder, prefix=".qdq-") as tmp:
