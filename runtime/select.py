@@ -181,6 +181,10 @@ def _apply_budgets(sel: "Selection", manifest: Manifest, placement: Placement, d
                       f"; {c.backend} cannot stream weights"))
             sel.refused.append(passed(why, c.artifact.id if c.artifact else "onnx", c.backend, c.device.id))
             continue
+        if c.backend == "openvino" and c.device.kind != "cpu" and budget is not None:
+            c.weight_budget = budget        # told to OpenVINO's GPU plugin (sessions.openvino_gpu_memory)
+            c.note = "; ".join(filter(None, [c.note, f"OpenVINO GPU plugin given {_gib(budget)} of device memory "
+                                                     f"({source})"]))
         if c.memory["plan"] == "stream":
             c.weight_budget = budget
             c.note = "; ".join(filter(None, [c.note, f"streams {_gib(c.memory['streamed'])} of {_gib(weights)} "
@@ -419,7 +423,7 @@ def open_candidate(c: Candidate, output_names: list[str], offload: bool = False)
         index = c.device.adapter      # DirectML's device_id is the DXGI adapter index
     budget = 0 if offload and c.artifact.metadata.get("weight_streaming") else c.weight_budget
     device = "CPU" if c.device.kind == "cpu" else f"GPU.{index}"
-    return sessions.open_artifact(_bundle_root(c), meta,
+    return sessions.open_artifact(_bundle_root(c), meta,  # weight_budget: streamed (TensorRT-RTX) or told (OpenVINO GPU)
                                   device=device if c.backend == "openvino" else None,
                                   output_names=output_names, device_index=index, weight_budget=budget)
 

@@ -69,9 +69,11 @@ class OpenVinoSession:
     stored) compiled with it, or (`from_onnx`) the bundle's ONNX compiled at load time -- the
     fallback when no blob serves this machine."""
 
-    def __init__(self, path: Path, device: str, config: dict, from_onnx: bool = False):
+    def __init__(self, path: Path, device: str, config: dict, from_onnx: bool = False, budget: int | None = None):
         import openvino as ov
         core = ov.Core()
+        if budget is not None and not device.upper().startswith("CPU"):
+            config = {**config, **openvino_gpu_memory(budget, _max_alloc(core, device))}
         if from_onnx:
             model = core.read_model(str(path))
             restore_input_defaults(model, ov)
@@ -108,6 +110,25 @@ class OpenVinoSession:
             arr = np.array(res[port])
             out[name] = from_bf16_bits(arr.view(np.uint16)) if name in self._bf16 else arr
         return out
+
+
+def openvino_gpu_memory(budget: int, max_alloc: int | None) -> dict[str, str]:
+    """OpenVINO GPU plugin properties for a memory budget (bytes of device memory the component may take;
+    an iGPU's is host memory it shares): AVAILABLE_DEVICE_MEM_SIZE (ov::intel_gpu::hint::available_device_mem,
+    the device memory the plugin plans its allocations against) and, where the budget is larger than the
+    device's largest single allocation (GPU_DEVICE_MAX_ALLOC_MEM_SIZE, often 4 GiB on Intel GPUs, less than
+    one 12 B model's weights), GPU_ENABLE_LARGE_ALLOCATIONS. NOT VERIFIED ON HARDWARE (no Intel GPU here)."""
+    out = {"AVAILABLE_DEVICE_MEM_SIZE": str(int(budget))}
+    if max_alloc is not None and budget > max_alloc:
+        out["GPU_ENABLE_LARGE_ALLOCATIONS"] = "YES"
+    return out
+
+
+def _max_alloc(core, device: str) -> int | None:
+    try:
+        return int(core.get_property(device, "GPU_DEVICE_MAX_ALLOC_MEM_SIZE"))
+    except Exception:       # a plugin without the property (or no such device): nothing to widen
+        return None
 
 
 def restore_input_defaults(model, ov) -> int:
@@ -278,7 +299,8 @@ def open_artifact(folder: str | Path, metadata: dict, device: str | None = None,
     if backend == "onnxruntime-directml":
         return OnnxRuntimeSession(entry, provider=backend, device_index=device_index)
     if backend == "openvino":
-        return OpenVinoSession(entry, device or metadata.get("device", "CPU"), metadata.get("compile_config", {}))
+        return OpenVinoSession(entry, device or metadata.get("device", "CPU"), metadata.get("compile_config", {}),
+                               budget=weight_budget)
     if backend == "tensorrt-rtx":
         return TensorRtRtxSession(entry, device_index, weight_budget)
     if backend == "migraphx":

@@ -312,7 +312,26 @@ def test_igpu_shares_half_the_host_memory(tmp_path):
     (why,) = [r for r in t.refused if r["device"] == "xpu0"]
     assert "(half of the host memory it shares)" in why["reason"] and "openvino cannot stream weights" in why["reason"]
     int4 = _select(tmp_path, "iris-xe-laptop", {"transformer": int(6.7e9)}, False, backend="openvino")
-    assert int4["transformer"].choice.device.id == "xpu0" and int4["transformer"].choice.memory["plan"] == "resident"
+    chosen = int4["transformer"].choice
+    assert chosen.device.id == "xpu0" and chosen.memory["plan"] == "resident"
+    # the budget goes to OpenVINO's GPU plugin with the session (sessions.openvino_gpu_memory)
+    assert chosen.weight_budget == chosen.memory["budget"] and "OpenVINO GPU plugin given" in chosen.note
+    user = _select(tmp_path, "iris-xe-laptop", {"transformer": int(6.7e9)}, False, params="xpu0:7G", backend="openvino")
+    assert user["transformer"].choice.weight_budget == 7 * GiB
+
+
+def test_openvino_gpu_memory_properties():
+    """A budget becomes AVAILABLE_DEVICE_MEM_SIZE; past the device's largest single allocation, large
+    allocations are allowed (OpenVINO GPU plugin properties; not verified on hardware: no Intel GPU)."""
+    from precast.runtime.sessions import openvino_gpu_memory
+    assert openvino_gpu_memory(7 * GiB, 4 * GiB) == {"AVAILABLE_DEVICE_MEM_SIZE": str(7 * GiB),
+                                                      "GPU_ENABLE_LARGE_ALLOCATIONS": "YES"}
+    assert openvino_gpu_memory(3 * GiB, 4 * GiB) == {"AVAILABLE_DEVICE_MEM_SIZE": str(3 * GiB)}
+    assert openvino_gpu_memory(3 * GiB, None) == {"AVAILABLE_DEVICE_MEM_SIZE": str(3 * GiB)}
+    import openvino._pyopenvino.properties.intel_gpu as gpu     # the names are OpenVINO's own
+    assert gpu.hint.available_device_mem() == "AVAILABLE_DEVICE_MEM_SIZE"
+    assert gpu.hint.enable_large_allocations() == "GPU_ENABLE_LARGE_ALLOCATIONS"
+    assert gpu.device_max_alloc_mem_size() == "GPU_DEVICE_MAX_ALLOC_MEM_SIZE"
 
 
 def test_doctor_json_says_what_streams(bundles):
