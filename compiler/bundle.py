@@ -28,6 +28,7 @@ from .errors import BadInput
 from .interop import write_pipeline_folder
 from .plan import _slug, make_plan, select
 from .recipe import Recipe
+from .sources.gguf_file import GGUF_BLOCKS, is_gguf, source_quantization
 from .targets import check_buildable
 
 DEMO_FILE = "tiny-sd15-seed0.safetensors"
@@ -282,6 +283,8 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
             raise BadInput(f"{recipe.path}: profiles: {e}") from None
     digest = source_digest(source)
     te_digests = tuple(source_digest(Path(t)) for t in recipe.text_encoders)
+    gguf_sources = tuple(str(p) for p in (source, *recipe.text_encoders) if is_gguf(p))
+    from_gguf = bool(source_quantization(ckpt.refs))
     lora_plan = None
     if recipe.loras:  # checked against the model now (unmatched keys, shapes), before anything is built
         from .lora_merge import LoraSpec, component_loras, plan_merge
@@ -351,8 +354,12 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
             for k in ("latent_shift", "t5_tokens"):
                 if k in meta:
                     manifest["model"][k] = meta[k]
-            placed = writer.add(entry.path, entry.files, f"onnx/{comp}")
-            exported[comp] = ExportedComponent(comp, entry.path / "model.onnx", meta["inputs"], meta["outputs"])
+            # gguf_blocks.json names local paths: read by weights: gguf builds from the cache, never shipped
+            placed = writer.add(entry.path, {n: r for n, r in entry.files.items() if n != GGUF_BLOCKS}, f"onnx/{comp}")
+            blocks = entry.path / GGUF_BLOCKS
+            exported[comp] = ExportedComponent(comp, entry.path / "model.onnx", meta["inputs"], meta["outputs"],
+                                               gguf_blocks=blocks if blocks.is_file() else None, from_gguf=from_gguf,
+                                               gguf_sources=gguf_sources)
             manifest["components"][comp] = {
                 "onnx": placed["model.onnx"], "files": sorted(placed.values()), "dtype": meta["dtype"],
                 "dtype_reason": why,

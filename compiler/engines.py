@@ -18,7 +18,7 @@ from .errors import BadInput
 from .profiles import ShapeProfile
 from ..runtime.progress import heartbeat
 from .targets import BuildJob, TargetSpec, check_buildable, get_target, io_dtype
-from .targets.quantize import quantizer_versions
+from .targets.quantize import quantized, quantizer_versions
 
 PRECAST_VERSION = "0.1.0"
 
@@ -34,6 +34,7 @@ class ExportedComponent:
     max_positions: int | None = None   # a CLIP text encoder's learned positions (77): the most tokens it takes
     gguf_blocks: Path | None = None    # where the weights copied from GGUF Q8_0 / Q4_0 blocks lie (weights: gguf)
     from_gguf: bool = False            # the export's source was a .gguf file
+    gguf_sources: tuple = ()           # the GGUF files the build knows now (a recorded one may have moved)
 
     @property
     def export_dtype(self) -> str:
@@ -162,9 +163,9 @@ def preflight(comp: ExportedComponent, spec: TargetSpec, profile: ShapeProfile) 
     check_exported(comp)
     check_buildable(spec, comp.export_dtype, comp.name)
     if spec.get("weights") == "gguf" and not comp.from_gguf:
-        raise BadInput(f"{comp.name} for {spec.label()}: weights=gguf keeps the quantized blocks of the .gguf file an "
-                       f"export was made from; {comp.onnx_path.parent.parent} was not exported from one: build with "
-                       "weights: int8 or int4")
+        raise BadInput(f"{comp.name} for {spec.label()}: weights=gguf keeps the quantized blocks of the .gguf file a "
+                       "model was exported from; this one was not made from a .gguf file: build with weights: int8 or "
+                       "int4")
     get_target(spec.backend).fingerprint(spec)      # a device that is not here; MIGraphX without a gfx name
     profile.input_shapes(comp.name, comp.inputs)
     reads_tokens = any("sequence" in i["shape"] for i in comp.inputs)
@@ -187,7 +188,11 @@ def compile_component(comp: ExportedComponent, spec: TargetSpec, profile: ShapeP
     shapes = profile.input_shapes(comp.name, comp.inputs)
     key = artifact_key(comp, spec, shapes, toolchain, fingerprint, cache.root)
     job = BuildJob(comp.onnx_path, comp.name, comp.inputs, shapes, progress,
-                   {"gguf_blocks": comp.gguf_blocks} if spec.get("weights") == "gguf" else {})
+                   {"gguf_blocks": (comp.gguf_blocks, comp.gguf_sources)} if spec.get("weights") == "gguf" else {})
+    if spec.get("weights") == "gguf" and comp.gguf_blocks is None and quantized(comp.name):
+        import sys
+        print(f"note: {comp.name} holds no weights copied from GGUF Q8_0 / Q4_0 blocks: weights: gguf quantizes it "
+              "int8", file=sys.stderr)
 
     def build(folder: Path) -> dict:
         b0 = time.perf_counter()

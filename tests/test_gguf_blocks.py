@@ -147,6 +147,7 @@ def test_a_mixed_file_keeps_q8_0_and_q4_0_and_quantizes_the_rest(made):
     assert _err(_ort(a["artifact"]), exact) < 0.035
     ov, ov_meta = _compile(out["mixed"]["bf16"], tmp / "cache", "openvino:CPU", "weights=gguf", "store=ir")
     assert ov_meta["weights"]["gguf_blocks"] == w["gguf_blocks"], (ov_meta["weights"], w)
+    assert ov_meta["weights"]["requantized"] == w["requantized"], (ov_meta["weights"], w)
     assert _err(_openvino(ov["artifact"]), exact) < 0.035
 
 
@@ -157,7 +158,7 @@ def test_weights_gguf_is_refused_without_its_file(made, tmp_path):
     save_file(_weights(flux_layout(TINY_FLUX_SCHNELL), 2), str(tmp_path / "flux.safetensors"))
     proc = precast("compile", _export(tmp_path / "flux.safetensors", tmp_path / "st", "bf16"), "--target", "onnxruntime", "--option", "weights=gguf", *SHAPES,
                    env={"PRECAST_CACHE": str(tmp_path / "cache")})
-    assert proc.returncode == 2 and "was not exported from one" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "not made from a .gguf file" in proc.stderr and "Traceback" not in proc.stderr
     # the file moved away after the export
     src = tmp_path / "flux.gguf"
     _write_blocks(src, Q.Q8_0, 5)
@@ -177,3 +178,73 @@ def test_weights_gguf_is_refused_without_its_file(made, tmp_path):
     proc = precast("compile", export, "--target", "onnxruntime", "--option", "weights=gguf", *SHAPES,
                    env={"PRECAST_CACHE": str(tmp_path / "cache")})
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_recipe_keeps_the_blocks_and_ships_no_local_paths(made, tmp_path):
+    """`precast build` with weights: gguf: the transformer keeps its blocks; the bundle's onnx/ folder has
+    no gguf_blocks.json (it names local paths). The file moved to another folder (same name, same bytes):
+    the cached export's record is followed to the recipe's file, and an OpenVINO build still keeps them."""
+    tmp, _ = made
+    first = tmp_path / "a" / "flux-Q8_0.gguf"
+    first.parent.mkdir()
+    shutil.copyfile(tmp / "flux-Q8_0.gguf", first)
+    recipe = ("model: {{source: {src}, set: {{transformer: {{axes_dims_rope: [4, 6, 6]}}}}}}\ncomponents: [transformer]\n"
+              "precision: {{default: bf16}}\nprofiles: {{batch: 1, height: 64, width: 64, t5_tokens: 12}}\n"
+              "targets:\n  - {target}\n")
+    env = {"PRECAST_CACHE": str(tmp_path / "cache")}
+    (tmp_path / "r1.yaml").write_text(recipe.format(src=first, target="{onnxruntime: {weights: gguf}}"))
+    proc = precast("build", tmp_path / "r1.yaml", "--out", tmp_path / "b1", env=env)
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((tmp_path / "b1" / "manifest.json").read_text())
+    (art,) = manifest["artifacts"]
+    assert art["metadata"]["weights"]["gguf_blocks"] == {"Q8_0": art["metadata"]["weights"]["matmuls"]}
+    assert not [f for f in manifest["files"] if f.endswith("gguf_blocks.json")]
+    moved = tmp_path / "b" / "flux-Q8_0.gguf"
+    moved.parent.mkdir()
+    first.rename(moved)
+    (tmp_path / "r2.yaml").write_text(recipe.format(src=moved, target="{openvino: {device: CPU, weights: gguf}}"))
+    proc = precast("build", tmp_path / "r2.yaml", "--out", tmp_path / "b2", env=env)
+    assert proc.returncode == 0, proc.stderr
+    (art,) = json.loads((tmp_path / "b2" / "manifest.json").read_text())["artifacts"]
+    assert art["metadata"]["weights"]["gguf_blocks"]["Q8_0"] > 0 and art["metadata"]["weights"]["requantized"] == 0
+
+
+def test_a_component_not_from_gguf_is_quantized_int8_and_says_so(made, tmp_path):
+    """A Flux transformer from .safetensors with a T5 from a .gguf: weights: gguf keeps the T5's blocks,
+    and the transformer (nothing to keep) is int8, said on stderr and in the metadata."""
+    from safetensors.numpy import save_file
+    from test_gguf import _llama_name
+    from precast.compiler.demo_dit import TINY_T5, t5_layout
+    save_file(_weights(flux_layout(TINY_FLUX_SCHNELL), 2), str(tmp_path / "flux.safetensors"))
+    write_gguf(tmp_path / "t5.gguf", "t5encoder", {_llama_name(k): v for k, v in _weights(t5_layout(TINY_T5), 5).items()},
+               types=(Q.Q8_0,))
+    out = tmp_path / "e"
+    proc = precast("export", tmp_path / "flux.safetensors", "--out", out, "--dtype", "bf16", "--set", AXES,
+                   "--text-encoder", tmp_path / "t5.gguf", "--component", "transformer", "--component", "text_encoder_2")
+    assert proc.returncode == 0, proc.stderr
+    proc = precast("compile", out, "--target", "onnxruntime", "--option", "weights=gguf", *SHAPES, "--json",
+                   env={"PRECAST_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stderr
+    assert "note: transformer holds no weights copied from GGUF" in proc.stderr
+    metas = {a["component"]: json.loads((Path(a["path"]) / "entry.json").read_text())["metadata"]["weights"]
+             for a in json.loads(proc.stdout)["artifacts"]}
+    assert metas["transformer"]["gguf_blocks"] == {} and metas["transformer"]["requantized"] > 0
+    assert metas["text_encoder_2"]["gguf_blocks"].get("Q8_0", 0) > 0
+
+
+def test_a_damaged_record_is_one_line(made, tmp_path):
+    tmp, out = made
+    export = tmp_path / "e"
+    shutil.copytree(out["Q8_0"]["bf16"], export)
+    record = export / "transformer" / "gguf_blocks.json"
+    data = json.loads(record.read_text())
+    name = next(iter(data["tensors"]))
+    data["tensors"][name]["segments"][0][1] = 10 ** 12          # an offset past the end of the file
+    record.write_text(json.dumps(data))
+    proc = precast("compile", export, "--target", "onnxruntime", "--option", "weights=gguf", *SHAPES,
+                   env={"PRECAST_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 2 and "outside its GGUF file" in proc.stderr and "Traceback" not in proc.stderr
+    record.write_text("{not json")
+    proc = precast("compile", export, "--target", "onnxruntime", "--option", "weights=gguf", *SHAPES,
+                   env={"PRECAST_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 2 and "gguf_blocks.json: unreadable or damaged" in proc.stderr, proc.stderr

@@ -33,20 +33,32 @@ class GgufBlocks:
     """An export component's gguf_blocks.json: `weight(name, index, exported)` gives the blocks of one
     weight (or a Slice's part of it) as stored in the GGUF file, checked against the export's values."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, sources: tuple = ()):
+        """`sources`: the GGUF files a build knows now (a recipe's), found in place of a recorded file
+        that moved (same name and size; the blocks are checked against the export either way)."""
         self.path = Path(path)
         try:
             record = json.loads(self.path.read_text())
             self.files = {str(f): int(n) for f, n in record["files"].items()}
-            self.tensors = {str(k): dict(v) for k, v in record["tensors"].items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise BadInput(f"{self.path}: unreadable ({e}); export again") from None
+            self.tensors = {str(k): _checked(v) for k, v in record["tensors"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+            raise BadInput(f"{self.path}: unreadable or damaged ({type(e).__name__}: {e}); export again") from None
+        moved = {}
         for f, size in self.files.items():
             have = os.path.getsize(f) if os.path.isfile(f) else None
-            if have != size:
+            here = next((str(s) for s in sources if Path(s).name == Path(f).name and Path(s).is_file()
+                         and os.path.getsize(s) == size), None)
+            if have != size and here is not None:
+                moved[f] = here
+            elif have != size:
                 raise BadInput(f"{f}: weights: gguf reads its blocks from this GGUF file, which the export was made "
                                f"from, but it is {'not there' if have is None else f'{have} bytes, not {size}'}: put it "
                                "back, export again, or build with weights: int8")
+        for rec in self.tensors.values():
+            row_bytes = rec["shape"][1] // BLOCK * TYPE_SIZE[rec["type"]]
+            if any(f not in self.files or o + r * row_bytes > self.files[f] for f, o, r in rec["segments"]):
+                raise BadInput(f"{self.path}: a recorded weight lies outside its GGUF file; export again")
+            rec["segments"] = [[moved.get(f, f), o, r] for f, o, r in rec["segments"]]
 
     def weight(self, name: str, index, exported: np.ndarray) -> tuple[str, np.ndarray] | None:
         """(GGUF type, blocks uint8 [rows, K/32, type size]) of weight `name` ([N, K], as the export
@@ -85,9 +97,21 @@ class GgufBlocks:
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def of(path: Path | None) -> GgufBlocks | None:
-    """The record at `path`, if the export wrote one."""
-    return GgufBlocks(path) if path is not None and Path(path).is_file() else None
+def _checked(rec) -> dict:
+    """One tensor's record with its fields' types checked (a damaged record is one line, not a traceback)."""
+    rec = dict(rec)
+    n, k = (int(d) for d in rec["shape"])
+    segments = [[str(f), int(o), int(r)] for f, o, r in rec["segments"]]
+    if rec["type"] not in TYPE_SIZE or n <= 0 or k <= 0 or k % BLOCK or sum(r for _, _, r in segments) != n \
+            or any(o < 0 or r <= 0 for _, o, r in segments):
+        raise ValueError(f"bad entry {rec}")
+    return {"type": rec["type"], "shape": [n, k], "segments": segments}
+
+
+def of(found) -> GgufBlocks | None:
+    """The record the export wrote (`found`: its path, or (path, the GGUF files the build knows now)), if any."""
+    path, sources = found if isinstance(found, tuple) else (found, ())
+    return GgufBlocks(path, sources) if path is not None and Path(path).is_file() else None
 
 
 def scales(blocks: np.ndarray) -> np.ndarray:

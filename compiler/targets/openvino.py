@@ -123,8 +123,8 @@ class OpenVinoTarget:
             _note(job, f"compress_weights {weights}")
             model, compression = compress_openvino(model, weights, spec.get("group_size"))
             compression["transposes_folded"] = folded
-            if weights == "gguf":
-                compression["gguf_blocks"] = kept
+            if weights == "gguf":      # NNCF's int8 (asymmetric) writes two u8 constants per weight: values, zero points
+                compression.update(gguf_blocks=kept, requantized=compression["constants"].get("u8", 0) // 2)
         if self.stores_ir(spec, job.onnx_path):
             _note(job, "save_model")
             ov.save_model(model, str(folder / "model.xml"), compress_to_fp16=False)
