@@ -137,6 +137,29 @@ def requests(manifest, batch: int, height: int, width: int, tokens: int = 77, cf
     return out
 
 
+def text_state_name(outputs, config: dict, penultimate: bool) -> str:
+    """Which of a text encoder's outputs the denoiser reads, chosen by name, never by position (SDXL's and
+    SD3's CLIP graphs output every layer's hidden state, as optimum's export does): the one the export
+    recorded (config `hidden_name`); else, for a graph without that record (an older precast export, a
+    foreign optimum export), with `penultimate` (SDXL, SD3) the only hidden_states.* output or
+    hidden_states.{layers - 1}, without it last_hidden_state."""
+    names = list(outputs)
+    recorded = config.get("hidden_name")
+    if recorded in names:
+        return recorded
+    states = [n for n in names if n.startswith("hidden_states.")]
+    if penultimate and states:
+        if len(states) == 1:
+            return states[0]
+        layers = config.get("layers") or config.get("num_hidden_layers")
+        if layers and f"hidden_states.{int(layers) - 1}" in names:
+            return f"hidden_states.{int(layers) - 1}"
+    if "last_hidden_state" in names:
+        return "last_hidden_state"
+    raise UserError(f"the text encoder's outputs {names} name no hidden state precast can read"
+                    + (f" (the export recorded {recorded})" if recorded else ""))
+
+
 def load_tokenizer(manifest, folder: str):
     """The bundle's tokenizer in `folder`, every file it reads checked against the manifest first
     (vocab.json and merges.txt must be listed: a missing one would silently mean other ids)."""

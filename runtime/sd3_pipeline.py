@@ -20,7 +20,7 @@ import numpy as np
 from .errors import UserError
 from .flow import FlowEuler, FlowSchedule
 from .manifest import Manifest, read_manifest
-from .pipeline import BundleModel, check_steps, latent_factor, optimal_size
+from .pipeline import BundleModel, check_steps, latent_factor, optimal_size, text_state_name
 
 CLIPS = ("text_encoder", "text_encoder_2")
 T5 = "text_encoder_3"
@@ -119,9 +119,9 @@ class SD3Txt2Img(BundleModel):
         from .embeddings import encoder_feeds
         ids = self.tokenizers[comp](prompt)[None, :].astype(np.int32)
         session = self.component(comp).session
-        hidden = int(self.manifest.components[comp].get("config", {}).get("hidden", 768))
-        out = session.run(encoder_feeds(session, comp, ids, self.embeddings[comp], hidden))
-        states = next(v for k, v in out.items() if k.startswith("hidden_states."))
+        config = self.manifest.components[comp].get("config", {})
+        out = session.run(encoder_feeds(session, comp, ids, self.embeddings[comp], int(config.get("hidden", 768))))
+        states = out[text_state_name(out, config, penultimate=True)]    # by name: every layer is an output
         return states.astype(np.float32), out["text_embeds"].astype(np.float32)
 
     def _t5(self, prompt: str) -> np.ndarray:

@@ -19,7 +19,7 @@ import numpy as np
 from .errors import UserError
 from .manifest import Manifest, read_manifest
 from .pipeline import (LATENT_SCALE, NEEDED, BundleModel, check_image_mode, check_steps, latent_factor, optimal_size,
-                       requests, unet_in_channels)
+                       requests, text_state_name, unet_in_channels)
 from .schedulers import NoiseSchedule, make_sampler, start_index
 
 
@@ -68,21 +68,21 @@ class Txt2Img(BundleModel):
         out = session.run(encoder_feeds(session, comp, ids, self.embeddings[comp], hidden))
         return {k: v.astype(np.float32) for k, v in out.items()}
 
-    @staticmethod
-    def _hidden(out: dict[str, np.ndarray]) -> np.ndarray:
-        """The hidden state the UNet reads: last_hidden_state (SD 1.x/2.x) or hidden_states.N (SDXL)."""
-        name = "last_hidden_state" if "last_hidden_state" in out else next(k for k in out if k.startswith("hidden_states."))
-        return out[name]
+    def _hidden(self, comp: str, out: dict[str, np.ndarray]) -> np.ndarray:
+        """The hidden state the UNet reads, by name (runtime/pipeline.py text_state_name): last_hidden_state
+        (SD 1.x/2.x) or the penultimate hidden_states.N-1 (SDXL) among every layer's output."""
+        config = self.manifest.components[comp].get("config", {})
+        return out[text_state_name(out, config, penultimate=self.family.startswith("sdxl"))]
 
     def encode(self, prompt: str) -> tuple[np.ndarray, np.ndarray | None]:
         """(context [1, 77, C], pooled [1, P] or None)."""
         if self.family in ("sd1", "sd2"):
-            return self._hidden(self._encoder("text_encoder", prompt)), None
+            return self._hidden("text_encoder", self._encoder("text_encoder", prompt)), None
         g = self._encoder("text_encoder_2", prompt)
+        context = self._hidden("text_encoder_2", g)
         if self.family == "sdxl":
-            context = np.concatenate([self._hidden(self._encoder("text_encoder", prompt)), self._hidden(g)], axis=-1)
-        else:
-            context = self._hidden(g)
+            context = np.concatenate([self._hidden("text_encoder", self._encoder("text_encoder", prompt)), context],
+                                     axis=-1)
         return context, g["text_embeds"]
 
     def time_ids(self, aesthetic: float, original: tuple[int, int] | None = None,

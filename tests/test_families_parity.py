@@ -59,13 +59,27 @@ def test_text_encoders(family, dtype):
         assert rel_err(got["last_hidden_state"], want) <= TOL[dtype]
         return
     if cfg.family == "sdxl":
-        want, _ = ref.run_hidden(models["text_encoder"], _ids(49407), 2)
+        want, full = ref.run_hidden(models["text_encoder"], _ids(49407), 2)
         got = _run(out, "text_encoder", {"input_ids": _ids(49407)})
         assert rel_err(got[f"hidden_states.{cfg.text_layers - 1}"], want) <= TOL[dtype]
+        _all_hidden_states(got, full, cfg.text_layers, ["last_hidden_state", "pooler_output"], dtype)
     want, full = ref.run_hidden(models["text_encoder_2"], ids, 2)
     got = _run(out, "text_encoder_2", {"input_ids": ids})
     assert rel_err(got[f"hidden_states.{cfg.text2_layers - 1}"], want) <= TOL[dtype]
     assert rel_err(got["text_embeds"], full.text_embeds.numpy()) <= TOL[dtype]
+    _all_hidden_states(got, full, cfg.text2_layers, ["text_embeds", "last_hidden_state"], dtype)
+
+
+def _all_hidden_states(got: dict, full, layers: int, heads: list[str], dtype: str) -> None:
+    """SDXL's encoders output what transformers returns with output_hidden_states=True, in optimum's ONNX
+    order (the layout optimum's SDXL pipelines and OpenVINO GenAI index): `heads`, then hidden_states.0..N
+    (the embeddings, then every layer; the last one before the final LayerNorm)."""
+    assert list(got) == heads + [f"hidden_states.{i}" for i in range(layers + 1)]
+    assert len(full.hidden_states) == layers + 1
+    for i, state in enumerate(full.hidden_states):
+        assert rel_err(got[f"hidden_states.{i}"], state.numpy()) <= TOL[dtype], i
+    for name in heads:
+        assert rel_err(got[name], getattr(full, name).numpy()) <= TOL[dtype], name
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])

@@ -1,16 +1,19 @@
 """Other tools load a precast export and a bundle's onnx/ folder as written (issue 18, items 1-2):
-diffusers' OnnxStableDiffusionPipeline, optimum's ORTStableDiffusionPipeline / ORTFluxPipeline and
-optimum-intel's OVStableDiffusionPipeline / OVFluxPipeline (from_onnx=True) run them and match
-`precast generate` (same noise passed in as latents; SD 1.x: DPM-Solver++ 2M; Flux: the folder's FlowMatch
-schedule): PSNR >= 40 dB in fp32. optimum-onnx 0.1.0 and optimum-intel 1.27 need transformers < 4.58, so
-they run in a side environment (`make interop-setup`: .venv-interop) as a real subprocess
-(tests/interop_side.py, tests/side_env.py); without it those tests skip and say how to make it. The text
-encoder runs from input_ids alone while precast's own sessions still take token_embeddings_extra.
+diffusers' OnnxStableDiffusionPipeline, optimum's ORTStableDiffusionPipeline / ORTStableDiffusionXLPipeline /
+ORTStableDiffusion3Pipeline / ORTFluxPipeline and optimum-intel's OVStableDiffusionPipeline /
+OVStableDiffusionXLPipeline / OVStableDiffusion3Pipeline / OVFluxPipeline (from_onnx=True) run them and
+match `precast generate` (same noise passed in as latents; SD 1.x, SDXL: DPM-Solver++ 2M; Flux, SD3: the
+folder's FlowMatch schedule): PSNR >= 40 dB in fp32. optimum-onnx 0.1.0 and optimum-intel 1.27 need
+transformers < 4.58, so they run in a side environment (`make interop-setup`: .venv-interop) as a real
+subprocess (tests/interop_side.py, tests/side_env.py); without it those tests skip and say how to make it.
+The text encoder runs from input_ids alone while precast's own sessions still take token_embeddings_extra.
 
-Not covered, because precast's graphs do not have what those pipelines read: optimum's
-ORTStableDiffusionXLPipeline and ORTStableDiffusion3Pipeline call the CLIP encoders with
-output_hidden_states=True and pop `hidden_states.0` .. `hidden_states.{N-1}` (precast outputs only the
-penultimate, `hidden_states.{N-1}`); SDXL's CLIP-L also needs a first output that is not a hidden state."""
+SDXL's and SD3's pipelines call the CLIP encoders with output_hidden_states=True: optimum pops
+`hidden_states.0` .. `hidden_states.{N-1}` and takes the first output left (text_embeds, or SDXL CLIP-L's
+3-D last_hidden_state, which it does not pool) as the pooled embedding, optimum-intel lists every
+`hidden_states.*` output; both read hidden_states[-2]. precast's CLIP graphs for those families output
+what transformers returns, in optimum's export order (compiler/graphs/clip_text.py), and precast's runtime
+picks its state by name, so its own images did not change."""
 import json
 from pathlib import Path
 
@@ -202,3 +205,121 @@ def test_optimum_flux_pipeline_matches(flux, tool, which, tmp_path):
     assert image.shape == ours.shape == (64, 64, 3) and image.std() > 0.05
     print(f"PSNR {psnr(image, ours):.1f} dB")
     assert psnr(image, ours) >= 40
+
+
+OV_F32 = {"from_onnx": True, "compile": True, "ov_config": {"INFERENCE_PRECISION_HINT": "f32"}}
+XL_COMPONENTS = ["text_encoder", "text_encoder_2", "unet", "vae_decoder"]
+
+
+@pytest.fixture(scope="module")
+def sdxl(tmp_path_factory):
+    """A tiny SDXL base checkpoint: a bundle (`precast build`, ONNX Runtime, fp32, 64x64), its export, and
+    precast's image from the bundle (Txt2Img is `precast generate`; DPM-Solver++ 2M, the folder's scheduler;
+    an empty negative prompt is zeros, as the folder's force_zeros_for_empty_prompt says)."""
+    from conftest import precast
+    from precast.compiler.demo_model import TINY_SDXL, write_demo_model
+    from precast.runtime.sd_pipeline import Txt2Img
+    tmp = tmp_path_factory.mktemp("interop-sdxl")
+    ckpt = tmp / "xl.safetensors"
+    write_demo_model(str(ckpt), TINY_SDXL)
+    export(ckpt, tmp / "export", XL_COMPONENTS, progress=False)
+    recipe = tmp / "xl.yaml"
+    recipe.write_text(f"model: {{source: {ckpt}}}\ncomponents: [{', '.join(XL_COMPONENTS)}]\nprecision: fp32\n"
+                      "profiles: {batch: 1, height: 64, width: 64}\ntargets: [onnxruntime]\n")
+    precast("build", recipe, "--out", tmp / "bundle", env={"PRECAST_CACHE": str(tmp / "cache")}, check=True)
+    noise = np.random.default_rng(7).standard_normal((1, 4, 8, 8)).astype(np.float32)
+    ours = Txt2Img(tmp / "bundle", None, width=64, height=64)(PROMPT, "", STEPS, 0, GUIDANCE, "dpm++2m",
+                                                              latents=noise, progress=False)
+    return {"export": tmp / "export", "bundle": tmp / "bundle" / "onnx", "noise": noise, "ours": ours}
+
+
+@pytest.mark.parametrize("tool", ["optimum.onnxruntime:ORTStableDiffusionXLPipeline",
+                                  "optimum.intel:OVStableDiffusionXLPipeline"])
+@pytest.mark.parametrize("which", ["export", "bundle"])
+def test_optimum_sdxl_pipeline_matches(sdxl, tool, which, tmp_path):
+    """optimum's ORTStableDiffusionXLPipeline and optimum-intel's OVStableDiffusionXLPipeline(from_onnx=True)
+    load the SDXL folder as written: both CLIP encoders give every hidden state (hidden_states[-2], the
+    penultimate, is what they read), text_encoder_2 its text_embeds first (the pooled embedding)."""
+    module, cls = tool.split(":")
+    image = run_side(tmp_path, module, cls, sdxl[which],
+                     {"prompt": PROMPT, "height": 64, "width": 64, "num_inference_steps": STEPS,
+                      "guidance_scale": GUIDANCE}, sdxl["noise"], load=OV_F32 if module == "optimum.intel" else {})
+    ours = sdxl["ours"]
+    assert image.shape == ours.shape == (64, 64, 3) and image.std() > 0.01
+    print(f"PSNR {psnr(image, ours):.1f} dB")
+    assert psnr(image, ours) >= 40
+
+
+SD3_COMPONENTS = ["text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae_decoder"]
+
+
+@pytest.fixture(scope="module")
+def sd3(tmp_path_factory):
+    """The tiny SD3.5 medium demo: a bundle (`precast build`, ONNX Runtime, fp32, 64x64, T5 length 32), an
+    export of the checkpoint that build wrote, and precast's image from the bundle (SD3Txt2Img is `precast
+    generate`) from fixed noise [1, 16, 32, 32] with a negative prompt (CFG 4.5, 4 steps)."""
+    from conftest import precast
+    from precast.runtime.sd3_pipeline import SD3Txt2Img
+    tmp = tmp_path_factory.mktemp("interop-sd3")
+    recipe = tmp / "sd3.yaml"
+    recipe.write_text("model: {source: 'demo:tiny-sd35-medium'}\ncomponents: [" + ", ".join(SD3_COMPONENTS) + "]\n"
+                      "precision: fp32\nprofiles: {batch: 1, height: 64, width: 64, t5_tokens: 32}\n"
+                      "targets: [onnxruntime]\n")
+    precast("build", recipe, "--out", tmp / "bundle", env={"PRECAST_CACHE": str(tmp / "cache")}, check=True)
+    export(tmp / "cache" / "demo" / "tiny-sd35-medium-seed0.safetensors", tmp / "export", SD3_COMPONENTS,
+           progress=False)
+    noise = np.random.default_rng(7).standard_normal((1, 16, 32, 32)).astype(np.float32)
+    ours = SD3Txt2Img(tmp / "bundle", "cpu", width=64, height=64)(FLUX_PROMPT, "blurry", steps=4, guidance=4.5,
+                                                                  latents=noise, progress=False)
+    return {"export": tmp / "export", "bundle": tmp / "bundle" / "onnx", "noise": noise, "ours": ours}
+
+
+@pytest.mark.parametrize("tool", ["optimum.onnxruntime:ORTStableDiffusion3Pipeline",
+                                  "optimum.intel:OVStableDiffusion3Pipeline"])
+@pytest.mark.parametrize("which", ["export", "bundle"])
+def test_optimum_sd3_pipeline_matches(sd3, tool, which, tmp_path):
+    """optimum's ORTStableDiffusion3Pipeline and optimum-intel's OVStableDiffusion3Pipeline(from_onnx=True)
+    load the SD3.5 folder as written (both CLIPs: text_embeds first, then every hidden state; T5 padded to
+    the folder's length, 32) and match precast's image from the same noise."""
+    module, cls = tool.split(":")
+    image = run_side(tmp_path, module, cls, sd3[which],
+                     {"prompt": FLUX_PROMPT, "negative_prompt": "blurry", "height": 64, "width": 64,
+                      "num_inference_steps": 4, "guidance_scale": 4.5, "max_sequence_length": 32}, sd3["noise"],
+                     load=OV_F32 if module == "optimum.intel" else {})
+    ours = sd3["ours"]
+    assert image.shape == ours.shape == (64, 64, 3) and image.std() > 0.05
+    print(f"PSNR {psnr(image, ours):.1f} dB")
+    assert psnr(image, ours) >= 40
+
+
+def test_precast_reads_its_state_by_name_not_position(tmp_path):
+    """With every hidden state an output, precast's runtime picks the one the export recorded
+    (runtime/pipeline.py text_state_name), never the first hidden_states.* output: the penultimate by
+    default, the clip_skip layer when asked (SDXL CLIP-G, 3 layers: clip_skip 2 reads hidden_states.1);
+    an export without the record (an older precast one, a foreign optimum one) falls back to the only
+    hidden state, or hidden_states.{layers - 1}."""
+    import onnxruntime as ort
+    from precast.compiler.demo_model import TINY_SDXL, write_demo_model
+    from precast.runtime.pipeline import text_state_name
+    ckpt = tmp_path / "xl.safetensors"
+    write_demo_model(str(ckpt), TINY_SDXL)
+    comps = ["text_encoder", "text_encoder_2"]
+    for out, overrides in (("plain", None), ("skip", {"text_encoder_2": {"clip_skip": 2}})):
+        export(ckpt, tmp_path / out, comps, overrides=overrides, progress=False)
+    ids = np.array([[49406, 320, 1125, 539, 49407] + [0] * 72], np.int32)
+    got = {}
+    for out in ("plain", "skip"):
+        report = json.loads((tmp_path / out / "precast_export.json").read_text())
+        cfg = next(c["config"] for c in report["components"] if c["name"] == "text_encoder_2")
+        s = ort.InferenceSession(str(tmp_path / out / "text_encoder_2/model.onnx"), providers=["CPUExecutionProvider"])
+        got[out] = dict(zip([o.name for o in s.get_outputs()], s.run(None, {"input_ids": ids})))
+        assert list(got[out])[:3] == ["text_embeds", "last_hidden_state", "hidden_states.0"]
+        name = text_state_name(got[out], cfg, penultimate=True)
+        assert name == cfg["hidden_name"] == ("hidden_states.2" if out == "plain" else "hidden_states.1")
+    # the same weights: clip_skip only changes which output is read
+    np.testing.assert_allclose(got["skip"]["hidden_states.1"], got["plain"]["hidden_states.1"], atol=1e-6)
+    assert np.abs(got["plain"]["hidden_states.2"] - got["plain"]["hidden_states.1"]).max() > 1e-3
+    layers = {"num_hidden_layers": 3}      # a foreign optimum export's config.json: no hidden_name
+    assert text_state_name(got["plain"], layers, penultimate=True) == "hidden_states.2"
+    assert text_state_name(got["plain"], layers, penultimate=False) == "last_hidden_state"
+    assert text_state_name({"hidden_states.2": 0, "text_embeds": 0}, {}, penultimate=True) == "hidden_states.2"

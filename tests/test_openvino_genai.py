@@ -132,6 +132,57 @@ def xl_folders(tmp_path_factory):
     return tmp / "genai", tmp / "bundle"
 
 
+def test_sdxl_clip_outputs_are_optimums(xl_folders):
+    """GenAI reads output num_hidden_layers + 1 of each CLIP (the penultimate state) and text_embeds as
+    text_encoder_2's output 0: the export's own layout, which is optimum's (compiler/graphs/clip_text.py)."""
+    import openvino as ov
+    for comp, heads in (("text_encoder", ["last_hidden_state", "pooler_output"]),
+                        ("text_encoder_2", ["text_embeds", "last_hidden_state"])):
+        layers = json.loads((xl_folders[0] / comp / "config.json").read_text())["num_hidden_layers"]
+        names = [p.get_any_name() for p in ov.Core().read_model(xl_folders[0] / comp / "openvino_model.xml").outputs]
+        assert names == heads + [f"hidden_states.{i}" for i in range(layers + 1)]
+
+
+def test_genai_slot_holds_the_recorded_state(tmp_path):
+    """hidden_state_outputs: GenAI's slot (output num_hidden_layers + 1) holds the state the export recorded
+    (clip_skip 2 on a 3-layer CLIP-G: hidden_states.1, not the penultimate); an export from before the
+    full layout (one hidden_states output and text_embeds) has that one state repeated; anything else is
+    one clear error."""
+    import openvino as ov
+    import onnx
+    from precast.compiler.demo_model import TINY_SDXL, write_demo_model
+    from precast.compiler.errors import BadInput
+    from precast.compiler.openvino_genai import convert_component, hidden_state_outputs
+    ckpt = tmp_path / "xl.safetensors"
+    write_demo_model(str(ckpt), TINY_SDXL)
+    export(ckpt, tmp_path / "export", ["text_encoder_2"], overrides={"text_encoder_2": {"clip_skip": 2}},
+           progress=False)
+    path = tmp_path / "export/text_encoder_2/model.onnx"
+    model = convert_component(ov, path, "text_encoder_2", "fp32")
+    laid = hidden_state_outputs(ov, model, "text_encoder_2", 3, True, "hidden_states.1")
+    names = [p.get_any_name() for p in laid.outputs]
+    assert names[0] == "text_embeds" and names[4] == "hidden_states.1" and len(names) == 6
+    ids = np.array([[49406, 320, 1125, 539, 49407] + [0] * 72], np.int64)
+    got = ov.Core().compile_model(laid, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})({"input_ids": ids})
+    full = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})({"input_ids": ids})
+    np.testing.assert_allclose(got[4], full["hidden_states.1"], atol=1e-6)         # by index, as GenAI reads
+    assert np.abs(got[4] - full["hidden_states.2"]).max() > 1e-3
+    # the layout before every hidden state was an output: [hidden_states.2, text_embeds]
+    old = onnx.load(str(path))
+    keep = [o for o in old.graph.output if o.name in ("hidden_states.2", "text_embeds")]
+    del old.graph.output[:]
+    old.graph.output.extend(sorted(keep, key=lambda o: o.name != "hidden_states.2"))
+    onnx.save(old, str(tmp_path / "old.onnx"))
+    legacy = hidden_state_outputs(ov, convert_component(ov, tmp_path / "old.onnx", "text_encoder_2", "fp32"),
+                                  "text_encoder_2", 3, True, "hidden_states.2")
+    assert [p.get_any_name() for p in legacy.outputs] == ["text_embeds"] + ["hidden_states.2"] * 4
+    del old.graph.output[1]                     # no text_embeds: refused
+    onnx.save(old, str(tmp_path / "bad.onnx"))
+    with pytest.raises(BadInput, match="optimum's layout"):
+        hidden_state_outputs(ov, convert_component(ov, tmp_path / "bad.onnx", "text_encoder_2", "fp32"),
+                             "text_encoder_2", 3, True)
+
+
 @pytest.mark.parametrize("negative", [None, "blurry"])
 def test_sdxl_text2image_pipeline_matches(xl_folders, negative):
     index = json.loads((xl_folders[0] / "model_index.json").read_text())

@@ -118,9 +118,11 @@ def test_sd3_layout_is_optimum_intels(made, case):
     for comp in ("text_encoder", "text_encoder_2"):
         layers = json.loads((root / comp / "config.json").read_text())["num_hidden_layers"]
         inputs, outputs = _io(root / comp / "openvino_model.xml")
-        # GenAI: pooled = output 0, penultimate states = output num_hidden_layers + 1 (optimum's order)
+        # GenAI: pooled = output 0, penultimate states = output num_hidden_layers + 1 (optimum's order,
+        # which is the export's: every hidden state, as transformers returns them)
         assert inputs == {"input_ids": "i64"} and outputs[0] == "text_embeds"
-        assert len(outputs) == layers + 2 and outputs[layers + 1] == f"hidden_states.{layers - 1}"
+        assert outputs == ["text_embeds", "last_hidden_state"] + [f"hidden_states.{i}" for i in range(layers + 1)]
+        assert outputs[layers + 1] == f"hidden_states.{layers - 1}"
     inputs, _ = _io(root / "transformer/openvino_model.xml")
     assert inputs == {"hidden_states": "f32", "encoder_hidden_states": "f32", "pooled_projections": "f32",
                       "timestep": "f32"}

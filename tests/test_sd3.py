@@ -97,7 +97,9 @@ def test_export_detects_each_variant_and_writes_the_peers_io(exports):
         assert [o["name"] for o in dit["outputs"]] == ["out_hidden_states"]
         assert {c["name"]: c["dtype"] for c in report["components"]}["vae_decoder"] == "fp32"
         for clip in ("text_encoder", "text_encoder_2"):
-            assert [o["name"] for o in comps[clip]["outputs"]] == ["hidden_states.1", "text_embeds"]
+            # what transformers returns with output_hidden_states=True, in optimum's ONNX order
+            assert [o["name"] for o in comps[clip]["outputs"]] == \
+                ["text_embeds", "last_hidden_state", "hidden_states.0", "hidden_states.1", "hidden_states.2"]
 
 
 @pytest.mark.parametrize("name", ["medium", "sd3"])
@@ -119,6 +121,9 @@ def test_every_component_matches_diffusers_and_transformers(files, exports, name
         got = _run(exports[name], comp, {"input_ids": ids})
         assert rel_err(got["hidden_states.1"], out.hidden_states[-2].numpy()) <= 1e-4, comp
         assert rel_err(got["text_embeds"], out.text_embeds.numpy()) <= 1e-4, comp
+        assert rel_err(got["last_hidden_state"], out.last_hidden_state.numpy()) <= 1e-4, comp
+        for i, state in enumerate(out.hidden_states):      # the embeddings, then every layer's output
+            assert rel_err(got[f"hidden_states.{i}"], state.numpy()) <= 1e-4, (comp, i)
     t5 = rdit.t5_reference(files["t5"] if name == "sd3" else src, TINY_SD3_T5)
     t5_ids = np.zeros((1, T5_TOKENS), np.int32)
     t5_ids[0, :5] = [71, 1712, 13, 8, 1]
