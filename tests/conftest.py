@@ -62,3 +62,22 @@ def tiny_bundle(tmp_path_factory):
     ckpt = tmp / "demo.safetensors"
     write_demo_model(str(ckpt))  # the same seeded checkpoint the recipe's demo source names
     return tmp / "bundle", ckpt
+
+
+def linear_weights(onnx_path, min_k: int = 16) -> int:
+    """MatMuls of an exported graph whose B is a weight: an initializer, directly or through Transpose /
+    Slice, reducing over `min_k` values or more (the quantizers' bar, quantize.MIN_K: Flux's RoPE
+    frequency table [3, 8], also a constant MatMul operand, is no Linear)."""
+    import onnx
+    m = onnx.load(str(onnx_path), load_external_data=False)
+    inits = {t.name: t for t in m.graph.initializer}
+    producer = {o: n for n in m.graph.node for o in n.output}
+    count = 0
+    for n in m.graph.node:
+        x = n.input[1] if n.op_type == "MatMul" else None
+        transposed = False
+        while x is not None and x not in inits and x in producer and producer[x].op_type in ("Transpose", "Slice"):
+            transposed |= producer[x].op_type == "Transpose"
+            x = producer[x].input[0]
+        count += x in inits and inits[x].dims[1 if transposed else 0] >= min_k
+    return count

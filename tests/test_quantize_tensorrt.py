@@ -27,7 +27,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import ROOT, precast
+from conftest import ROOT, linear_weights, precast
 from precast.compiler.targets import quantize
 from precast.compiler.targets.onnx_weights import DataWriter
 from precast.compiler.targets.quantize_tensorrt import qdq_weights
@@ -51,24 +51,6 @@ def flux(tmp_path_factory):
         assert proc.returncode == 0, proc.stderr
         out[dtype] = tmp / dtype / "transformer" / "model.onnx"
     return out
-
-
-def _linear_weights(path) -> int:
-    """MatMuls of the export whose B is an initializer, directly or through Transpose / Slice, reducing
-    over MIN_K values or more (quantize.py's bar: Flux's RoPE frequency table [3, 8] is no Linear)."""
-    min_k = getattr(quantize, "MIN_K", 1)
-    m = onnx.load(str(path), load_external_data=False)
-    inits = {t.name: t for t in m.graph.initializer}
-    producer = {o: n for n in m.graph.node for o in n.output}
-    count = 0
-    for n in m.graph.node:
-        x = n.input[1] if n.op_type == "MatMul" else None
-        transposed = False
-        while x is not None and x not in inits and x in producer and producer[x].op_type in ("Transpose", "Slice"):
-            transposed |= producer[x].op_type == "Transpose"
-            x = producer[x].input[0]
-        count += x in inits and inits[x].dims[1 if transposed else 0] >= min_k
-    return count
 
 
 def _dq_fed_matmuls(path) -> tuple[int, int, int]:
@@ -116,7 +98,7 @@ def _run(path, feeds):
 @pytest.mark.parametrize("weights", ["int8", "fp8"])
 def test_flux_every_linear_weight_dequantized_and_output_close(flux, tmp_path, dtype, weights):
     src = flux[dtype]
-    linears = _linear_weights(src)
+    linears = linear_weights(src)
     m = onnx.load(str(src), load_external_data=False)
     matrices = {t.name for t in m.graph.initializer if len(t.dims) == 2}
     weight_parts = sum(n.op_type == "Slice" and n.input[0] in matrices for n in m.graph.node)
@@ -176,7 +158,7 @@ def test_bf16_flux_weights_dequantize_to_the_exports(flux, tmp_path, weights):
         deq = values * numpy_helper.to_array(inits[d.input[1]]).astype(np.float32)[None, :]
         b = read[node.name]
         worst = max(worst, _worst_channel(deq, b))
-    assert len(read) == _linear_weights(src)
+    assert len(read) == linear_weights(src)
     print("bf16", weights, round(worst, 4))
     assert worst < CHANNEL_BOUND[weights], worst
 
@@ -261,7 +243,7 @@ def test_scales_are_per_output_channel_in_every_orientation(tmp_path, weights):
 def test_tensorrt_rtx_builds_fp8_and_int8_flux_engines(flux, tmp_path, dtype):
     pytest.importorskip("tensorrt_rtx")
     export = flux[dtype].parent.parent
-    linears = _linear_weights(flux[dtype])
+    linears = linear_weights(flux[dtype])
     for weights in ("fp8", "int8"):
         proc = precast("compile", export, "--component", "transformer", "--target", "tensorrt-rtx:sm_89,sm_120",
                        "--option", f"weights={weights}", "--height", "64", "--width", "64", "--t5-tokens", "12",

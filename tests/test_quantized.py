@@ -19,7 +19,7 @@ import weakref
 import numpy as np
 import pytest
 
-from conftest import ROOT, build_recipe, precast
+from conftest import ROOT, build_recipe, linear_weights, precast
 from precast.compiler.errors import BadInput
 from precast.compiler.targets import parse_target
 from precast.runtime.assign import assign_modules, parse_size
@@ -66,24 +66,6 @@ def _kind(a: dict) -> str:
     return f"{a['backend']}-{w}" if w else f"{a['backend']}-fp32"
 
 
-def _linear_weights(onnx_path) -> int:
-    """MatMuls of the export whose B is a weight: an initializer, maybe through Transpose / Slice, reducing
-    over 16 values or more (Flux's RoPE frequency table [3, 8], also a constant MatMul operand, is no weight)."""
-    import onnx
-    m = onnx.load(str(onnx_path), load_external_data=False)
-    inits = {t.name: t for t in m.graph.initializer}
-    producer = {o: n for n in m.graph.node for o in n.output}
-    count = 0
-    for n in m.graph.node:
-        x = n.input[1] if n.op_type == "MatMul" else None
-        transposed = False
-        while x is not None and x not in inits and x in producer and producer[x].op_type in ("Transpose", "Slice"):
-            transposed |= producer[x].op_type == "Transpose"
-            x = producer[x].input[0]
-        count += x in inits and inits[x].dims[1 if transposed else 0] >= 16
-    return count
-
-
 def _feeds(artifact: dict, inputs: list[dict]) -> dict:
     rng = np.random.default_rng(0)
     out = {}
@@ -128,7 +110,7 @@ def test_quantized_artifacts_run_within_error_of_fp32(bundles, model):
     ort = arts["onnxruntime-int8"]["metadata"]["weights"]
     assert ort["op"] == "MatMulNBits" and ort["bits"] == 8 and ort["matmuls"] > 0
     if model == "flux":     # every Linear, the parts of fused qkv / modulation weights too, in both quantizers
-        linears = _linear_weights(bundle / manifest["components"]["transformer"]["onnx"])
+        linears = linear_weights(bundle / manifest["components"]["transformer"]["onnx"])
         assert ort["matmuls"] == linears, (ort, linears)
         assert arts["openvino-int8"]["metadata"]["weights"]["constants"]["u8"] == 2 * linears   # weight + zero point
     assert "i4" in json.dumps(arts["openvino-int4"]["metadata"]["weights"]["constants"])
