@@ -154,7 +154,7 @@ def nibbles(q: np.ndarray) -> np.ndarray:
 def into_openvino(model, blocks: GgufBlocks, parts: dict, export: Path) -> dict[str, int]:
     """Each MatMul(x, W, transpose_b) of an ov.Model (read from quantize.weights_as_parts' rewrite of
     `export`, its Linear weights made transpose_b) whose W the record holds: W replaced by its GGUF
-    blocks, an i8 (Q8_0) / i4 (Q4_0) constant [N, K/32, 32] times the fp16 scales [N, K/32, 1], reshaped
+    blocks, an i8 (Q8_0) / i4 (Q4_0) constant [N, K/32, 32] times the scales [N, K/32, 1] (f32), reshaped
     to [N, K] -- OpenVINO's pattern for grouped compressed weights, which its CPU plugin runs as a
     compressed FullyConnected. `parts`: the rewrite's part name -> (weight name, index). Returns
     GGUF type -> weights kept."""
@@ -186,8 +186,9 @@ def into_openvino(model, blocks: GgufBlocks, parts: dict, export: Path) -> dict[
             tensor = ov.Tensor(ov.Type.i4, ov.Shape(list(q.shape)))
             np.copyto(tensor.data.reshape(-1).view(np.uint8), nibbles(q).reshape(-1))
             const = ops.constant(tensor)
-        d = ops.convert(ops.constant(np.ascontiguousarray(raw[..., :2]).view(np.float16)), ov.Type.f32)  # [N, K/32, 1]
-        weights = ops.multiply(ops.convert(const, ov.Type.f32), d)      # the scales stay fp16 in the IR
+        # f32 scales: kept fp16 (Converted where read) the IR is 6% smaller, but the CPU plugin then holds an
+        # f32 copy of them besides (measured on the 12 B transformer: 15.3 GB anonymous against 13.8 GB)
+        weights = ops.multiply(ops.convert(const, ov.Type.f32), ops.constant(scales(raw)[..., None]))
         full = ops.reshape(weights, ops.constant(np.array([q.shape[0], q.shape[1] * BLOCK], np.int64)), False)
         op.input(1).replace_source_output(full.output(0))
         kept[kind] = kept.get(kind, 0) + 1
