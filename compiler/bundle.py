@@ -25,6 +25,7 @@ from .bundle_records import changed_since, record_written, snapshot
 from .cache import Cache, Entry, cache_key
 from .engines import PRECAST_VERSION, ExportedComponent, compile_component
 from .errors import BadInput
+from .foreign_onnx import is_foreign_folder
 from .interop import write_pipeline_folder
 from .plan import _slug, make_plan, select
 from .recipe import Recipe
@@ -248,6 +249,9 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
     check_replaceable(out)
     cache = cache or Cache()
     entries = select(make_plan(recipe), only, shard)
+    if not recipe.source.startswith("demo:") and is_foreign_folder(recipe.source):   # optimum / diffusers ONNX
+        from .bundle_foreign import build_foreign
+        return build_foreign(recipe, out, entries, cache, progress, t0)
     source = materialize_source(recipe, cache)
     ckpt = open_checkpoint(source, vae=recipe.vae, text_encoders=recipe.text_encoders)
     family = detect_family(ckpt)
@@ -369,22 +373,7 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
             report.append({"entry": f"{comp}.onnx", "component": comp, "backend": "onnx", "target": "onnx",
                            "cache": "hit" if hit else "miss", "seconds": round(time.perf_counter() - c0, 3),
                            "key": entry.key, "fingerprint": None})
-        for e in entries:
-            for profile in profiles:
-                rec, entry = compile_component(exported[e.component], e.target, profile, cache, progress)
-                meta = entry.metadata
-                placed = writer.add(entry.path, entry.files,
-                                    f"artifacts/{e.component}/{_slug(e.target)}-{rec['key'][:12]}")
-                manifest["artifacts"].append({
-                    "id": f"{e.id}/{rec['key'][:12]}", "plan_entry": e.id, "component": e.component,
-                    "backend": e.target.backend, "fingerprint": rec["fingerprint"], "target": e.target.describe(),
-                    "profile": profile.describe(), "shapes": meta["shapes"], "entry": placed[meta["entry"]],
-                    "files": sorted(placed.values()), "size": sum(f["size"] for f in entry.files.values()),
-                    "sha256": entry.files[meta["entry"]]["sha256"], "build_options": e.target.describe(),
-                    "toolchain": meta["toolchain"], "metadata": _artifact_metadata(meta)})
-                report.append({**{k: rec[k] for k in ("component", "backend", "target", "cache", "seconds", "key",
-                                                      "fingerprint")}, "entry": e.id,
-                               **({"evicted": rec["evicted"]} if rec.get("evicted") else {})})
+        add_engines(writer, manifest, report, entries, profiles, exported, cache, progress)
         for comp, folder in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2"),
                              ("text_encoder_3", "tokenizer_3")):
             if comp not in manifest["components"]:
@@ -402,6 +391,27 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return {"bundle": str(out), "artifacts": report, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def add_engines(writer: BundleWriter, manifest: dict, report: list, entries, profiles, exported: dict,
+                cache: Cache, progress: bool) -> None:
+    """Each plan entry's engine for each profile (compile_component, through the cache), into the bundle."""
+    for e in entries:
+        for profile in profiles:
+            rec, entry = compile_component(exported[e.component], e.target, profile, cache, progress)
+            meta = entry.metadata
+            placed = writer.add(entry.path, entry.files,
+                                f"artifacts/{e.component}/{_slug(e.target)}-{rec['key'][:12]}")
+            manifest["artifacts"].append({
+                "id": f"{e.id}/{rec['key'][:12]}", "plan_entry": e.id, "component": e.component,
+                "backend": e.target.backend, "fingerprint": rec["fingerprint"], "target": e.target.describe(),
+                "profile": profile.describe(), "shapes": meta["shapes"], "entry": placed[meta["entry"]],
+                "files": sorted(placed.values()), "size": sum(f["size"] for f in entry.files.values()),
+                "sha256": entry.files[meta["entry"]]["sha256"], "build_options": e.target.describe(),
+                "toolchain": meta["toolchain"], "metadata": _artifact_metadata(meta)})
+            report.append({**{k: rec[k] for k in ("component", "backend", "target", "cache", "seconds", "key",
+                                                  "fingerprint")}, "entry": e.id,
+                           **({"evicted": rec["evicted"]} if rec.get("evicted") else {})})
 
 
 def add_tokenizer(writer: BundleWriter, source: Path, name: str = "tokenizer", pad_zero: bool = False,

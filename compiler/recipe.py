@@ -264,9 +264,12 @@ def _targets(doc: _Doc, value) -> tuple[TargetSpec, ...]:
 
 def _detected_family(source: str) -> str | None:
     """The family of a checkpoint from its header (names and shapes), or None when it cannot tell."""
+    from .foreign_onnx import is_foreign_folder, read_foreign
     from .sources.checkpoint import open_checkpoint
     from .sources.detect import detect_family
     try:
+        if is_foreign_folder(source):        # its graphs' IO, read without their weights
+            return read_foreign(source)[1]["family"]
         return detect_family(open_checkpoint(source)).name
     except BadInput:
         return None
@@ -317,12 +320,7 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
             raise doc.error("model.source", f"{resolved} does not exist")
         if check_files and not (resolved.is_file() or resolved.is_dir()):
             raise doc.error("model.source", f"{resolved} is not a file or folder")
-        from .foreign_onnx import is_foreign_folder
-        if check_files and is_foreign_folder(resolved):
-            raise doc.error("model.source", f"{resolved} is an ONNX pipeline folder (optimum / diffusers), not a "
-                            f"checkpoint: `precast build` reads checkpoints; build its engines with "
-                            f"`precast compile {resolved} --target ...`")
-        source = str(resolved)
+        source = str(resolved)     # an ONNX pipeline folder (optimum / diffusers) too: compiler/bundle_foreign.py
     family = model.get("family")
     if family is not None and (not isinstance(family, str) or family not in DEFAULT_COMPONENTS):
         raise doc.error("model.family", f"{family!r}: allowed: {', '.join(DEFAULT_COMPONENTS)}")

@@ -125,7 +125,8 @@ def requests(manifest, batch: int, height: int, width: int, tokens: int = 77, cf
     unet_inputs = {i["name"]: i["shape"] for i in manifest.components.get("unet", {}).get("inputs", [])}
     ctx = (unet_inputs.get("encoder_hidden_states") or [0, 0, 768])[-1]
     ub = 2 * batch if cfg else batch
-    unet = {"sample": (ub,) + sample[1:], "timestep": (ub,), "encoder_hidden_states": (ub, tokens, ctx)}
+    steps = () if unet_inputs.get("timestep") == [] else (ub,)     # an optimum export's 0-d timestep
+    unet = {"sample": (ub,) + sample[1:], "timestep": steps, "encoder_hidden_states": (ub, tokens, ctx)}
     for name in ("text_embeds", "time_ids"):
         if name in unet_inputs:
             unet[name] = (ub, unet_inputs[name][-1])

@@ -59,6 +59,8 @@ class Txt2Img(BundleModel):
         self.prediction = manifest.model.get("prediction") or "epsilon"
         self.unet_channels = unet_in_channels(manifest)
         self.unet_inputs = manifest.components["unet"]["inputs"]
+        ts = next((i.get("shape") for i in self.unet_inputs if i["name"] == "timestep"), None)
+        self.timestep_shape = () if ts == [] else (2,)       # optimum's UNet export: one 0-d timestep
 
     def _encoder(self, comp: str, prompt: str) -> dict[str, np.ndarray]:
         from .embeddings import encoder_feeds
@@ -162,7 +164,7 @@ class Txt2Img(BundleModel):
             i = first + k
             model_in = np.concatenate([sampler.scale_model_input(x, i), *cond], axis=1) if cond else \
                 sampler.scale_model_input(x, i)
-            timestep = np.full((2,), t, np.float32)
+            timestep = np.full(self.timestep_shape, t, np.float32)
             residuals = nets.residuals(k, len(sampler.timesteps) - first, np.concatenate(
                 [sampler.scale_model_input(x, i)] * 2, axis=0), timestep, context, extra, self.unet_inputs) \
                 if nets else zeros

@@ -13,7 +13,10 @@ folder is a diffusers OnnxStableDiffusionPipeline layout (diffusers' conversion 
 batch / channels / height / width / sequence, the UNet's weights in `weights.pb`, int32 input_ids,
 float timestep). The optimum folder compiles for onnxruntime and openvino, the diffusers one for
 onnxruntime (the test stays under 60 s), and each engine's outputs equal the foreign model.onnx run
-directly in onnxruntime on the same inputs (1e-5).
+directly in onnxruntime on the same inputs (1e-5). `precast build` with such a folder as model.source
+(compiler/bundle_foreign.py) writes a bundle `precast generate` runs: from optimum's real export its image matches
+optimum's ORTStableDiffusionPipeline on the folder, from the made folders precast's own bundle of the same
+checkpoint (PSNR >= 40 dB).
 """
 import json
 from pathlib import Path
@@ -287,9 +290,97 @@ def test_unmappable_axis_is_one_line(folders, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_build_from_foreign_folder_says_use_compile(folders, tmp_path):
+def _recipe(tmp_path: Path, folder: Path, extra: str = "") -> Path:
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"name: foreign\nmodel:\n  source: {folders['optimum']}\ntargets:\n  - onnxruntime\n")
-    proc = precast("build", recipe, "--out", tmp_path / "b")
+    recipe.write_text(f"name: foreign\nmodel:\n  source: {folder}\nprofiles: {{batch: 1, height: 64, width: 64}}\n"
+                      f"targets: [onnxruntime]\n{extra}")
+    return recipe
+
+
+def test_build_from_real_optimum_export_matches_optimum(real_optimum, tmp_path):
+    """`precast build` of optimum's own export (issue 18, item 4): a normal bundle (the folder's graphs, weights,
+    configs, scheduler and tokenizer under onnx/, ONNX Runtime engines through the cache `precast compile` filled,
+    the family, prediction type and latent scale from the folder); `precast generate` runs it (optimum's int64
+    input_ids and 0-d timestep), and its image from given noise matches optimum's ORTStableDiffusionPipeline run
+    on the same folder in the side environment (DPM-Solver++ 2M in the folder's scheduler config, 4 steps,
+    guidance 7.5): PSNR >= 40 dB in fp32."""
+    import shutil
+    from test_interop import GUIDANCE, PROMPT, STEPS, psnr, run_side
+    from precast.compiler.interop import scheduler_config
+    from precast.runtime.manifest import verify_bundle
+    from precast.runtime.sd_pipeline import Txt2Img
+    folder, _, cache = real_optimum
+    bundle, env = tmp_path / "bundle", {"PRECAST_CACHE": cache}
+    proc = precast("build", _recipe(tmp_path, folder), "--out", bundle, "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    engines = [r for r in json.loads(proc.stdout)["artifacts"] if r["backend"] == "onnxruntime"]
+    assert sorted(r["component"] for r in engines) == ["text_encoder", "unet", "vae_decoder", "vae_encoder"]
+    assert verify_bundle(bundle) == []
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    model = manifest["model"]
+    assert (model["family"], model["prediction"], model["latent_scale"]) == ("sd1", "epsilon", 0.18215)
+    assert model["onnx_source"]["layout"] == "optimum"
+    unet = manifest["components"]["unet"]
+    assert {t["name"]: t["shape"] for t in unet["inputs"]}["timestep"] == []
+    assert set(unet["files"]) == {"onnx/unet/model.onnx", "onnx/unet/config.json"}   # weights inside (3 MB)
+    for rel in ("tokenizer/vocab.json", "onnx/tokenizer/merges.txt", "onnx/model_index.json",
+                "onnx/scheduler/scheduler_config.json"):
+        assert (bundle / rel).is_file(), rel
+    png = tmp_path / "x.png"
+    gen = precast("generate", bundle, "--prompt", PROMPT, "--steps", "2", "--out", png, env=env)
+    assert gen.returncode == 0, gen.stderr
+    assert png.stat().st_size > 0
+    noise = np.random.default_rng(7).standard_normal((1, 4, 8, 8)).astype(np.float32)
+    ours = Txt2Img(bundle, None, width=64, height=64)(PROMPT, "", STEPS, 0, GUIDANCE, "dpm++2m", latents=noise,
+                                                       progress=False)
+    theirs_folder = tmp_path / "theirs"          # the same graphs, with precast's dpm++2m as the folder's scheduler
+    shutil.copytree(folder, theirs_folder)
+    (theirs_folder / "scheduler" / "scheduler_config.json").write_text(
+        json.dumps(scheduler_config({"family": "sd1", "prediction": "epsilon"})))
+    index = json.loads((theirs_folder / "model_index.json").read_text())    # the class is read from here
+    (theirs_folder / "model_index.json").write_text(
+        json.dumps({**index, "scheduler": ["diffusers", "DPMSolverMultistepScheduler"]}))
+    theirs = run_side(tmp_path / "side", "optimum.onnxruntime", "ORTStableDiffusionPipeline", theirs_folder,
+                      {"prompt": PROMPT, "height": 64, "width": 64, "num_inference_steps": STEPS,
+                       "guidance_scale": GUIDANCE}, noise)
+    assert theirs.shape == ours.shape and theirs.std() > 0.01
+    print(f"PSNR {psnr(theirs, ours):.1f} dB")
+    assert psnr(theirs, ours) >= 40
+
+
+def test_build_from_foreign_folder_refuses_what_its_graphs_cannot_take(folders, tmp_path):
+    """A LoRA (merged into weights at export), a component the folder lacks or a precision its graphs are not
+    in: one line, before any work."""
+    lora = tmp_path / "l.safetensors"
+    lora.write_bytes(b"")
+    proc = precast("build", _recipe(tmp_path, folders["optimum"], f"loras: [{lora}]\n"), "--out", tmp_path / "b")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "is an ONNX pipeline folder" in proc.stderr and "precast compile" in proc.stderr
+    assert "loras: not with an ONNX pipeline folder" in proc.stderr
+    proc = precast("build", _recipe(tmp_path, folders["optimum"], "components: [text_encoder, unet, vae_decoder, "
+                                    "text_encoder_2]\n"), "--out", tmp_path / "b")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "has no text_encoder_2 (it has text_encoder, unet, vae_encoder, vae_decoder)" in proc.stderr
+    proc = precast("build", _recipe(tmp_path, folders["optimum"], "precision: fp16\n"), "--out", tmp_path / "b")
+    assert proc.returncode != 0 and "an ONNX folder's graphs are built at their own precision" in proc.stderr
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("layout", ["optimum", "diffusers"])
+def test_build_from_foreign_folder_matches_precasts_own_bundle(folders, tiny_bundle, tmp_path, layout):
+    """Both layouts (optimum's int64 [steps] timestep and int64 ids; diffusers' float [batch] timestep, int32 ids,
+    weights.pb, no configs or tokenizer) exported from the demo checkpoint tiny_bundle is built from: `precast build`
+    of the folder gives the image precast's own bundle gives from the same noise (PSNR >= 40 dB, fp32)."""
+    from test_interop import GUIDANCE, PROMPT, STEPS, psnr
+    from precast.runtime.sd_pipeline import Txt2Img
+    bundle = tmp_path / "bundle"
+    proc = precast("build", _recipe(tmp_path, folders[layout], "components: [text_encoder, unet, vae_decoder]\n"),
+                   "--out", bundle, env={"PRECAST_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((bundle / "manifest.json").read_text())["model"]["onnx_source"]["layout"] == layout
+    noise = np.random.default_rng(7).standard_normal((1, 4, 8, 8)).astype(np.float32)
+    run = lambda b: Txt2Img(b, "cpu", width=64, height=64)(PROMPT, "", STEPS, 0, GUIDANCE, "dpm++2m", latents=noise,
+                                                           progress=False)
+    theirs, ours = run(bundle), run(tiny_bundle[0])
+    assert ours.std() > 0.01
+    print(f"{layout} PSNR {psnr(theirs, ours):.1f} dB")
+    assert psnr(theirs, ours) >= 40
