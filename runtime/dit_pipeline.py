@@ -18,8 +18,8 @@ import numpy as np
 
 from .errors import UserError
 from .flow import FlowEuler, FlowSchedule
-from .manifest import Manifest, read_manifest
-from .pipeline import BundleModel, check_steps, latent_factor, optimal_size
+from .manifest import Manifest
+from .pipeline import BundleModel, check_steps, image_size, latent_factor, open_manifest
 
 FAMILIES = {"flux": ("text_encoder", "text_encoder_2", "transformer", "vae_decoder"),
             "chroma": ("text_encoder", "transformer", "vae_decoder")}
@@ -130,18 +130,13 @@ class FluxTxt2Img(BundleModel):
         `strict`: every module runs where `backend` assigns it, or a UserError (no fallback);
         `lazy`: the VAE decoder goes on loading while the prompt is encoded and denoised."""
         env = os.environ if env is None else env
-        t0 = time.perf_counter()
-        manifest = bundle if isinstance(bundle, Manifest) else read_manifest(bundle)
-        manifest_s = round(time.perf_counter() - t0, 3)
+        manifest, manifest_s = open_manifest(bundle)
         family = self.family = manifest.model.get("family")
         if family not in FAMILIES:
             raise UserError(f"{manifest.root}: the DiT pipeline runs Flux and Chroma bundles; this one is {family}")
-        opt_w, opt_h = optimal_size(manifest)
-        width, height = width or opt_w, height or opt_h
         f = 2 * latent_factor(manifest)
-        if width % f or height % f:
-            raise UserError(f"--size {width}x{height}: width and height must be multiples of {f} "
-                            f"({family} packs 2x2 latents of the VAE's 1/{f // 2} scale)")
+        width, height = image_size(manifest, width, height, f,
+                                   f"{family} packs 2x2 latents of the VAE's 1/{f // 2} scale")
         check_transformer_io(manifest, family)
         self.width, self.height = width, height
         self.rows, self.cols = packed_grid(manifest, height, width)

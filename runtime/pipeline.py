@@ -111,6 +111,24 @@ def optimal_size(manifest) -> tuple[int, int]:
     return int(prof["width"][1]), int(prof["height"][1])
 
 
+def open_manifest(bundle) -> tuple:
+    """(the bundle's manifest -- read and checked by read_manifest unless already read --, seconds it took)."""
+    from .manifest import Manifest, read_manifest
+    t0 = time.perf_counter()
+    manifest = bundle if isinstance(bundle, Manifest) else read_manifest(bundle)
+    return manifest, round(time.perf_counter() - t0, 3)
+
+
+def image_size(manifest, width: int | None, height: int | None, factor: int, why: str = "") -> tuple[int, int]:
+    """(width, height): as given, else the bundle's optimal size; refused unless multiples of `factor`."""
+    opt_w, opt_h = optimal_size(manifest)
+    width, height = width or opt_w, height or opt_h
+    if width % factor or height % factor:
+        raise UserError(f"--size {width}x{height}: width and height must be multiples of {factor}"
+                        + (f" ({why})" if why else ""))
+    return width, height
+
+
 def requests(manifest, batch: int, height: int, width: int, tokens: int = 77, cfg: bool = True) -> dict:
     """The input shapes each component will be called with."""
     if manifest.model.get("family") == "sd3":

@@ -19,8 +19,8 @@ import numpy as np
 
 from .errors import UserError
 from .flow import FlowEuler, FlowSchedule
-from .manifest import Manifest, read_manifest
-from .pipeline import BundleModel, check_steps, latent_factor, optimal_size, text_state_name
+from .manifest import Manifest
+from .pipeline import BundleModel, check_steps, image_size, latent_factor, open_manifest, text_state_name
 
 CLIPS = ("text_encoder", "text_encoder_2")
 T5 = "text_encoder_3"
@@ -80,18 +80,13 @@ class SD3Txt2Img(BundleModel):
         """As FluxTxt2Img: `width`/`height` default to the bundle's optimal size; `strict`: no fallback;
         `lazy`: the VAE decoder goes on loading while the prompt is encoded and denoised."""
         env = os.environ if env is None else env
-        t0 = time.perf_counter()
-        manifest = bundle if isinstance(bundle, Manifest) else read_manifest(bundle)
-        manifest_s = round(time.perf_counter() - t0, 3)
+        manifest, manifest_s = open_manifest(bundle)
         self.family = manifest.model.get("family")
         if self.family != "sd3":
             raise UserError(f"{manifest.root}: the SD3 pipeline runs SD3 / SD3.5 bundles; this one is {self.family}")
-        opt_w, opt_h = optimal_size(manifest)
-        width, height = width or opt_w, height or opt_h
         f = 2 * latent_factor(manifest)
-        if width % f or height % f:
-            raise UserError(f"--size {width}x{height}: width and height must be multiples of {f} "
-                            f"(SD3 reads 2x2 patches of the VAE's 1/{f // 2} scale latents)")
+        width, height = image_size(manifest, width, height, f,
+                                   f"SD3 reads 2x2 patches of the VAE's 1/{f // 2} scale latents")
         inputs = transformer_inputs(manifest)
         self.width, self.height = width, height
         self.t5_tokens = t5_length(manifest)

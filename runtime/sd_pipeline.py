@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from .errors import UserError
-from .manifest import Manifest, read_manifest
-from .pipeline import (LATENT_SCALE, NEEDED, BundleModel, check_image_mode, check_steps, latent_factor, optimal_size,
-                       requests, text_state_name, unet_in_channels)
+from .manifest import Manifest
+from .pipeline import (LATENT_SCALE, NEEDED, BundleModel, check_image_mode, check_steps, image_size, latent_factor,
+                       open_manifest, requests, text_state_name, unet_in_channels)
 from .schedulers import NoiseSchedule, make_sampler, start_index
 
 
@@ -37,18 +37,11 @@ class Txt2Img(BundleModel):
         `image_input`: the VAE encoder is loaded too (img2img and inpainting; the bundle must have it).
         `controlnets`: the bundle's ControlNet components (controlnet_<name>) to load for `controls`."""
         env = os.environ if env is None else env
-        t0 = time.perf_counter()
-        manifest = bundle if isinstance(bundle, Manifest) else read_manifest(bundle)
-        manifest_s = round(time.perf_counter() - t0, 3)
+        manifest, manifest_s = open_manifest(bundle)
         family = self.family = manifest.model.get("family")
         if family not in LATENT_SCALE:
             raise UserError(f"{manifest.root}: the SD pipeline runs SD 1.x/2.x/XL bundles; this one is {family}")
-        opt_w, opt_h = optimal_size(manifest)
-        width, height = width or opt_w, height or opt_h
-        f = latent_factor(manifest)
-        if width % f or height % f:
-            raise UserError(f"--size {width}x{height}: width and height must be multiples of {f}")
-        self.width, self.height = width, height
+        self.width, self.height = width, height = image_size(manifest, width, height, latent_factor(manifest))
         needed = NEEDED[family] + (("vae_encoder",) if image_input else ()) + tuple(controlnets)
         self.image_input = image_input
         super().__init__(manifest, needed, requests(manifest, 1, height, width), backend, params_backend,
