@@ -22,7 +22,6 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BadInput
-from ..sources.gguf_file import GGUF_BLOCKS  # noqa: F401  (the record's name, as the export writes it)
 
 BLOCK = 32
 TYPE_SIZE = {"Q8_0": 2 + 32, "Q4_0": 2 + 16}
@@ -108,9 +107,10 @@ def _checked(rec) -> dict:
     return {"type": rec["type"], "shape": [n, k], "segments": segments}
 
 
-def of(found) -> GgufBlocks | None:
-    """The record the export wrote (`found`: its path, or (path, the GGUF files the build knows now)), if any."""
-    path, sources = found if isinstance(found, tuple) else (found, ())
+def of(found: tuple | None) -> GgufBlocks | None:
+    """The record the export wrote, if any; `found`: (its path or None, the GGUF files the build knows now),
+    as compile_component puts it in the job."""
+    path, sources = found or (None, ())
     return GgufBlocks(path, sources) if path is not None and Path(path).is_file() else None
 
 
@@ -128,9 +128,10 @@ def values(kind: str, blocks: np.ndarray) -> np.ndarray:
 
 
 def dequantize(kind: str, blocks: np.ndarray) -> np.ndarray:
-    """float32 [rows, blocks * 32]: d * q, exact in float32 (as gguf.quants dequantizes)."""
-    q = values(kind, blocks).astype(np.float32)
-    return (q * scales(blocks)[..., None]).reshape(blocks.shape[0], -1)
+    """float32 [rows, blocks * 32]: gguf's own dequantization (d * q), as the export made its weights."""
+    import gguf.quants
+    rows = np.ascontiguousarray(blocks).reshape(blocks.shape[0], -1)
+    return np.asarray(gguf.quants.dequantize(rows, gguf.GGMLQuantizationType[kind]), np.float32)
 
 
 def matmul_nbits(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
