@@ -18,11 +18,12 @@ import sys
 import time
 from pathlib import Path
 
-from ..runtime.fileops import FileBusy, rename_dir
+from ..runtime.fileops import FileBusy
 from ..runtime.manifest import MANIFEST, SCHEMA, file_record, read_manifest, sha256_file, verify_bundle
+from ..runtime.staging import Staging
 from .bundle_archive import MANIFEST_LIMIT, check_out
 from .bundle_records import changed_since, record_written, snapshot
-from .cache import Cache, Entry, cache_key
+from .cache import STAGING, Cache, Entry, cache_key, cache_root
 from .engines import PRECAST_VERSION, ExportedComponent, compile_component
 from .errors import BadInput
 from .foreign_onnx import is_foreign_folder
@@ -91,7 +92,7 @@ def cached_export(cache: Cache, source: Path, digest: str, component: str, dtype
                   te_digests: tuple = (), controlnet: tuple[str, str] | None = None,
                   controlnet_digest: str = "") -> tuple[Entry, bool]:
     """One component's ONNX export, as a cache entry: (verified entry, hit). `loras` are merged
-    ((path, strength, te_strength) each); `lora_ids` (digest + strength of each LoRA that touches
+    ((path, strength, te_strength, allow_unmatched) each); `lora_ids` (digest + strength of each LoRA that touches
     this component) go into the key; so do the digests of separate text-encoder files, and of the
     ControlNet file a `controlnet_<name>` component is made from ((path, name))."""
     from .export import export
@@ -109,7 +110,8 @@ def cached_export(cache: Cache, source: Path, digest: str, component: str, dtype
     def build(folder: Path) -> dict:
         work = folder / "export"
         report = export(source, work, [component], dtype, overrides, progress=progress, vae_dtype=dtype,
-                        vae=vae, loras=loras if lora_ids else None, text_encoders=text_encoders,
+                        vae=vae, loras=loras if lora_ids else None, warn=lambda msg: None,  # said by build_bundle
+                        text_encoders=text_encoders,
                         controlnets=[controlnet] if controlnet else ())
         for f in (work / component).iterdir():
             os.rename(f, folder / f.name)
@@ -201,31 +203,14 @@ def _note_replaced(out: Path, staging: Path) -> None:
         print(f"note: {out} held a bundle of {before[1]}; replaced by {after[1]}", file=sys.stderr)
 
 
-def commit_bundle(staging: Path, out: Path) -> None:
-    """Rename the finished staging folder to `out`, replacing an existing bundle there."""
+def commit_bundle(stage: Staging) -> None:
+    """Put the finished staging folder at its --out, replacing an existing bundle there in one step."""
+    out = stage.out
     if out.exists():
-        try:
-            check_replaceable(out)
-        except BadInput:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        _note_replaced(out, staging)
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        _move(out, old, out)
-        try:
-            _move(staging, out, out)
-        except BaseException:
-            rename_dir(old, out)          # the earlier bundle goes back where it was
-            raise
-        shutil.rmtree(old, ignore_errors=True)   # a file still held open (Windows) leaves the rest; gone next time
-    else:
-        _move(staging, out, out)
-
-
-def _move(src: Path, dst: Path, out: Path) -> None:
-    """rename_dir, with Windows' refusal while a file inside is held open said in one line."""
+        check_replaceable(out)
+        _note_replaced(out, stage.path)
     try:
-        rename_dir(src, dst)
+        stage.commit()
     except FileBusy:
         raise BadInput(f"--out {out}: a file in it is held open by another process (a running precast generate, "
                        "an editor, an antivirus scan?), so Windows will not move it; close that and build again") from None
@@ -293,8 +278,11 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
     if recipe.loras:  # checked against the model now (unmatched keys, shapes), before anything is built
         from .lora_merge import LoraSpec, component_loras, plan_merge
         lora_plan = plan_merge({k: tuple(r.shape) for k, r in ckpt.refs.items()},
-                               [LoraSpec(l.path, l.strength, l.te_strength) for l in recipe.loras])
-    lora_args = [(l.path, l.strength, l.te_strength) for l in recipe.loras]
+                               [LoraSpec(l.path, l.strength, l.te_strength, l.allow_unmatched) for l in recipe.loras],
+                               allow_hint=lambda i: f"set `allow_unmatched: true` in loras[{i}] of {recipe.path} "
+                                                    f"(line {recipe.lines.get(f'loras[{i}]', 1)}) or pass "
+                                                    "--allow-unmatched to `precast build`")
+    lora_args = [(l.path, l.strength, l.te_strength, l.allow_unmatched) for l in recipe.loras]
     net_digests = {comp: source_digest(Path(path)) for comp, (path, _) in nets.items()}
     vae_path = Path(recipe.vae) if recipe.vae else None
     vae_digest = source_digest(vae_path) if vae_path else ""
@@ -308,32 +296,31 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
             check_buildable(e.target, precision_of(e.component)[0], e.component)
         except BadInput as err:
             raise BadInput(f"{recipe.path}: {err}") from None
-    staging = out.parent / f".{out.name}.building-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    writer = BundleWriter(staging)
-    manifest = {"schema": SCHEMA, "precast": PRECAST_VERSION, "name": recipe.name,
-                "model": {"family": family.name, "variant": family.variant,
-                          "source": recipe.source if recipe.source.startswith("demo:") else Path(recipe.source).name,
-                          "source_sha256": digest, "loras": [], "embeddings": [],
-                          "vae": {"source": vae_path.name, "sha256": vae_digest} if vae_path else None},
-                "components": {}, "artifacts": [], "files": writer.files}
-    if recipe.text_encoders:
-        manifest["model"]["text_encoders"] = [{"source": Path(t).name, "sha256": d}
-                                              for t, d in zip(recipe.text_encoders, te_digests)]
-    flow = flow_defaults(family.name, family.variant, ckpt.configs.get("scheduler", {}),
-                         f"{ckpt.path} scheduler/scheduler_config.json")
-    if flow is not None:
-        manifest["model"].update(flow)
-    if planned_nets:
-        manifest["model"]["controlnets"] = [{"name": name, "component": comp, "source": Path(path).name,
-                                             "sha256": net_digests[comp], "residuals": cfg["control_residuals"]}
-                                            for (comp, (path, name)), (_, _, cfg) in zip(nets.items(), planned_nets)]
-    if lora_plan is not None:
-        manifest["model"]["loras"] = [{k: d[k] for k in ("name", "sha256", "strength", "te_strength")}
-                                      for d in lora_plan.describe()]
-    report = []
-    try:
+    with Staging(out, "building", cache.staging) as stage:
+        staging = stage.path
+        writer = BundleWriter(staging)
+        manifest = {"schema": SCHEMA, "precast": PRECAST_VERSION, "name": recipe.name,
+                    "model": {"family": family.name, "variant": family.variant,
+                              "source": recipe.source if recipe.source.startswith("demo:") else Path(recipe.source).name,
+                              "source_sha256": digest, "loras": [], "embeddings": [],
+                              "vae": {"source": vae_path.name, "sha256": vae_digest} if vae_path else None},
+                    "components": {}, "artifacts": [], "files": writer.files}
+        if recipe.text_encoders:
+            manifest["model"]["text_encoders"] = [{"source": Path(t).name, "sha256": d}
+                                                  for t, d in zip(recipe.text_encoders, te_digests)]
+        flow = flow_defaults(family.name, family.variant, ckpt.configs.get("scheduler", {}),
+                             f"{ckpt.path} scheduler/scheduler_config.json")
+        if flow is not None:
+            manifest["model"].update(flow)
+        if planned_nets:
+            manifest["model"]["controlnets"] = [{"name": name, "component": comp, "source": Path(path).name,
+                                                 "sha256": net_digests[comp], "residuals": cfg["control_residuals"]}
+                                                for (comp, (path, name)), (_, _, cfg) in zip(nets.items(), planned_nets)]
+        if lora_plan is not None:
+            manifest["model"]["loras"] = [{**{k: d[k] for k in ("name", "sha256", "strength", "te_strength")},
+                                           **({"unmatched": len(d["unmatched"])} if d["unmatched"] else {})}
+                                          for d in lora_plan.describe()]
+        report = []
         if recipe.embeddings:  # textual inversion: applied by the runtime, no engine depends on it
             from .sources.embeddings import encoder_widths, write_bundle_embeddings
             manifest["model"]["embeddings"], emb_files = write_bundle_embeddings(
@@ -386,10 +373,8 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
                               {c: v["config"] for c, v in manifest["components"].items()}, source, writer)
         write_manifest(staging, manifest)
         staged = snapshot(staging, writer.files, skip=writer.copied)       # verification records: bundle_records.py
-        commit_bundle(staging, out)
+        commit_bundle(stage)
         record_written(out, writer.files, staged, whole=set(staged) - writer.linked)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return {"bundle": str(out), "artifacts": report, "seconds": round(time.perf_counter() - t0, 3)}
 
 
@@ -462,22 +447,20 @@ def merge_bundles(inputs: list[str | Path], out: str | Path) -> dict:
         if m.model != first["model"]:
             raise BadInput(f"{m.root}: built from another model or LoRA set than {manifests[0].root}; "
                            "merge shards of one recipe only")
-    staging = out.parent / f".{out.name}.merging-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    merged = {"schema": SCHEMA, "precast": first["precast"], "name": first["name"], "model": first["model"],
-              "components": {}, "artifacts": [], "files": {}}
-    seen, unproven = {}, set()  # shard files copied, or changed since hashed: not recorded as verified
-    for m in manifests:
-        for name, comp in m.components.items():
-            if merged["components"].setdefault(name, comp) != comp:
-                raise BadInput(f"{m.root}: component {name} differs from another shard's; rebuild the shards "
-                               "from one recipe with one precast version")
-    # onnx/'s pipeline files (model_index.json, configs) list the components a shard has: written again
-    from .interop import pipeline_files, write_json
-    derived = {f"onnx/{rel}": data for rel, data in pipeline_files(
-        first["model"], {c: v.get("config") or {} for c, v in merged["components"].items()}).items()}
-    try:
+    with Staging(out, "merging", cache_root() / STAGING) as stage:
+        staging = stage.path
+        merged = {"schema": SCHEMA, "precast": first["precast"], "name": first["name"], "model": first["model"],
+                  "components": {}, "artifacts": [], "files": {}}
+        seen, unproven = {}, set()  # shard files copied, or changed since hashed: not recorded as verified
+        for m in manifests:
+            for name, comp in m.components.items():
+                if merged["components"].setdefault(name, comp) != comp:
+                    raise BadInput(f"{m.root}: component {name} differs from another shard's; rebuild the shards "
+                                   "from one recipe with one precast version")
+        # onnx/'s pipeline files (model_index.json, configs) list the components a shard has: written again
+        from .interop import pipeline_files, write_json
+        derived = {f"onnx/{rel}": data for rel, data in pipeline_files(
+            first["model"], {c: v.get("config") or {} for c, v in merged["components"].items()}).items()}
         for rel, data in derived.items():
             merged["files"][rel] = file_record(write_json(staging / rel, data))
         for m in manifests:
@@ -505,8 +488,6 @@ def merge_bundles(inputs: list[str | Path], out: str | Path) -> dict:
                     merged["artifacts"].append(a)
         write_manifest(staging, merged)
         staged = snapshot(staging, merged["files"], skip=unproven)  # verify_bundle hashed each whole above
-        commit_bundle(staging, out)
+        commit_bundle(stage)
         record_written(out, merged["files"], staged, whole=True)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return {"bundle": str(out), "artifacts": len(merged["artifacts"]), "files": len(merged["files"])}

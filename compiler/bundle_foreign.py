@@ -13,12 +13,12 @@ inversion, ControlNet residuals, a separate VAE or text encoder) is refused in o
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 import time
 from pathlib import Path
 
 from ..runtime.manifest import SCHEMA, file_record, sha256_file
+from ..runtime.staging import Staging
 from .cache import Cache, cache_key
 from .engines import PRECAST_VERSION
 from .errors import BadInput
@@ -129,19 +129,17 @@ def build_foreign(recipe: Recipe, out: Path, entries, cache: Cache, progress: bo
     prediction = (recipe.overrides.get("model") or {}).get("prediction") or sched.get("prediction_type") or "epsilon"
     scale = vae_cfg.get("scaling_factor")
     layout = "diffusers" if str(index.get("_class_name", "")).startswith("Onnx") else "optimum"
-    staging = out.parent / f".{out.name}.building-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    writer = BundleWriter(staging)
-    manifest = {"schema": SCHEMA, "precast": PRECAST_VERSION, "name": recipe.name,
-                "model": {"family": family, "variant": "", "source": folder.name,
-                          "source_sha256": folder_digest(folder), "loras": [], "embeddings": [], "vae": None,
-                          "prediction": prediction,
-                          "latent_scale": float(scale) if isinstance(scale, (int, float)) else LATENT_SCALE[family],
-                          "onnx_source": {"layout": layout, "pipeline": index.get("_class_name")}},
-                "components": {}, "artifacts": [], "files": writer.files}
-    report = []
-    try:
+    with Staging(out, "building", cache.staging) as stage:
+        staging = stage.path
+        writer = BundleWriter(staging)
+        manifest = {"schema": SCHEMA, "precast": PRECAST_VERSION, "name": recipe.name,
+                    "model": {"family": family, "variant": "", "source": folder.name,
+                              "source_sha256": folder_digest(folder), "loras": [], "embeddings": [], "vae": None,
+                              "prediction": prediction,
+                              "latent_scale": float(scale) if isinstance(scale, (int, float)) else LATENT_SCALE[family],
+                              "onnx_source": {"layout": layout, "pipeline": index.get("_class_name")}},
+                    "components": {}, "artifacts": [], "files": writer.files}
+        report = []
         for c in wanted:
             c0 = time.perf_counter()
             names = set(comps[c].sizes) | ({"config.json"} if (folder / c / "config.json").is_file() else set())
@@ -160,8 +158,6 @@ def build_foreign(recipe: Recipe, out: Path, entries, cache: Cache, progress: bo
         _pipeline_files(writer, folder, wanted, index)
         write_manifest(staging, manifest)
         staged = snapshot(staging, writer.files, skip=writer.copied)
-        commit_bundle(staging, out)
+        commit_bundle(stage)
         record_written(out, writer.files, staged, whole=set(staged) - writer.linked)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return {"bundle": str(out), "artifacts": report, "seconds": round(time.perf_counter() - t0, 3)}

@@ -1,7 +1,8 @@
 """Content-addressed artifact cache.
 
 Owns: where artifacts live (platformdirs user cache, or the folder $PRECAST_CACHE names), the key
-(sha256 over what decides an artifact's bytes), gc (damaged entries and abandoned temp folders
+(sha256 over what decides an artifact's bytes), gc (damaged entries, abandoned temp folders and
+what killed bundle builds left beside their --out -- found through the records under `staging/` --
 always; least recently used entries only down to a size the user gives), and the guarantees: an entry is complete and verified or
 absent. Builds go to a private temp folder renamed into place; a file lock makes two builders
 of one key build once; every read re-checks each file's sha256, and a damaged entry is evicted
@@ -21,12 +22,14 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Callable
 
-from ..runtime.fileops import process_alive, rename_dir, replace_file
+from ..runtime.fileops import dir_held, hold_dir, rename_dir, replace_file
 from ..runtime.manifest import file_record, sha256_file, verify_file
 from ..runtime.progress import heartbeat
+from ..runtime.staging import gc_registry
 from .errors import BadInput
 
 ENTRY_FILE = "entry.json"
+STAGING = "staging"     # records of bundles being written anywhere (runtime/staging.py), for gc
 
 
 def cache_root() -> Path:
@@ -158,6 +161,7 @@ class Cache:
         self.root = Path(root) if root else cache_root()
         check_root(self.root)
         self.entries, self.tmp, self.locks = self.root / "entries", self.root / "tmp", self.root / "locks"
+        self.staging = self.root / STAGING
 
     def _dir(self, key: str) -> Path:
         return self.entries / key[:2] / key
@@ -221,6 +225,7 @@ class Cache:
             self._mkdir(self.tmp)
             work = self.tmp / f"{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             work.mkdir()
+            held = hold_dir(work)     # while this process lives: gc leaves the folder alone
             try:
                 metadata = build(work)
                 files = {p.name: file_record(p) for p in sorted(work.iterdir()) if p.is_file()}
@@ -235,6 +240,8 @@ class Cache:
                 rename_dir(work, target)
             finally:
                 shutil.rmtree(work, ignore_errors=True)
+                if held is not None:
+                    os.close(held)
             return parse_entry(target), False, evicted
 
     # ---- management ---------------------------------------------------------------
@@ -262,7 +269,7 @@ class Cache:
             shutil.rmtree(entry.path, ignore_errors=True)
 
     def gc(self, max_size: int | None = None) -> dict:
-        """Drop damaged entries and abandoned temp folders; then, only when `max_size` is given
+        """Drop damaged entries, abandoned temp folders and dead bundle builds' leftovers; then, only when `max_size` is given
         (no size limit by default), least recently used entries until the cache holds at most
         `max_size` bytes."""
         removed, reasons = [], {}
@@ -275,7 +282,7 @@ class Cache:
         if self.tmp.exists():
             for work in self.tmp.iterdir():
                 pid = work.name.split("-")[1] if work.name.count("-") >= 2 else ""
-                if not (pid.isdigit() and process_alive(int(pid))):
+                if not (pid.isdigit() and dir_held(work, int(pid))):
                     shutil.rmtree(work, ignore_errors=True)
                     stale += 1
         if max_size is not None:
@@ -290,6 +297,7 @@ class Cache:
                 reasons[e.key] = "least recently used"
         left = self.list()
         return {"removed": removed, "reasons": reasons, "stale_temp_folders": stale, "max_size": max_size,
+                "bundle_leftovers": gc_registry(self.staging),
                 "stale_locks": self._drop_stale_locks({e.key for e in left}),
                 "entries": len(left), "size": sum(e.size for e in left)}
 

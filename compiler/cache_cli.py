@@ -99,9 +99,10 @@ def cache_rm(keys, as_json):
                    "(e.g. 500M, 20G; K, M, G, T are powers of 1024, so 100M = 104.9 MB as sizes are shown). "
                    "Default: no size limit.")
 @click.option("--json", "as_json", is_flag=True,
-              help="Print {removed, reasons, stale_temp_folders, stale_locks, max_size, entries, size}.")
+              help="Print {removed, reasons, stale_temp_folders, stale_locks, bundle_leftovers, max_size, entries, size}.")
 def cache_gc(max_size, as_json):
-    """Remove damaged entries and temp folders abandoned by killed builds; with --max-size, also least
+    """Remove damaged entries, temp folders abandoned by killed builds and what killed bundle builds left beside
+    their --out (a bundle a kill caught mid-swap is put back); with --max-size, also least
     recently used entries down to that size. Without --max-size no size limit applies: verified entries stay."""
     def go():
         from .cache import Cache, parse_size
@@ -109,6 +110,8 @@ def cache_gc(max_size, as_json):
         if as_json:
             click.echo(json.dumps(result, indent=2))
             return
+        for line in result["bundle_leftovers"]:
+            click.echo(line)
         damaged = sum(1 for why in result["reasons"].values() if why != "least recently used")
         lru = len(result["removed"]) - damaged
         limit = (f"{lru} least recently used to stay under --max-size {max_size}" if max_size else

@@ -16,7 +16,9 @@ from typing import Callable
 import numpy as np
 import onnx
 
-from ..runtime.fileops import rename_dir, replace_file
+from ..runtime.fileops import exchange_dirs, replace_file
+from ..runtime.staging import Staging, recover
+from .cache import STAGING, cache_root
 from .errors import BadInput
 from .families import (FAMILIES, FP32_VAE_FAMILIES, LATENT_SCALE, LATENT_SHIFT, T5_TOKENS, Component, flow_defaults,
                        check_parts, latent_factor_of, overrides_for)
@@ -99,7 +101,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
            vae_dtype: str = "auto", loras: list | None = None, allow_unmatched: bool = False,
            warn: Callable[[str], None] | None = None, vae: str | os.PathLike | None = None,
            text_encoders: tuple | list = (), controlnets: tuple | list = ()) -> dict:
-    """`loras`: (path, strength[, te_strength]) tuples or objects with those fields, merged into
+    """`loras`: (path, strength[, te_strength[, allow_unmatched]]) tuples or objects with those fields, merged into
     the weights while they stream (compiler/lora_merge.py); checked before anything is written.
     `controlnets`: (path, name or None) pairs (or paths): each becomes a `controlnet_<name>`
     component, and the UNet is built with their residuals as inputs."""
@@ -132,8 +134,6 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
     merge = _lora_plan(ckpt, loras, allow_unmatched, warn) if loras else None
     total = sum(int(np.prod(w.shape, dtype=np.int64)) * np.dtype(NP_OF[w.elem_type]).itemsize
                 for _, g, _ in planned for w in g.weights.values())
-    staging = out.parent / f".{out.name}.precast-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
     report = {"source": str(source), "layout": ckpt.layout, "family": family.name, "variant": family.variant,
               "dtype": dtype, "source_identity": ckpt.identity(), "components": [],
               "latent_scale": float(field(ckpt.configs.get("vae", {}), "scaling_factor", "positive",
@@ -161,7 +161,8 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
         report["controlnets"] = [{"name": c.name, "source": cfg["source"], "layout": g.ckpt.layout,
                                   "source_identity": g.ckpt.identity(), "residuals": cfg["control_residuals"]}
                                  for c, g, cfg in nets]
-    try:
+    with Staging(out, "exporting", cache_root() / STAGING) as stage:
+        staging = stage.path
         with _progress(total, progress) as bar:
             for comp, g, cfg in planned:
                 folder = staging / comp.name
@@ -183,11 +184,9 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
         written = [c.name for c, _, _ in planned]
         report["components"] += _keep_earlier(report, earlier)
         (staging / "precast_export.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-        _commit(staging, out, written)
+        _commit(stage, written)
         _remove_stale(out, report, earlier)
         write_pipeline_folder(out, report, {c["name"]: c["config"] for c in report["components"]}, Path(source))
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     report["out"] = str(out)
     report["seconds"] = round(time.perf_counter() - t0, 3)
     return report
@@ -277,11 +276,13 @@ def _lora_plan(ckpt: Checkpoint, loras: list, allow_unmatched: bool, warn):
     from .lora_merge import LoraSpec, plan_merge
     specs = []
     for item in loras:
-        if isinstance(item, (tuple, list)):
+        if isinstance(item, (tuple, list)):     # (path[, strength[, te_strength[, allow_unmatched]]])
             specs.append(LoraSpec(str(item[0]), float(item[1]) if len(item) > 1 else 1.0,
-                                  None if len(item) < 3 or item[2] is None else float(item[2])))
+                                  None if len(item) < 3 or item[2] is None else float(item[2]),
+                                  len(item) > 3 and bool(item[3])))
         else:
-            specs.append(LoraSpec(str(item.path), float(item.strength), item.te_strength))
+            specs.append(LoraSpec(str(item.path), float(item.strength), item.te_strength,
+                                  bool(getattr(item, "allow_unmatched", False))))
     return plan_merge({k: tuple(ref.shape) for k, ref in ckpt.refs.items()}, specs, allow_unmatched, warn)
 
 
@@ -341,21 +342,21 @@ def _remove_stale(out: Path, report: dict, earlier: dict) -> None:
             shutil.rmtree(out / name)
 
 
-def _commit(staging: Path, out: Path, names: list[str]) -> None:
+def _commit(stage: Staging, names: list[str]) -> None:
     """Move the finished staging folder into place: whole, or component by component into an
-    existing output folder (each component swapped by rename, the old one removed after)."""
+    existing output folder (each component folder exchanged with the old one in one step where the
+    system can, else swapped by two renames), precast_export.json last."""
+    out = stage.out
     if not out.exists():
-        rename_dir(staging, out)
+        stage.commit()
         return
     for name in names + ["precast_export.json"]:
-        target, old = out / name, out / f".{name}.old-{os.getpid()}"
-        if target.exists():
-            replace_file(target, old)      # retried while Windows says a file is held open (also folders)
-        replace_file(staging / name, target)
-        if old.is_dir():
+        target, new = out / name, stage.path / name
+        recover(target)                    # a component an earlier, killed export left mid-swap
+        if not target.is_dir():
+            replace_file(new, target)      # a file, or a new folder: one rename (retried while Windows holds it)
+        elif not exchange_dirs(new, target):   # else the old folder is in staging now, removed with it
+            old = out / f".{name}.old-{os.getpid()}"
+            replace_file(target, old)
+            replace_file(new, target)
             shutil.rmtree(old, ignore_errors=True)
-        elif old.exists():
-            try:
-                old.unlink()
-            except OSError:
-                pass                       # held open elsewhere (Windows): a leftover dot-file, not an error

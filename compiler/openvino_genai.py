@@ -36,6 +36,8 @@ import shutil
 import time
 from pathlib import Path
 
+from ..runtime.staging import Staging
+from .cache import STAGING, cache_root
 from .engines import read_export
 from .errors import BadInput
 from .interop import DIFFUSERS_VERSION, pipeline_files, write_json
@@ -249,11 +251,9 @@ def export_openvino_genai(export_dir: str | Path, out: str | Path, progress=None
     say = progress or (lambda msg: None)
     parts = [n for n in PARTS if n in comps]
     configs = {c["name"]: c["config"] for c in report["components"] if c["name"] in parts}
-    staging = out.with_name(out.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    written = []
-    try:
+    with Staging(out, "genai", cache_root() / STAGING) as stage:
+        staging = stage.path
+        written = []
         for name in parts:
             comp = comps[name]
             model = convert_component(ov, comp.onnx_path, name, comp.export_dtype)
@@ -280,11 +280,7 @@ def export_openvino_genai(export_dir: str | Path, out: str | Path, progress=None
         write_json(staging / "precast_openvino_genai.json",
                    {"source": str(export_dir), "family": family, "source_identity": report.get("source_identity"),
                     "openvino": ov.get_version(), "components": written})
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        stage.commit()
     return {"out": str(out), "family": family, "components": written,
             "scheduler": files["scheduler/scheduler_config.json"]["_class_name"],
             "seconds": round(time.perf_counter() - t0, 3)}

@@ -13,12 +13,13 @@ import importlib
 import importlib.util
 import json
 import os
+import signal
 import sys
 import traceback
 
 import click
 
-from .errors import UserError
+from .errors import Terminated, UserError
 
 BUILD_COMMANDS = ("bundle", "build", "cache", "compile", "demo-model", "export", "export-openvino-genai", "plan")
 # Modules the build side imports, and the pyproject extra that installs each.
@@ -70,6 +71,8 @@ def run_cli(fn, as_json=False):
         return fn()
     except UserError as e:
         fail(str(e), 2, as_json)
+    except Terminated as e:
+        fail(f"terminated by {signal.Signals(e.signum).name}", 128 + e.signum, as_json)
     except KeyboardInterrupt:
         fail("interrupted", 130, as_json)
     except BrokenPipeError:  # the reader went away (`precast cache ls | head -1`): stop quietly
@@ -95,12 +98,18 @@ def _internal(e: BaseException, as_json: bool):
     sys.exit(1)
 
 
+def wants_json(args) -> bool:
+    """Whether a command line asks for JSON on stdout: --json, or `--format json|github` (plan)."""
+    formats = [v for k, v in zip(args, args[1:]) if k == "--format"] + [a[9:] for a in args if a.startswith("--format=")]
+    return "--json" in args or any(f in ("json", "github") for f in formats)
+
+
 class PrecastGroup(click.Group):
     def list_commands(self, ctx):
         return sorted(set(super().list_commands(ctx)) | set(BUILD_COMMANDS))
 
     def parse_args(self, ctx, args):
-        ctx.meta["precast.json"] = "--json" in args
+        ctx.meta["precast.json"] = wants_json(args)
         ctx.meta["precast.help"] = "--help" in args
         return super().parse_args(ctx, args)
 
@@ -141,7 +150,7 @@ class PrecastGroup(click.Group):
                                                "help_option_names": []}, add_help_option=False)
         @click.pass_context
         def missing_cmd(c):
-            fail(why, 2, "--json" in c.args)
+            fail(why, 2, wants_json(c.args))
         return missing_cmd
 
 
@@ -149,6 +158,18 @@ class PrecastGroup(click.Group):
 @click.version_option(package_name="precast")
 def main() -> None:
     """precast: compile diffusion models ahead of time; run them with a thin runtime."""
+    clean_up_on_termination()
+
+
+def clean_up_on_termination() -> None:
+    """SIGTERM and SIGHUP raise Terminated (a KeyboardInterrupt), so they clean up as Ctrl+C does; a second
+    one while that runs is ignored (SIGKILL still ends the process: runtime/staging.py recovers after it)."""
+    def handler(signum, frame):
+        signal.signal(signum, signal.SIG_IGN)
+        raise Terminated(signum)
+    for name in ("SIGTERM", "SIGHUP"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), handler)
 
 
 from . import run_commands  # noqa: E402,F401  (registers doctor and generate on `main`)

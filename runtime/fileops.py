@@ -9,14 +9,21 @@ terminates the process), and the checks a bundle's file names and paths must pas
 on any of the three systems: `windows_name_problem` (device names such as CON or nul.txt, characters
 Windows refuses, a trailing dot or space), `case_collision` (names that differ only in case: Windows
 and macOS keep one file for both) and `long_path_problem` (a path over MAX_PATH where Windows long
-paths are off).
+paths are off); and for folders written beside their destination (runtime/staging.py):
+`exchange_dirs` (two paths swapped in one step: renameat2 RENAME_EXCHANGE on Linux, renamex_np
+RENAME_SWAP on macOS; False where the system or file system has none), `hold_dir` / `dir_held`
+(an exclusive lock on the folder itself, kept across renames while its writer lives and released
+by the kernel when the writer dies, however it dies).
 
 Standard library only (the runtime imports it). WINDOWS is read once; tests set it to simulate Windows.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import re
+import sys
 import time
 
 WINDOWS = os.name == "nt"
@@ -91,6 +98,68 @@ def _windows_process_alive(pid: int) -> bool:   # Windows only: written against 
         return bool(kernel32.GetExitCodeProcess(handle, ctypes.byref(code))) and code.value == 259  # STILL_ACTIVE
     finally:
         kernel32.CloseHandle(handle)
+
+
+_NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM}
+
+
+def exchange_dirs(a, b) -> bool:
+    """Swap paths `a` and `b` (both existing) atomically: True when done; False, with nothing changed,
+    where this system or file system cannot (Windows, NFS, old kernels)."""
+    if WINDOWS:
+        return False
+    if sys.platform.startswith("linux"):
+        name, call = "renameat2", lambda f, x, y: f(-100, x, -100, y, 2)     # AT_FDCWD, RENAME_EXCHANGE
+    elif sys.platform == "darwin":
+        name, call = "renamex_np", lambda f, x, y: f(x, y, 2)                # RENAME_SWAP
+    else:
+        return False
+    fn = getattr(ctypes.CDLL(None, use_errno=True), name, None)
+    if fn is None:
+        return False
+    if call(fn, os.fsencode(a), os.fsencode(b)) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _NO_EXCHANGE:
+        return False
+    raise OSError(err, os.strerror(err), os.fspath(a), None, os.fspath(b))
+
+
+def hold_dir(path) -> int | None:
+    """Take an exclusive lock on folder `path` itself: the descriptor to keep open while it is written
+    (the lock follows the folder through renames; the kernel drops it when the process ends, a kill -9
+    included). None where folders cannot be locked (Windows, some network file systems)."""
+    if WINDOWS:
+        return None
+    import fcntl
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except OSError:
+        os.close(fd)
+        return None
+
+
+def dir_held(path, pid: int) -> bool:
+    """Whether a live writer holds folder `path` (hold_dir); where folders cannot be locked, whether process
+    `pid` (its writer, from the folder's name) still runs. False for a folder that is gone."""
+    if WINDOWS:
+        return os.path.isdir(path) and process_alive(pid)
+    import fcntl
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False                          # taken at once: nobody holds it (released when fd closes)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return process_alive(pid)             # no folder locks here: the writer's liveness instead
+    finally:
+        os.close(fd)
 
 
 def windows_name_problem(rel: str) -> str | None:

@@ -20,6 +20,7 @@ from precast.compiler.cache import Cache
 from precast.compiler.errors import BadInput
 from precast.runtime import fileops
 from precast.runtime.fileops import FileBusy, case_collision, rename_dir, replace_file, windows_name_problem
+from precast.runtime.staging import Staging
 
 
 @pytest.fixture(scope="module")
@@ -136,23 +137,24 @@ def test_unpack_retries_then_says_the_folder_is_in_use(bundle, tmp_path, monkeyp
 def test_replacing_a_bundle_held_open_keeps_it(bundle, tmp_path, monkeypatch, windows):
     """A running generate holds the old bundle's files: Windows will not move its folder. One line, and the
     old bundle stays where it was; if the new one cannot be moved in, the old one is put back."""
-    out, staging = tmp_path / "out", tmp_path / "staging"
+    out = tmp_path / "out"
     shutil.copytree(bundle, out)
-    shutil.copytree(bundle, staging)
-    real = os.rename
-    calls = held_open(monkeypatch, "rename", 99)
-    with pytest.raises(BadInput, match=r"--out .*out: a file in it is held open by another process"):
-        commit_bundle(staging, out)
-    assert calls[0][0] == out and (out / "manifest.json").is_file() and staging.is_dir()
+    with Staging(out, "building") as stage:
+        shutil.copytree(bundle, stage.path, dirs_exist_ok=True)
+        real = os.rename
+        calls = held_open(monkeypatch, "rename", 99)
+        with pytest.raises(BadInput, match=r"--out .*out: a file in it is held open by another process"):
+            commit_bundle(stage)
+        assert calls[0][0] == out and (out / "manifest.json").is_file() and stage.path.is_dir()
 
-    def rename(src, dst):                           # the old bundle moves aside; the new one is held
-        if Path(src) == staging:
-            raise PermissionError(13, "Access is denied", str(src))
-        real(src, dst)
-    monkeypatch.setattr(os, "rename", rename)
-    with pytest.raises(BadInput):
-        commit_bundle(staging, out)
-    assert (out / "manifest.json").is_file() and not list(tmp_path.glob(".out.old-*"))
+        def rename(src, dst):                           # the old bundle moves aside; the new one is held
+            if Path(src) == stage.path:
+                raise PermissionError(13, "Access is denied", str(src))
+            real(src, dst)
+        monkeypatch.setattr(os, "rename", rename)
+        with pytest.raises(BadInput):
+            commit_bundle(stage)
+    assert (out / "manifest.json").is_file() and not list(tmp_path.glob(".out.*"))
 
 
 def test_cache_gc_asks_windows_whether_a_builder_lives_without_signalling(tmp_path, monkeypatch, windows):

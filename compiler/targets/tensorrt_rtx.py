@@ -19,6 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
+from ...runtime.errors import Terminated
 from ...runtime.fingerprint import Fingerprint
 from ...runtime.trt_header import CC_BITS, read_header
 from ..errors import BadInput
@@ -131,20 +132,24 @@ class _Progress:
 
 @contextlib.contextmanager
 def catching_sigint(monitor):
-    """SIGINT sets monitor.interrupted instead of raising (in the main thread only; elsewhere, as is)."""
+    """SIGINT / SIGTERM set monitor.interrupted instead of raising in the middle of TensorRT's C++ build
+    (which then stops at its next step), and are raised after it (in the main thread only; elsewhere, as is)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    caught = []
 
     def handler(signum, frame):
         monitor.interrupted = True
-    previous = signal.signal(signal.SIGINT, handler)
+        caught.append(signum)
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-    if monitor.interrupted:
-        raise KeyboardInterrupt
+        for s, h in previous.items():
+            signal.signal(s, h)
+    if caught:
+        raise KeyboardInterrupt if caught[0] == signal.SIGINT else Terminated(caught[0])
 
 
 class _Logger:
