@@ -9,8 +9,8 @@ with ComfyUI's `text_encoders.clip_l.transformer.text_model.*`, `text_encoders.c
 (a CLIP's `text_projection` kept under `text_model.`) and `text_encoders.t5xxl.transformer.*` for their
 text encoders. A canonical tensor may be made of stored ones (`TensorRef.parts`: a fused q|k|v
 from diffusers' separate to_q, to_k, to_v) or carry a dequantization scale (ComfyUI's scaled
-fp8). Separate text-encoder and VAE files are added by content. Tensors are read one at a
-time, on demand.
+fp8; a scaled model's fp8 Linear weight without its scale is refused by name, not read as raw fp8).
+Separate text-encoder and VAE files are added by content. Tensors are read one at a time, on demand.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import re
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 from pathlib import Path
@@ -49,6 +50,13 @@ CLIP_MARKER = "encoder.layers.0.self_attn.q_proj.weight"
 # scalar beside each Linear weight; a `scaled_fp8` marker tensor and input scales are not weights.
 SCALE_SUFFIXES = (".scale_weight", ".weight_scale")
 NOT_WEIGHTS = ("scaled_fp8", ".scale_input", ".input_scale") + SCALE_SUFFIXES
+# The model a key belongs to inside a file: ComfyUI marks each model of a checkpoint scaled on its own
+# (`<model prefix>scaled_fp8`), so an all-in-one file may hold a scaled diffusion model beside a plain fp8 T5.
+MODEL_ROOT = re.compile(r"(model\.diffusion_model\.|first_stage_model\.|vae\.|cond_stage_model\.|"
+                        r"conditioner\.embedders\.\d+\.|text_encoders\.[^.]+\.)?")
+# nn.Embedding tables: ComfyUI's scaled ops scale Linear weights only; a table stored in fp8 is read as stored
+EMBEDDING_TABLES = ("token_embedding.weight", "position_embedding.weight", "shared.weight", "embed_tokens.weight",
+                    "relative_attention_bias.weight")
 
 
 @dataclass(frozen=True)
@@ -99,12 +107,36 @@ class TensorRef:
 def tensor_ref(f: SafetensorsFile, key: str, canon: str) -> TensorRef:
     """Where canonical tensor `canon` lies. The VAE's mid attention is a 1x1 conv in LDM names;
     diffusers files (and some single files) store it as Linear [C, C]: it binds reshaped. A
-    ComfyUI scaled-fp8 weight carries its scale."""
+    ComfyUI scaled-fp8 weight carries its scale; a Linear weight stored in fp8 without one in a
+    model that is scaled (`scaled_fp8_models`) is refused: read as stored it would be the fp8 range
+    (|w| up to 448), not the weight."""
     shape = f.tensors[key].shape
     if canon.startswith(VAE) and ".mid.attn_1." in canon and canon.endswith(".weight") and len(shape) == 2:
         shape = shape + (1, 1)
     scales = [key[:-len(".weight")] + s for s in SCALE_SUFFIXES] if key.endswith(".weight") else []
-    return TensorRef(f, key, shape, scale=next((s for s in scales if s in f.tensors), None))
+    scale = next((s for s in scales if s in f.tensors), None)
+    if scale is None and len(shape) == 2 and f.tensors[key].dtype in fp8_decode.KINDS and key.endswith(".weight") \
+            and not key.endswith(EMBEDDING_TABLES) and _root(key) in scaled_fp8_models(f):
+        raise BadInput(f"{f.path}: {key} is stored in fp8 without its scale ({scales[0]}), while the model "
+                       f"{'under ' + _root(key) + ' ' if _root(key) else ''}is scaled fp8 (a scaled_fp8 marker or "
+                       "other weights' scales); read as stored its values would be the raw fp8 range (up to 448), not "
+                       "the weight. The file is damaged or was converted incompletely: download or convert it again")
+    return TensorRef(f, key, shape, scale=scale)
+
+
+def _root(key: str) -> str:
+    return MODEL_ROOT.match(key).group(0)
+
+
+def scaled_fp8_models(f: SafetensorsFile) -> set[str]:
+    """The models (key prefixes, `_root`) of `f` stored as ComfyUI scaled fp8: marked `scaled_fp8`, or
+    holding a weight scale. Read from the header once per file."""
+    if f not in _SCALED:
+        _SCALED[f] = {_root(k) for k in f.tensors if k.endswith(("scaled_fp8",) + SCALE_SUFFIXES)}
+    return _SCALED[f]
+
+
+_SCALED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def fused_ref(f_of: Callable[[str], SafetensorsFile], parts: list[tuple[str, tuple[int, int] | None]],

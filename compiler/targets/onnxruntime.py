@@ -92,8 +92,9 @@ class OnnxRuntimeTarget:
                 quantized_path = Path(tmp) / "quantized" / "model.onnx"
                 quantized_path.parent.mkdir()
                 carried = gguf_blocks.of(job.extra.get("gguf_blocks")) if weights == "gguf" else None
-                compression = {"format": weights, **quantize_onnxruntime(source, quantized_path, weights,
-                                                                         spec.get("block_size"), carried)}
+                compression = {"format": weights, **quantize_onnxruntime(
+                    source, quantized_path, weights, spec.get("block_size"), carried,
+                    f"{job.component} onnxruntime weights={weights}")}
                 source = quantized_path
             if optimize:
                 _note(job, "optimize")

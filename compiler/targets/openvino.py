@@ -121,7 +121,8 @@ class OpenVinoTarget:
         compression = None
         if weights:        # weight-only int8 / int4 (quantize.py): NNCF on the ov.Model, before compiling
             _note(job, f"compress_weights {weights}")
-            model, compression = compress_openvino(model, weights, spec.get("group_size"))
+            model, compression = compress_openvino(model, weights, spec.get("group_size"),
+                                                   f"{job.component} openvino")
             compression["transposes_folded"] = folded
             if weights == "gguf":      # NNCF's int8 (asymmetric) writes two u8 constants per weight: values, zero points
                 compression.update(gguf_blocks=kept, requantized=compression["constants"].get("u8", 0) // 2)

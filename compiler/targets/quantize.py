@@ -12,8 +12,10 @@ convolutions decide image quality), and the graph rewrites themselves:
 - ONNX Runtime: its MatMulNBits contrib op (8 or 4 bits, symmetric, blocks of `block_size` along K,
   default 32; the blocks made by ONNX Runtime's own kernel, the one its MatMulNBitsQuantizer calls)
   on the MatMul weights, which the CPU provider runs; after onnxsim, before ONNX Runtime's own
-  optimization. Streamed: one weight in memory at a time (a 12 B transformer quantizes in a few GB);
-  a bf16 export comes out computing in fp32, so the CPU fallback of a bf16-only model is one build.
+  optimization. onnxsim fuses MatMul + Add on a 2-D input (time / modulation embeddings) into Gemm: a
+  Gemm's weight is quantized the same way, its bias becoming MatMulNBits' bias input (one kernel).
+  Streamed: one weight in memory at a time (a 12 B transformer quantizes in a few GB); a bf16 export
+  comes out computing in fp32, so the CPU fallback of a bf16-only model is one build.
 - TensorRT-RTX: DequantizeLinear on each MatMul weight (fp8 e4m3 or int8, symmetric, one scale
   per output channel computed from the weights' absolute maximum), quantize_tensorrt.py.
 - `weights: gguf` (OpenVINO, ONNX Runtime): the Q8_0 / Q4_0 blocks of the .gguf file the export was
@@ -22,7 +24,8 @@ A constant MatMul operand reducing over fewer than MIN_K values is a table (Flux
 not a Linear: never quantized (an int8 angle table shifts every position's rotation).
 The exports write MatMul(x, Transpose(W)), fused weights cut by a Slice first. Every rewrite follows those
 chains (`_matmul_weight_sources`; a weight's parts quantized one by one) and streams: one weight in memory
-at a time.
+at a time. Each rewrite counts the graph's Linears apart from its own matching (`linear_count`) and says on
+stderr, and in the artifact's metadata (`linears`, `unquantized`), when it quantized fewer (`shortfall`).
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ WEIGHTS = {"openvino": ("int8", "int4", "gguf"), "onnxruntime": ("int8", "int4",
 FP8_CCS = ("sm_89", "sm_120", "sm_121")     # Ada and Blackwell: FP8 tensor cores (sm_80 / sm_86 have none)
 DEFAULT_GROUP = {"openvino": 64, "onnxruntime": 32}
 MIN_K = 16      # a constant MatMul operand reducing over fewer values is a table (Flux's RoPE frequencies), not a Linear
-REVISION = "weights-2"                       # bump when a quantizer changes: it is in the cache key (toolchain)
+REVISION = "weights-3"                       # bump when a quantizer changes: it is in the cache key (toolchain)
 
 
 def quantized(component: str) -> bool:
@@ -149,9 +152,10 @@ def transposes_into_matmuls(model) -> int:
     return done
 
 
-def compress_openvino(model, weights: str, group_size: int | None = None):
+def compress_openvino(model, weights: str, group_size: int | None = None, what: str = "openvino"):
     """NNCF weight compression of an ov.Model (read from weights_as_parts' ONNX, its Linear weights
-    made transpose_b by transposes_into_matmuls) in place of it; returns (model, summary)."""
+    made transpose_b by transposes_into_matmuls) in place of it; returns (model, summary). Fewer
+    Linears compressed than the model has is said on stderr as `what` and recorded (`shortfall`)."""
     import logging
     import os
     # NNCF reports usage to OpenVINO's telemetry (a forked sender process per event) unless NNCF_CI is set,
@@ -165,7 +169,9 @@ def compress_openvino(model, weights: str, group_size: int | None = None):
                        "(pip install 'precast[quantize]')") from None
     logging.getLogger("nncf").setLevel(logging.ERROR)
     with contextlib.redirect_stdout(sys.stderr):    # NNCF's progress bar: stdout is `--json`'s
-        return _nncf_compress(nncf, model, weights, group_size)
+        out, summary = _nncf_compress(nncf, model, weights, group_size)
+    linears, done = _ov_linears(out)
+    return out, shortfall({**summary, "matmuls": done}, linears, f"{what} weights={weights}")
 
 
 def _nncf_compress(nncf, model, weights: str, group_size: int | None):
@@ -189,6 +195,33 @@ def _nncf_compress(nncf, model, weights: str, group_size: int | None):
     return out, summary
 
 
+def _ov_linears(model) -> tuple[int, int]:
+    """(Linears, Linears with a compressed weight) of an ov.Model: MatMuls whose B is computed from
+    constants only, 2-D, reducing over K >= MIN_K values; compressed when one of those constants is a
+    u8 / i8 / u4 / i4 one (NNCF's weight, scale and zero-point pattern)."""
+    linears = done = 0
+    for op in model.get_ordered_ops():
+        if op.get_type_name() != "MatMul":
+            continue
+        shape = op.get_input_partial_shape(1)
+        if len(shape) != 2 or not shape.is_static:
+            continue
+        k = shape[1].get_length() if op.get_attributes()["transpose_b"] else shape[0].get_length()
+        stack, types, constant = [op.input_value(1).get_node()], set(), True
+        while stack and constant:
+            node = stack.pop()
+            if node.get_type_name() == "Constant":
+                types.add(node.get_element_type().get_type_name())
+            elif node.get_type_name() == "Parameter" or node.get_input_size() == 0:
+                constant = False
+            else:
+                stack.extend(v.get_node() for v in node.input_values())
+        if constant and k >= MIN_K:
+            linears += 1
+            done += bool(types & {"u8", "i8", "u4", "i4"})
+    return linears, done
+
+
 def _tables(model) -> list[str]:
     """MatMuls of an ov.Model whose constant operand reduces over fewer than MIN_K values (a table such
     as Flux's RoPE frequencies, not a Linear): kept float."""
@@ -209,14 +242,17 @@ def _tables(model) -> list[str]:
 # --- ONNX Runtime ------------------------------------------------------------------------------
 
 def quantize_onnxruntime(source: Path, out: Path, weights: str, block_size: int | None = None,
-                         carried=None) -> dict:
+                         carried=None, what: str = "") -> dict:
     """MatMulNBits (8 or 4 bits) for `source`'s MatMul weights, written to `out` (+ `out`_data),
     one weight at a time: `source`'s external weights are memory-mapped and each quantized weight or
     other initializer is appended to `out`_data as it is made, so a 12 B transformer needs host memory
     for one weight, not the model. A bf16 graph (which ONNX Runtime's CPU provider cannot run) comes out
     computing in fp32: its other initializers, inputs, outputs and casts made fp32.
     weights=gguf: a weight `carried` (gguf_blocks.GgufBlocks) holds keeps its GGUF blocks (Q8_0 8 bits,
-    Q4_0 4 bits, block 32); the others are quantized int8."""
+    Q4_0 4 bits, block 32); the others are quantized int8.
+    A Gemm (onnxsim's MatMul + Add on a 2-D input) becomes MatMulNBits with its C as the bias input (one
+    kernel, the bias added as the output is written) -- or an Add after it where C is not one value per output.
+    Fewer Linears quantized than the graph has (`linear_count`) is said on stderr as `what` and recorded."""
     import logging
 
     import numpy as np
@@ -235,6 +271,7 @@ def quantize_onnxruntime(source: Path, out: Path, weights: str, block_size: int 
     reader = Initializers(model, Path(source).parent)
     widen = {onnx.TensorProto.BFLOAT16: onnx.TensorProto.FLOAT}
     count, folded, done = 0, 0, {}
+    linears, dims = linear_count(model), {t.name: list(t.dims) for t in model.graph.initializer}
     with DataWriter(out.with_name(out.name + "_data")) as data:
         for node, (name, index), transposed, between in _matmul_weight_sources(model):
             key = (name, str(index), transposed)   # the orientation decides K and N
@@ -262,14 +299,23 @@ def quantize_onnxruntime(source: Path, out: Path, weights: str, block_size: int 
                                                 data.tensor(sname, act, scales)])
                 done[key] = (qname, sname, k, n_out, nbits, nblock)
             qname, sname, k, n_out, nbits, nblock = done[key]
+            bias = node.input[2] if node.op_type == "Gemm" and len(node.input) > 2 else ""
             node.op_type, node.domain = "MatMulNBits", "com.microsoft"
             del node.input[1:]
+            del node.attribute[:]        # a Gemm's transB, alpha, beta: said by the packing
             node.input.extend([qname, sname])
+            if bias and dims.get(bias) == [n_out]:
+                node.input.extend(["", "", bias])          # no zero points, no g_idx: the bias input
+            elif bias:
+                at = list(model.graph.node).index(node) + 1
+                model.graph.node.insert(at, onnx.helper.make_node(
+                    "Add", [node.output[0] + "_nobias", bias], [node.output[0]], name=node.name + "_bias"))
+                node.output[0] += "_nobias"
             node.attribute.extend([onnx.helper.make_attribute(a, v) for a, v in
                                    (("K", k), ("N", n_out), ("bits", nbits), ("block_size", nblock))])
             for b in between:
                 model.graph.node.remove(b)
-            folded += transposed
+            folded += any(b.op_type == "Transpose" for b in between)
             count += 1
         used = {x for n in model.graph.node for x in n.input} | {o.name for o in model.graph.output} \
             | {i.name for i in model.graph.input}
@@ -287,12 +333,13 @@ def quantize_onnxruntime(source: Path, out: Path, weights: str, block_size: int 
         model.graph.initializer.extend(kept)
     retype(model.graph, widen)
     onnx.save_model(model, str(out))
-    left = sum(1 for n in model.graph.node if n.op_type == "MatMul")
-    return {"op": "MatMulNBits", "bits": bits, "block_size": block, "symmetric": True, "matmuls": count,
+    left = sum(1 for n in model.graph.node if n.op_type in ("MatMul", "Gemm"))
+    return shortfall({"op": "MatMulNBits", "bits": bits, "block_size": block, "symmetric": True, "matmuls": count,
             "matmuls_float": left, "transposes_folded": folded,
             **({"gguf_blocks": dict(sorted(from_gguf.items())), "requantized": len(done) - sum(from_gguf.values())}
                if weights == "gguf" else {}),
-            **({"activations": "fp32 (from bf16)"} if reader.had(onnx.TensorProto.BFLOAT16) else {})}
+            **({"activations": "fp32 (from bf16)"} if reader.had(onnx.TensorProto.BFLOAT16) else {})},
+        linears, what or f"{source} onnxruntime weights={weights}")
 
 
 def _nbits(w, bits: int, block: int, kernel):
@@ -310,11 +357,29 @@ def _nbits(w, bits: int, block: int, kernel):
     return packed, scales
 
 
+def _gemm_ok(n) -> bool:
+    """A MatMul, or a Gemm that is one (A untransposed, alpha 1, beta 1: onnxsim's MatMul + Add fusion)."""
+    if n.domain not in ("", "ai.onnx"):
+        return False
+    if n.op_type == "MatMul":
+        return True
+    a = {x.name: x for x in n.attribute}
+    return n.op_type == "Gemm" and (a["transA"].i if "transA" in a else 0) == 0 \
+        and (a["alpha"].f if "alpha" in a else 1.0) == 1.0 and (a["beta"].f if "beta" in a else 1.0) == 1.0
+
+
+def _trans_b(n) -> bool:
+    return n.op_type == "Gemm" and any(a.name == "transB" and a.i for a in n.attribute)
+
+
 def _matmul_weight_sources(model):
-    """(MatMul node, weight, [nodes between them]) for each MatMul whose B is a 2-D initializer reducing
-    over K >= MIN_K values, read directly, through Transpose(perm [1, 0]), through a Slice with constant bounds (a fused qkv or
-    modulation weight cut into its parts), or both; a weight is (initializer name, numpy index or None).
-    The nodes between are returned for removal, so each must feed nothing else."""
+    """(MatMul or Gemm node, weight, transposed, [nodes between them]) for each MatMul -- or Gemm with A
+    untransposed and alpha = beta = 1, what onnxsim makes of MatMul + Add on a 2-D input -- whose B is a
+    2-D initializer reducing over K >= MIN_K values, read directly, through Transpose(perm [1, 0]), through
+    a Slice with constant bounds (a fused qkv or modulation weight cut into its parts), or both; a weight is
+    (initializer name, numpy index or None); `transposed`: the weight is stored [N, K] (read through a
+    Transpose, or by a Gemm with transB = 1), else [K, N]. The nodes between are returned for removal, so
+    each must feed nothing else."""
     inits = {t.name: t for t in model.graph.initializer}
     producer = {o: n for n in model.graph.node for o in n.output}
     readers: dict[str, list] = {}
@@ -324,9 +389,9 @@ def _matmul_weight_sources(model):
     outputs = {o.name for o in model.graph.output}
     found = []
     for n in list(model.graph.node):
-        if n.op_type != "MatMul" or n.domain not in ("", "ai.onnx"):
+        if not _gemm_ok(n):
             continue
-        x, between, transposed, index = n.input[1], [], False, None
+        x, between, transposed, index = n.input[1], [], _trans_b(n), None
         for _ in range(2):
             if x in inits:
                 break
@@ -334,9 +399,9 @@ def _matmul_weight_sources(model):
             if p is None or x in outputs or len(readers[x]) != 1:
                 x = None
                 break
-            if p.op_type == "Transpose" and not transposed and index is None \
+            if p.op_type == "Transpose" and not any(b.op_type == "Transpose" for b in between) and index is None \
                     and next((list(a.ints) for a in p.attribute if a.name == "perm"), [1, 0]) == [1, 0]:
-                transposed = True
+                transposed = not transposed
             elif p.op_type == "Slice" and index is None and (index := slice_index(p, inits)) is not None:
                 pass
             else:
@@ -347,6 +412,43 @@ def _matmul_weight_sources(model):
         if x in inits and len(inits[x].dims) == 2 and _reduced(inits[x].dims, index, transposed) >= MIN_K:
             found.append((n, (x, index), transposed, between))
     return found
+
+
+def linear_count(model) -> int:
+    """MatMul / Gemm nodes of an ONNX graph whose B is a constant -- an initializer or Constant, through
+    any nodes whose other inputs are constants too (Transpose, Slice, Cast, Reshape, ...) -- 2-D and
+    reducing over K >= MIN_K values: the graph's Linears, counted apart from the rewrites' own matching
+    so that a weight they pass over shows (`shortfall`)."""
+    inits = {t.name: t for t in model.graph.initializer}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    const = set(inits)
+    for n in model.graph.node:            # in topological order, as ONNX keeps them
+        if all(i in const for i in n.input if i):
+            const.update(n.output)
+    count = 0
+    for n in model.graph.node:
+        if n.op_type not in ("MatMul", "Gemm") or len(n.input) < 2 or n.input[1] not in const:
+            continue
+        x, flips = n.input[1], _trans_b(n)
+        while x not in inits and x in producer and producer[x].op_type != "Constant":
+            flips ^= producer[x].op_type == "Transpose"
+            x = producer[x].input[0]
+        dims = list(inits[x].dims) if x in inits else \
+            next((list(a.t.dims) for a in producer[x].attribute if a.name == "value"), []) if x in producer else []
+        count += len(dims) == 2 and dims[1 if flips else 0] >= MIN_K
+    return count
+
+
+def shortfall(info: dict, linears: int, what: str) -> dict:
+    """`info` (a quantizer's summary, its `matmuls` the Linears it quantized) with `linears` and, when
+    fewer were quantized, `unquantized` -- said on stderr too: a build never keeps float weights silently."""
+    info = {**info, "linears": linears}
+    left = linears - info["matmuls"]
+    if left > 0:
+        info["unquantized"] = left
+        print(f"note: {what}: quantized {info['matmuls']} of the graph's {linears} Linear weights; {left} stay "
+              f"float (a weight read in a way the quantizer does not follow)", file=sys.stderr)
+    return info
 
 
 def _reduced(dims, index, transposed: bool) -> int:

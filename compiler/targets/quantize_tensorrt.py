@@ -1,7 +1,7 @@
 """Weight-only fp8 / int8 for TensorRT-RTX: DequantizeLinear on each MatMul weight, streamed.
 
 Owns `qdq_weights`, the rewrite the TensorRT-RTX target parses instead of the export when a build has
-`weights: fp8 | int8`: every MatMul weight that quantize.py's `_matmul_weight_sources` finds (read
+`weights: fp8 | int8`: every MatMul (or Gemm) weight that quantize.py's `_matmul_weight_sources` finds (read
 directly, through Transpose(perm [1, 0]), through a constant Slice -- the parts of Flux's fused qkv /
 modulation / linear1 weights -- or both) becomes q (fp8 e4m3, |q| <= 448, or int8, |q| <= 127) and one
 scale per output channel from max|W|, symmetric, and a DequantizeLinear feeding the MatMul, which
@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .onnx_weights import DataWriter, Initializers
-from .quantize import _matmul_weight_sources
+from .quantize import _matmul_weight_sources, linear_count, shortfall
 
 TOP = {"fp8": 448.0, "int8": 127.0}
 CHUNK = 1 << 20             # elements of W converted to fp32 at a time (4 MiB, a few such temporaries)
@@ -39,6 +39,7 @@ def qdq_weights(source: Path, out: Path, weights: str) -> dict:
     done: dict = {}          # (weight, index, transposed) -> DequantizeLinear output (a weight two MatMuls share)
     dqs, names = [], {t.name for t in model.graph.initializer} | {o for n in model.graph.node for o in n.output}
     count = folded = parts = 0
+    linears = linear_count(model)
     with DataWriter(out.with_name(out.name + "_data")) as data:
         for node, (name, index), transposed, between in _matmul_weight_sources(model):
             key = (name, str(index), transposed)
@@ -58,9 +59,12 @@ def qdq_weights(source: Path, out: Path, weights: str) -> dict:
                 names.update(base + s for s in ("_q", "_scale", "_dq"))
                 done[key] = base + "_dq"
             node.input[1] = done[key]
+            for a in node.attribute:
+                if a.name == "transB":   # a Gemm (onnxsim's MatMul + Add) now reads B as q is stored, [K, N]
+                    a.i = 0
             for b in between:
                 model.graph.node.remove(b)
-            folded += transposed
+            folded += any(b.op_type == "Transpose" for b in between)
             parts += index is not None
             count += 1
         for dq in reversed(dqs):                  # first: they read initializers only
@@ -82,8 +86,9 @@ def qdq_weights(source: Path, out: Path, weights: str) -> dict:
     for v in stale:
         model.graph.value_info.remove(v)
     onnx.save_model(model, str(out))
-    return {"format": "fp8_e4m3" if weights == "fp8" else "int8", "scales": "per-channel", "symmetric": True,
-            "matmuls": count, "weights": len(done), "parts": parts, "transposes_folded": folded}
+    return shortfall({"format": "fp8_e4m3" if weights == "fp8" else "int8", "scales": "per-channel", "symmetric": True,
+                      "matmuls": count, "weights": len(done), "parts": parts, "transposes_folded": folded},
+                     linears, f"{source} tensorrt-rtx weights={weights}")
 
 
 def _quantize(w, transposed: bool, weights: str, dtype: int):
