@@ -23,7 +23,7 @@ from ..runtime.manifest import MANIFEST, SCHEMA, file_record, read_manifest, sha
 from ..runtime.staging import Staging
 from .bundle_archive import MANIFEST_LIMIT, check_out
 from .bundle_records import changed_since, record_written, snapshot
-from .cache import STAGING, Cache, Entry, cache_key, cache_root
+from .cache import Cache, Entry, cache_key, staging_registry
 from .engines import PRECAST_VERSION, ExportedComponent, compile_component
 from .errors import BadInput
 from .foreign_onnx import is_foreign_folder
@@ -447,7 +447,7 @@ def merge_bundles(inputs: list[str | Path], out: str | Path) -> dict:
         if m.model != first["model"]:
             raise BadInput(f"{m.root}: built from another model or LoRA set than {manifests[0].root}; "
                            "merge shards of one recipe only")
-    with Staging(out, "merging", cache_root() / STAGING) as stage:
+    with Staging(out, "merging", staging_registry()) as stage:
         staging = stage.path
         merged = {"schema": SCHEMA, "precast": first["precast"], "name": first["name"], "model": first["model"],
                   "components": {}, "artifacts": [], "files": {}}

@@ -6,9 +6,13 @@ unpacking that checks every member before writing anything: a first pass reads t
 manifest (absolute paths, `..`, links, devices, sparse files, duplicates, names Windows or macOS
 cannot hold -- device names such as CON, names differing only in case --, members the manifest does
 not list or lists with another size are refused, each as soon as both its header and the manifest
-have been read, before its data is); the second pass writes each file, never more bytes than its
-record says, checking its sha256 as it goes, into a staging folder renamed into place at the end (runtime/fileops.py: onto an empty --out, retried
-while Windows holds a file open; paths over Windows' MAX_PATH refused up front where long paths are off),
+have been read, before its data is; and the sizes declared -- the manifest's files, or before it the
+members' headers -- held against the free space at --out and EXPANSION_LIMIT times the archive's own
+size, so a compression bomb is refused on its headers, before tarfile decompresses any of its data to
+skip it); the second pass writes each file, never more bytes than its
+record says, checking its sha256 as it goes, into a staging folder put in place at the end (runtime/staging.py:
+locked while this process lives, onto an empty --out, retried while Windows holds a file open; paths over
+Windows' MAX_PATH refused up front where long paths are off),
 with a record of each file it hashed (runtime/verified.py), so the first open hashes nothing again.
 Archives are read through tar_reader.py (bounded headers, member types). Also `check_out`, the
 --out checks the bundle commands share.
@@ -25,15 +29,21 @@ import time
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
-from ..runtime.fileops import case_collision, long_path_problem, rename_dir, replace_file, windows_name_problem
+from ..runtime.fileops import case_collision, hold_path, long_path_problem, replace_file, windows_name_problem
 from ..runtime.manifest import MANIFEST, PIECE, check_manifest, read_manifest, verify_bundle
 from ..runtime.verified import RACY_COARSE_NS, RACY_NS, VerifiedFiles, file_state
+from ..runtime.staging import Staging, recover, remove
+from .cache import staging_registry
 from .errors import BadInput
 from .tar_reader import Refused, archive_errors, check_member, open_archive, zstd_module
 
 MANIFEST_LIMIT = 64 << 20      # a manifest member larger than this is not read into memory
 SUFFIXES = {".tar": "", ".tar.gz": "gz", ".tgz": "gz", ".tar.zst": "zst", ".tzst": "zst"}
 MEMBERS_BEFORE_MANIFEST = 10_000   # `bundle pack` puts only folders before the manifest
+# A bundle is mostly weights, which barely compress (the tiny demo bundle: 1.75x with zstd); sizes declared
+# past this many times the archive's own size (and past EXPANSION_FLOOR) are a compression bomb or a lie.
+EXPANSION_LIMIT = 20
+EXPANSION_FLOOR = 256 << 20
 
 
 def bundle_counts(listed) -> dict:
@@ -90,15 +100,19 @@ def pack_bundle(bundle: str | Path, out: str | Path) -> dict:
     if problems:
         raise BadInput(f"{bundle}: does not verify, not packing it: {problems[0]}")
     names = [MANIFEST] + sorted(read_manifest(bundle).files)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    recover(out)                          # archives half-written by killed packs, beside this one
+    tmp, held = out.with_name(f".{out.name}.packing-{os.getpid()}"), None
     try:
+        with open(tmp, "wb"):
+            held = hold_path(tmp)         # while this process lives, no other pack's recover() takes it
         _write_archive(bundle, names, kind, tmp)
         replace_file(tmp, out)            # an earlier archive held open (Windows): retried, then said
     except OSError as e:
         raise BadInput(f"--out {out}: cannot write it ({e.strerror or e})") from None
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        remove(tmp)
+        if held is not None:
+            os.close(held)
     return {"archive": str(out), **bundle_counts(names[1:]), "size": out.stat().st_size}
 
 
@@ -130,19 +144,49 @@ def _write_archive(bundle: Path, names: list[str], kind: str, tmp: Path) -> None
             stream.close()
 
 
-def _scan(archive: Path) -> tuple[bytes, dict, dict[str, tarfile.TarInfo]]:
+class _Room:
+    """What an archive may unpack to: the free space at --out, and EXPANSION_LIMIT times the archive's
+    own size (above EXPANSION_FLOOR); `check` refuses a declared total past either, in one line."""
+
+    def __init__(self, archive: Path, out: Path):
+        self.archive, self.out, self.size = archive, out, archive.stat().st_size
+        self.free = shutil.disk_usage(next(p for p in out.parents if p.is_dir())).free
+
+    def check(self, total: int, what: str) -> None:
+        said = f"{self.archive}: refused, {what} {_amount(total)}"
+        if total > max(EXPANSION_LIMIT * self.size, EXPANSION_FLOOR):
+            raise BadInput(f"{said}, more than {EXPANSION_LIMIT} times the archive's {_amount(self.size)} (weights "
+                           "barely compress): a compression bomb or a damaged manifest; nothing was written")
+        if total > self.free:
+            raise BadInput(f"{said}, {_amount(self.free)} are free at --out {self.out}; free space there or unpack "
+                           "elsewhere; nothing was written")
+
+
+def _amount(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def _scan(archive: Path, room: _Room) -> tuple[bytes, dict, dict[str, tarfile.TarInfo]]:
     """First pass, writing nothing: every header checked, and against the manifest as soon as both
-    have been read, before tarfile reads on; (manifest bytes, its files, name -> header)."""
-    members, raw, listing, folded = {}, None, None, {}
+    have been read, before tarfile reads on; the sizes declared (the manifest's, or before it the
+    headers') held against `room` before tarfile reads (decompresses) any data they declare;
+    (manifest bytes, its files, name -> header)."""
+    members, raw, listing, folded, before = {}, None, None, {}, 0
     try:
         with open_archive(archive) as tar:
             for m in tar:
                 _check_header(archive, m, members, listing)
                 _check_portable(archive, m, folded)
+                if listing is None and m.isfile():     # no manifest yet: the headers are all there is
+                    before += m.size
+                    room.check(before, f"member {m.name!r} brings the data before {MANIFEST} to")
                 members[m.name] = m
                 if m.name == MANIFEST:
                     raw = tar.extractfile(m).read()
                     listing = _listing(archive, raw)
+                    if not isinstance(listing, BadInput):
+                        room.check(sum(r["size"] for r in listing[0].values()) + len(raw),
+                                   f"its {MANIFEST} lists")
                     for seen in members.values():
                         _check_listed(archive, seen, listing)
     except Refused as e:
@@ -291,33 +335,27 @@ def unpack_bundle(archive: str | Path, out: str | Path) -> dict:
     check_out(out)
     errors = archive_errors()
     try:
-        raw, files, members = _scan(archive)
+        raw, files, members = _scan(archive, _Room(archive, out))
     except BadInput:
         raise
     except errors as e:
         raise BadInput(f"{archive}: not a readable bundle archive ({_one_line(e)}); nothing was written") from None
-    need = sum(r["size"] for r in files.values()) + len(raw)
-    free = shutil.disk_usage(next(p for p in out.parents if p.is_dir())).free
-    if need > free:
-        raise BadInput(f"--out {out}: the bundle needs {need / 1e9:.2f} GB, {free / 1e9:.2f} GB are free there; "
-                       "nothing was written")
-    staging = out.parent / f".{out.name}.unpacking-{os.getpid()}"
-    too_long = long_path_problem([staging / rel for rel in files] + [out / rel for rel in files])
+    stage = Staging(out, "unpacking", staging_registry())
+    too_long = long_path_problem([stage.path / rel for rel in files] + [out / rel for rel in files])
     if too_long:
         raise BadInput(f"--out {out}: {too_long}; unpack into a shorter folder (e.g. C:\\b\\{out.name}) or enable "
                        "long paths; nothing was written")
-    shutil.rmtree(staging, ignore_errors=True)
     try:
-        staging.mkdir(parents=True)
+        stage.__enter__()
     except OSError as e:
         raise BadInput(f"--out {out}: cannot create it ({e.strerror or e})") from None
     try:
         with _writing():
-            (staging / MANIFEST).write_bytes(raw)
-        written = _write_members(archive, staging, files, members)
-        _record_verified(staging, files, written)
+            (stage.path / MANIFEST).write_bytes(raw)
+        written = _write_members(archive, stage.path, files, members)
+        _record_verified(stage.path, files, written)
         with _writing():
-            rename_dir(staging, out)      # onto an empty --out too, which Windows' rename refuses
+            stage.commit()            # onto an empty --out too, which Windows' rename refuses
     except BadInput:
         raise
     except _WriteFailed as e:
@@ -325,7 +363,7 @@ def unpack_bundle(archive: str | Path, out: str | Path) -> dict:
     except errors as e:
         raise BadInput(f"{archive}: not a readable bundle archive ({_one_line(e)}); nothing was kept") from None
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        stage.__exit__(None, None, None)
     return {"bundle": str(out), **bundle_counts(files)}
 
 

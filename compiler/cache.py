@@ -22,7 +22,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Callable
 
-from ..runtime.fileops import dir_held, hold_dir, rename_dir, replace_file
+from ..runtime.fileops import path_held, hold_path, rename_dir, replace_file
 from ..runtime.manifest import file_record, sha256_file, verify_file
 from ..runtime.progress import heartbeat
 from ..runtime.staging import gc_registry
@@ -38,6 +38,16 @@ def cache_root() -> Path:
         return Path(env)
     import platformdirs
     return Path(platformdirs.user_cache_dir("precast"))
+
+
+def staging_registry() -> Path | None:
+    """Where live bundle writers record their staging folders (runtime/staging.py), so that `cache gc`
+    finds what killed ones left; None where the cache folder cannot be named (no platformdirs: a
+    runtime-only install unpacking a bundle)."""
+    try:
+        return cache_root() / STAGING
+    except ImportError:
+        return None
 
 
 def _root_name(root: Path) -> str:
@@ -225,7 +235,7 @@ class Cache:
             self._mkdir(self.tmp)
             work = self.tmp / f"{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             work.mkdir()
-            held = hold_dir(work)     # while this process lives: gc leaves the folder alone
+            held = hold_path(work)     # while this process lives: gc leaves the folder alone
             try:
                 metadata = build(work)
                 files = {p.name: file_record(p) for p in sorted(work.iterdir()) if p.is_file()}
@@ -282,7 +292,7 @@ class Cache:
         if self.tmp.exists():
             for work in self.tmp.iterdir():
                 pid = work.name.split("-")[1] if work.name.count("-") >= 2 else ""
-                if not (pid.isdigit() and dir_held(work, int(pid))):
+                if not (pid.isdigit() and path_held(work, int(pid))):
                     shutil.rmtree(work, ignore_errors=True)
                     stale += 1
         if max_size is not None:

@@ -18,7 +18,7 @@ import onnx
 
 from ..runtime.fileops import exchange_dirs, replace_file
 from ..runtime.staging import Staging, recover
-from .cache import STAGING, cache_root
+from .cache import staging_registry
 from .errors import BadInput
 from .families import (FAMILIES, FP32_VAE_FAMILIES, LATENT_SCALE, LATENT_SHIFT, T5_TOKENS, Component, flow_defaults,
                        check_parts, latent_factor_of, overrides_for)
@@ -161,7 +161,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
         report["controlnets"] = [{"name": c.name, "source": cfg["source"], "layout": g.ckpt.layout,
                                   "source_identity": g.ckpt.identity(), "residuals": cfg["control_residuals"]}
                                  for c, g, cfg in nets]
-    with Staging(out, "exporting", cache_root() / STAGING) as stage:
+    with Staging(out, "exporting", staging_registry()) as stage:
         staging = stage.path
         with _progress(total, progress) as bar:
             for comp, g, cfg in planned:

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from ..runtime.staging import Staging
-from .cache import STAGING, cache_root
+from .cache import staging_registry
 from .engines import read_export
 from .errors import BadInput
 from .interop import DIFFUSERS_VERSION, pipeline_files, write_json
@@ -251,7 +251,7 @@ def export_openvino_genai(export_dir: str | Path, out: str | Path, progress=None
     say = progress or (lambda msg: None)
     parts = [n for n in PARTS if n in comps]
     configs = {c["name"]: c["config"] for c in report["components"] if c["name"] in parts}
-    with Staging(out, "genai", cache_root() / STAGING) as stage:
+    with Staging(out, "genai", staging_registry()) as stage:
         staging = stage.path
         written = []
         for name in parts:

@@ -3,8 +3,10 @@
 Owns: opening a tar, tar.gz or tar.zst for reading with `CheckedHeader`, which bounds pax and GNU
 long-name headers before tarfile reads them (tarfile holds each whole in memory, and Python
 < 3.11.10 parses pax headers in time quadratic in their size, CVE-2024-6232) and refuses sparse
-members; `check_member`, which member types and names may be unpacked at all; and the errors a
-damaged or foreign archive raises while read.
+members, and refuses bytes where a member header should be that are none (tarfile takes them for the
+archive's end: a member whose data runs on past the size its header says, or damage); `check_member`,
+which member types and names may be unpacked at all; and the errors a damaged or foreign archive raises
+while read.
 """
 from __future__ import annotations
 
@@ -54,6 +56,17 @@ class CheckedHeader(tarfile.TarInfo):
     GNU long-name/link headers over HEADER_LIMIT bytes, more than HEADER_CHAIN of them in a row,
     global pax headers over HEADER_LIMIT in all (they accumulate), pax headers past PAX_WORK in all,
     and sparse members (whose maps tarfile reads block after block)."""
+
+    @classmethod
+    def fromtarfile(cls, tar):
+        try:
+            return super().fromtarfile(tar)
+        except tarfile.InvalidHeaderError as e:   # at offset 0 it is no tar at all: tarfile.open says so
+            if not tar.offset:
+                raise
+            last = f" {tar.members[-1].name!r}" if tar.members else ""
+            raise Refused(f"the bytes at offset {tar.offset} of the tar stream are no member header ({e}): the member "
+                          f"before them{last} holds more data than its header says, or the archive is damaged") from None
 
     def _proc_member(self, tar):
         if self.type == tarfile.GNUTYPE_SPARSE:

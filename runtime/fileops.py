@@ -11,9 +11,9 @@ Windows refuses, a trailing dot or space), `case_collision` (names that differ o
 and macOS keep one file for both) and `long_path_problem` (a path over MAX_PATH where Windows long
 paths are off); and for folders written beside their destination (runtime/staging.py):
 `exchange_dirs` (two paths swapped in one step: renameat2 RENAME_EXCHANGE on Linux, renamex_np
-RENAME_SWAP on macOS; False where the system or file system has none), `hold_dir` / `dir_held`
-(an exclusive lock on the folder itself, kept across renames while its writer lives and released
-by the kernel when the writer dies, however it dies).
+RENAME_SWAP on macOS; False where the system or file system has none), `hold_path` / `path_held`
+(an exclusive lock on the folder or file itself, kept across renames while its writer lives and
+released by the kernel when the writer dies, however it dies).
 
 Standard library only (the runtime imports it). WINDOWS is read once; tests set it to simulate Windows.
 """
@@ -125,14 +125,14 @@ def exchange_dirs(a, b) -> bool:
     raise OSError(err, os.strerror(err), os.fspath(a), None, os.fspath(b))
 
 
-def hold_dir(path) -> int | None:
-    """Take an exclusive lock on folder `path` itself: the descriptor to keep open while it is written
-    (the lock follows the folder through renames; the kernel drops it when the process ends, a kill -9
-    included). None where folders cannot be locked (Windows, some network file systems)."""
+def hold_path(path) -> int | None:
+    """Take an exclusive lock on folder or file `path` itself: the descriptor to keep open while it is
+    written (the lock follows it through renames; the kernel drops it when the process ends, a kill -9
+    included). None where this cannot be locked (Windows, some network file systems)."""
     if WINDOWS:
         return None
     import fcntl
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    fd = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return fd
@@ -141,14 +141,14 @@ def hold_dir(path) -> int | None:
         return None
 
 
-def dir_held(path, pid: int) -> bool:
-    """Whether a live writer holds folder `path` (hold_dir); where folders cannot be locked, whether process
-    `pid` (its writer, from the folder's name) still runs. False for a folder that is gone."""
+def path_held(path, pid: int) -> bool:
+    """Whether a live writer holds folder or file `path` (hold_path); where it cannot be locked, whether
+    process `pid` (its writer, from its name) still runs. False for a path that is gone."""
     if WINDOWS:
-        return os.path.isdir(path) and process_alive(pid)
+        return os.path.lexists(path) and process_alive(pid)
     import fcntl
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return False
     try:
@@ -157,7 +157,7 @@ def dir_held(path, pid: int) -> bool:
     except BlockingIOError:
         return True
     except OSError:
-        return process_alive(pid)             # no folder locks here: the writer's liveness instead
+        return process_alive(pid)             # no locks here: the writer's liveness instead
     finally:
         os.close(fd)
 

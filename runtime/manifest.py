@@ -8,6 +8,15 @@ of every field the runtime uses, so a damaged manifest is one ManifestError nami
 record of this very file state), `verify_bundle`, which re-hashes every file and names every changed,
 missing or unexpected file, and `bytes_hashed`, the count of bytes read through the hash functions.
 Standard library only: the runtime is thin.
+
+Which digest protects what: `files[rel].sha256` (and its `pieces`) is the one that protects bytes: each
+file is checked against it before it is read, by `bundle verify`, and as it is unpacked. An artifact's
+`sha256` and `size` repeat its entry file's sha256 and its files' total size for readers of one record;
+check_manifest refuses a manifest where they disagree with `files` (one line naming the artifact and the
+field). The model's `source_sha256` and the `sha256` of its vae, text_encoders, controlnets, loras and
+embeddings are provenance, not integrity: they name the inputs the bundle was built from (files that are
+not in it; `bundle merge` joins only shards whose model records are equal), and nothing here can check
+them. manifest.json itself carries no digest of its own; its structure is what check_manifest checks.
 """
 from __future__ import annotations
 
@@ -330,6 +339,14 @@ def _check_artifact(check: "_Checker", art, field: str, files: dict) -> None:
     entry = check.of(art, "entry", str, field)
     if entry not in listed:
         check.fail(f"{field}.entry", f"{entry!r} is not one of the artifact's files")
+    who = f"(artifact {art['id']!r})"
+    sha = check.of(art, "sha256", str, field, optional=True)
+    if sha is not None and sha != files[entry]["sha256"]:
+        check.fail(f"{field}.sha256", f"{who} is {sha[:16]}..., but its entry's record files[{entry!r}].sha256 "
+                                      f"is {files[entry]['sha256'][:16]}...")
+    size, total = check.of(art, "size", int, field, optional=True), sum(files[rel]["size"] for rel in set(listed))
+    if size is not None and size != total:
+        check.fail(f"{field}.size", f"{who} is {size}, but the records of its files in files add up to {total}")
     for name, prof in (check.of(art, "shapes", dict, field, optional=True) or {}).items():
         check.triple(prof, f"{field}.shapes.{name}", list)
         for shape in prof:

@@ -7,7 +7,10 @@ request, every file's sha256), and the reasons recorded for each refusal, so `pr
 and `precast generate` can say what runs where and why. A mismatched artifact is never loaded.
 A backend pinned by --backend (`unet=onnxruntime`, `te=cpu:openvino`) puts its candidates on the
 assigned device first (the bundle's ONNX through that backend when it has no engine); the rest
-follow as fallbacks, or are left out under --strict. Reasons are `passed` records {artifact,
+follow as fallbacks, or are left out under --strict. A damaged file (one that fails its sha256 or size
+check, or is missing) is passed over like any refusal, and said: one warning on stderr per damaged file
+when the component loads from a fallback (`precast bundle verify` named as the check), a UserError under
+--strict (no fallback past it). Reasons are `passed` records {artifact,
 backend, device, reason}, including engines for devices this machine does not have (a
 TensorRT-RTX engine without an NVIDIA GPU); `component_report` is the per-component record
 doctor and generate both print. `installed_backends(root)` answers for a recorded machine when its tree
@@ -21,6 +24,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -239,6 +243,7 @@ class Selection:
     viable: list[Candidate] = field(default_factory=list)    # in the order to try
     refused: list[dict] = field(default_factory=list)        # `passed` entries: what was passed over, and why
     target: str = ""                                          # under --strict: where it must run ("cpu:onnxruntime")
+    damaged: list[tuple] = field(default_factory=list)        # (bundle root, problem): warned when a fallback loads
 
     @property
     def choice(self) -> Candidate | None:
@@ -288,6 +293,8 @@ def select_component(manifest: Manifest, component: str, placement: Placement, d
             return None
         if a.id not in checked:
             checked[a.id] = next((p for rel in a.files if (p := manifest.verify_file(rel))), None)
+            if checked[a.id]:       # under --strict only the pinned backend's artifacts (or all, unpinned) matter
+                damaged(sel, manifest.root, checked[a.id], placement.strict and pin in (None, a.backend))
         return checked[a.id]
 
     if pin and pin not in installed:
@@ -343,6 +350,7 @@ def select_component(manifest: Manifest, component: str, placement: Placement, d
         problem = next((p for rel in onnx_files if (p := manifest.verify_file(rel))),
                        None) if verify and not lazy else None
         if problem:
+            damaged(sel, manifest.root, problem, placement.strict)
             sel.refused.append(passed(f"the bundle's ONNX is damaged: {problem}", "onnx", None, cpu.id))
         else:
             pending = tuple((manifest, rel) for rel in onnx_files) if lazy else ()
@@ -444,23 +452,49 @@ def _bundle_root(c: Candidate) -> Path:
     return Path(str(entry)[: -len(c.artifact.entry)]) if c.artifact else entry.parent
 
 
+def damaged(sel: Selection, root: Path, problem: str, strict: bool) -> None:
+    """A damaged bundle file (verify_file's `problem`) passed over: a UserError under --strict, else
+    kept in `sel.damaged` for load_component's warning."""
+    if strict:
+        raise UserError(f"{root}/{problem}; --strict: no fallback past a damaged file; {_damage_fix(root)}")
+    sel.damaged.append((root, problem))
+
+
+def _damage_fix(root: Path) -> str:
+    return f"check the bundle with `precast bundle verify {root}`, then rebuild or re-download it"
+
+
 def load_component(sel: Selection, output_names: list[str], offload: bool = False):
     """(session, candidate, passed_over): the first viable candidate that loads; load failures
-    are recorded (as `passed` entries) and the next candidate is tried."""
+    are recorded (as `passed` entries) and the next candidate is tried. Each damaged file passed
+    over on the way is one warning on stderr once a candidate has loaded."""
     reasons = list(sel.refused)
     for c in sel.viable:
         problem = next((p for m, rel in c.pending if (p := m.verify_file(rel))), None)
         for m in {id(m): m for m, _ in c.pending}.values():
             m.save_records()
         if problem:
+            damaged(sel, c.pending[0][0].root, problem, bool(sel.target))
             reasons.append(passed(f"the bundle's ONNX is damaged: {problem}", "onnx", None, c.device.id))
             continue
         try:
-            return open_candidate(c, output_names, offload), c, reasons
+            session = open_candidate(c, output_names, offload)
         except Exception as e:  # a backend refusing this machine is a reason to fall back, not a crash
             reasons.append(passed(f"failed to load: {type(e).__name__}: {e}", c.artifact.id if c.artifact else "onnx",
                                   c.backend, c.device.id))
+            continue
+        for root, problem in sel.damaged:
+            _warn(f"{root}/{problem}; passed over, so {sel.component} runs "
+                  f"{c.artifact.id if c.artifact else 'the bundle ONNX'} via {c.backend} on {c.device.id}; {_damage_fix(root)}")
+        return session, c, reasons
     raise UserError(nothing_runs(sel.component, sel.target, reasons))
+
+
+def _warn(line: str) -> None:
+    try:
+        print(f"warning: {line}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):     # stderr closed: a warning is not worth failing for
+        pass
 
 
 def nothing_runs(component: str, target: str, reasons: list[dict]) -> str:

@@ -1,7 +1,7 @@
 """Folders written beside their destination and put in place whole: a kill at any instant loses nothing.
 
 Owns: the staging folder (`.NAME.KIND-PID` beside `NAME`; KIND says who writes it: building, merging,
-unpacking, exporting, genai), locked on the folder itself while its writer lives (fileops.hold_dir: the
+unpacking, exporting, genai; or a file: packing), locked on the folder itself while its writer lives (fileops.hold_path: the
 kernel drops the lock when the writer dies, kill -9 included); the swap that puts a finished folder at
 `out` -- an atomic exchange where the system has one, so `out` is at every instant the old or the new
 whole folder; elsewhere two renames with the old folder parked as `.NAME.old-PID` between them --; and
@@ -20,9 +20,9 @@ import shutil
 import uuid
 from pathlib import Path
 
-from .fileops import dir_held, exchange_dirs, hold_dir, rename_dir
+from .fileops import path_held, exchange_dirs, hold_path, rename_dir
 
-KINDS = ("building", "merging", "unpacking", "exporting", "genai", "old")
+KINDS = ("building", "merging", "unpacking", "exporting", "genai", "packing", "old")   # packing: a file
 _LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>" + "|".join(KINDS) + r")-(?P<pid>[0-9]+)")
 
 
@@ -36,7 +36,7 @@ def leftovers(out: Path) -> list[tuple[Path, str, int]]:
     found = []
     for n in sorted(names):
         m = _LEFTOVER.fullmatch(n)
-        if m and m["name"] == out.name and not dir_held(out.parent / n, int(m["pid"])):
+        if m and m["name"] == out.name and not path_held(out.parent / n, int(m["pid"])):
             found.append((out.parent / n, m["kind"], int(m["pid"])))
     return found
 
@@ -51,10 +51,21 @@ def recover(out: Path) -> list[str]:
             rename_dir(folder, out)
             done.append(f"{out}: put back the bundle an interrupted swap had moved to {folder.name} (process {pid})")
             continue
-        shutil.rmtree(folder, ignore_errors=True)
-        if not folder.exists():
+        remove(folder)
+        if not os.path.lexists(folder):
             done.append(f"{out}: removed {folder.name}, left by process {pid} which is gone")
     return done
+
+
+def remove(path: Path) -> None:
+    """A leftover folder or file gone, as far as the system lets it (Windows keeps files held open)."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 class Staging:
@@ -88,7 +99,7 @@ class Staging:
                 self._record.unlink(missing_ok=True)
 
     def _hold(self, folder: Path) -> None:
-        fd = hold_dir(folder)
+        fd = hold_path(folder)
         if fd is not None:
             self._fds.append(fd)
 
@@ -101,9 +112,11 @@ class Staging:
         """Put the finished staging folder at `out` (replacing what is there; the caller decided it may)."""
         if not os.path.lexists(self.out):
             rename_dir(self.path, self.out)
-        elif not exchange_dirs(self.path, self.out):
+        elif exchange_dirs(self.path, self.out):
+            shutil.rmtree(self.path, ignore_errors=True)   # the old folder: gone now, before records are taken
+        else:                                              # of the new one (unlinking shared inodes moves ctimes)
             self._two_renames()
-        self._release()     # `out` is whole now; self.path holds the old folder, if any, removed on exit
+        self._release()
 
     def _two_renames(self) -> None:
         old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
@@ -142,7 +155,7 @@ def gc_registry(registry: Path) -> list[str]:
         except (OSError, ValueError, KeyError, TypeError):
             record.unlink(missing_ok=True)          # damaged: nothing to follow
             continue
-        if dir_held(staging, pid):
+        if path_held(staging, pid):
             continue
         done += recover(out)
         record.unlink(missing_ok=True)

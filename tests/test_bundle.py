@@ -3,7 +3,9 @@ build is all cache hits; shards merge into the unsharded bundle; damage is named
 unpack safely or not at all; recipe mistakes point at file:line."""
 import io
 import json
+import os
 from pathlib import Path
+import re
 import shutil
 import tarfile
 
@@ -11,7 +13,7 @@ import pytest
 
 from conftest import ROOT, flip_byte, precast
 
-TINY = f"{ROOT}/recipes/tiny-sd15.yaml"
+TINY = f"{ROOT}/recipes/tiny-sd15-rtx.yaml"   # tiny-sd15 plus TensorRT-RTX: the three backends
 
 
 @pytest.fixture(scope="module")
@@ -455,8 +457,8 @@ def test_an_archive_shortened_between_the_two_passes_is_refused(packed, tmp_path
     archive = _rewrite(packed, tmp_path / "a.tar")
     real_scan = bundle_archive._scan
 
-    def scan_then_shorten(path):
-        found = real_scan(path)
+    def scan_then_shorten(path, room):
+        found = real_scan(path, room)
         _rewrite(packed, path, drop=("tokenizer/merges.txt",))
         return found
     monkeypatch.setattr(bundle_archive, "_scan", scan_then_shorten)
@@ -639,6 +641,123 @@ def test_a_manifest_path_with_many_folders_is_checked_quickly(packed, tmp_path):
     with pytest.raises(BadInput, match="a/a/a/.* is listed in the manifest but not in the archive"):
         unpack_bundle(archive, tmp_path / "u")
     assert time.perf_counter() - start < 1
+
+
+# ---- compression bombs and members that lie about their size ------------------------------------------
+
+def _bytes_read() -> int:
+    """Bytes this process has read through read() calls so far (Linux /proc/self/io `rchar`)."""
+    try:
+        with open("/proc/self/io") as f:
+            return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+    except (OSError, StopIteration):
+        pytest.skip("no /proc/self/io here to count the bytes read")
+
+
+TIB = 1 << 40
+
+
+@pytest.mark.parametrize("where", ["listed", "before-manifest"])
+@pytest.mark.parametrize("kind", ["tar.zst", "tar.gz", "tar"])
+def test_a_compression_bomb_is_refused_on_its_sizes_before_any_member_data(packed, tmp_path, kind, where):
+    """A 77 MiB .tar.zst whose manifest and member declare 1 TiB was decompressed for ~15 minutes before
+    the free-space check refused it. Now the sizes declared -- the manifest's, or a member's header before
+    the manifest -- are held against the free space and 20x the archive's size first: refused at once,
+    in one line naming the archive and the sizes, having read next to nothing of the 16 MiB that follow."""
+    import gzip
+    from precast.compiler.bundle_archive import unpack_bundle
+    from precast.compiler.errors import BadInput
+    manifest = json.loads(next(d for i, d in packed[1] if i.name == "manifest.json"))
+    manifest["files"]["big.bin"] = {"size": TIB, "sha256": "0" * 64, "pieces": ["0" * 64] * (TIB // (64 << 20))}
+    data = json.dumps(manifest).encode()
+    man = _header("manifest.json", size=len(data)) + _padded(data)
+    big = _header("big.bin", size=TIB) + os.urandom(16 << 20)     # the start of its data: incompressible
+    raw = man + big if where == "listed" else big + man
+    archive = tmp_path / f"bomb.{kind}"
+    if kind == "tar.zst":
+        archive.write_bytes(pytest.importorskip("zstandard").ZstdCompressor(level=1).compress(raw))
+    else:
+        archive.write_bytes(gzip.compress(raw, 1) if kind == "tar.gz" else raw)
+    work = tmp_path / "work"
+    work.mkdir()
+    with pytest.raises(BadInput):
+        unpack_bundle(archive, work / "u")          # once first: imports done, so only the archive is counted
+    before = _bytes_read()
+    with pytest.raises(BadInput) as e:
+        unpack_bundle(archive, work / "u")
+    read = _bytes_read() - before
+    line = str(e.value)
+    what = "its manifest.json lists 1099.6" if where == "listed" else \
+        "member 'big.bin' brings the data before manifest.json to 1099.51 GB"
+    assert line.startswith(f"{archive}: refused, {what}") and "more than 20 times the archive's" in line, line
+    assert line.endswith("nothing was written") and "\n" not in line
+    assert read < 2 << 20, f"{read} bytes read from a {archive.stat().st_size}-byte archive before refusing"
+    assert list(work.iterdir()) == []
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 20 MiB file system (tmpfs) to unpack onto; skipped where it cannot be mounted."""
+    import subprocess
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command here to make a small tmpfs")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mnt)], capture_output=True, text=True,
+                          check=False)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a 20 MiB tmpfs here: {(proc.stderr or proc.stdout).strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_bundle_larger_than_the_free_space_is_refused_before_it_is_read(packed, small_disk):
+    """The tiny bundle (125 MB) onto a 20 MiB disk: the free-space check ran after the whole archive had
+    been read once. Now it runs on the manifest: one line naming the archive and both sizes, the archive
+    read no further than the manifest, and nothing written to the small disk."""
+    from precast.compiler.bundle_archive import unpack_bundle
+    from precast.compiler.errors import BadInput
+    proc = precast("bundle", "unpack", packed[0], "--out", small_disk / "u")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert re.match(rf"error: {re.escape(str(packed[0]))}: refused, its manifest\.json lists \d+\.\d MB, 21\.0 MB are "
+                    rf"free at --out {re.escape(str(small_disk / 'u'))}; free space there", lines[0]), lines[0]
+    assert list(small_disk.iterdir()) == []
+    before = _bytes_read()
+    with pytest.raises(BadInput, match="are free at --out"):
+        unpack_bundle(packed[0], small_disk / "u")
+    assert _bytes_read() - before < 1 << 20 < packed[0].stat().st_size
+    assert list(small_disk.iterdir()) == []
+
+
+@pytest.mark.parametrize("surplus", ["junk", "a-member"])
+def test_a_member_whose_data_runs_past_its_size_is_refused(packed, tmp_path, surplus):
+    """A member whose stream holds more than its header (and the manifest) say: tarfile took the surplus
+    for the archive's end, silently. Now the bytes where the next header should be are refused (or, when
+    they make a header, the member it names is checked like any other); nothing is written, and no file
+    is ever written past its declared size (RLIMIT_FSIZE: no file over 2 MiB; the surplus is 4 MiB)."""
+    extra = os.urandom(4 << 20) if surplus == "junk" else _header("zzz.bin", size=4 << 20) + os.urandom(4 << 20)
+    buf = bytearray()
+    for info, data in packed[1]:
+        buf += info.tobuf(format=tarfile.GNU_FORMAT)
+        if data is not None:
+            lie = extra if info.name == "tokenizer/vocab.json" else b""
+            buf += data + lie if surplus == "junk" else _padded(data) + lie     # a header there, or junk
+            buf += bytes(-len(buf) % 512)
+    archive = tmp_path / "lies.tar"
+    archive.write_bytes(bytes(buf) + bytes(1024))
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = _limited_precast(2 << 20, "bundle", "unpack", archive, "--out", work / "u")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    words = ("of the tar stream are no member header (invalid header): the member before them "
+             "'tokenizer/vocab.json' holds more data than its header says" if surplus == "junk" else
+             "member 'zzz.bin' is not listed in the manifest")
+    assert lines[0].startswith(f"error: {archive}: refused, ") and words in lines[0], lines[0]
+    assert list(work.iterdir()) == []
 
 
 # ---- pack's --out -------------------------------------------------------------------------------------

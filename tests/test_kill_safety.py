@@ -140,7 +140,7 @@ def test_a_kill_at_any_step_of_the_swap_keeps_a_whole_bundle(two_bundles, tmp_pa
     done = run(0)                                                    # no kill: the steps it takes
     assert done.returncode == 0, done.stderr
     steps = done.stdout.split()
-    assert backend_of(out) == {"openvino"} and len(steps) == (2 if exchange else 6), steps
+    assert backend_of(out) == {"openvino"} and len(steps) == (3 if exchange else 6), steps
     seen = set()
     for stop in range(1, len(steps) + 1):
         shutil.rmtree(out)
@@ -154,3 +154,23 @@ def test_a_kill_at_any_step_of_the_swap_keeps_a_whole_bundle(two_bundles, tmp_pa
         precast("bundle", "verify", out, check=True)
         seen.add(frozenset(backend_of(out)))
     assert seen == {frozenset({"onnxruntime"}), frozenset({"openvino"})}   # killed before and after the switch
+
+
+def test_an_archive_a_killed_pack_left_half_written_goes_with_the_next_pack(two_bundles, tmp_path):
+    """`bundle pack` writes .NAME.packing-PID, locked while it lives; one whose writer died (here: a child
+    that locked it and was killed) is removed by the next pack to that name, a live one is not."""
+    old, _ = two_bundles
+    dead = tmp_path / ".b.tar.zst.packing-1"
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from precast.runtime.fileops import hold_path
+        open({str(dead)!r}, "wb").write(b"x" * 1000)
+        fd = hold_path({str(dead)!r}); print("held", flush=True); time.sleep(60)""")],
+        stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "held"
+    precast("bundle", "pack", old, "--out", tmp_path / "b.tar.zst", check=True)
+    assert dead.exists()                                            # its writer lives: kept
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    precast("bundle", "pack", old, "--out", tmp_path / "b.tar.zst", check=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.tar.zst"]
