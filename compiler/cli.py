@@ -14,6 +14,7 @@ import click
 
 from ..runtime.cli import run_cli
 from .cache_cli import _count, cache_group
+from .demo_families import FAMILIES as DEMO_FAMILIES
 from .errors import BadInput
 
 
@@ -117,16 +118,21 @@ def export_cmd(checkpoint, out, components, dtype, sets, vae_dtype, vae, text_en
 @main.command("demo-model")
 @click.option("--out", "out", required=True, type=click.Path(), help="Where to write the .safetensors file.")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**63 - 1), help="0 or more.")
-def demo_model_cmd(out, seed):
-    """Write the embedded default: a tiny SD 1.x checkpoint with seeded random weights."""
+@click.option("--family", default="sd15", show_default=True, type=click.Choice(list(DEMO_FAMILIES)),
+              help="Which tiny model: a checkpoint of that family, or a ControlNet / LoRA for the tiny SD 1.x.")
+def demo_model_cmd(out, seed, family):
+    """Write a tiny model with seeded random weights in the real key layout (the embedded default: a tiny
+    SD 1.x checkpoint), and print a recipe that builds it."""
     def go():
-        from .demo_model import write_demo_model
+        from .demo_families import write_demo_file
         if os.path.isdir(out):
             raise BadInput(f"--out {out}: is a folder; give a file path such as {os.path.join(out, 'tiny.safetensors')}")
         if not out.endswith(".safetensors"):
             raise BadInput(f"--out {out}: the demo model is a .safetensors file; give a name ending in .safetensors")
-        write_demo_model(out, seed=seed)
-        click.echo(f"wrote {out} ({os.path.getsize(out) / 1e6:.1f} MB, tiny SD 1.x, seed {seed})")
+        recipe = write_demo_file(family, os.path.abspath(out), seed=seed)
+        click.echo(f"wrote {out} ({os.path.getsize(out) / 1e6:.1f} MB, {DEMO_FAMILIES[family].label}, seed {seed}); "
+                   "a recipe that builds it (save it as FILE.yaml, then `precast build FILE.yaml --out BUNDLE`):")
+        click.echo(recipe)
     _run(go)
 
 
@@ -227,13 +233,13 @@ def plan_cmd(recipe, fmt):
     """Print RECIPE's build matrix: one entry per component x target, with what each job needs.
     With --format json or github an error is also printed as {"error", "exit"} on stdout."""
     def go():
+        from .families import FAMILIES
         from .plan import github_matrix, make_plan
         from .recipe import load_recipe
-        loaded = load_recipe(recipe, check_files=False)
+        loaded = load_recipe(recipe, check_files=False)    # a source that is there but damaged: refused here
         if loaded.assumed_components:
             click.echo(f"warning: {recipe}: no model.family or components, and {loaded.source} is not there to read: "
-                       "SD 1.x's components assumed; give model.family (sd1, sd2, sdxl, sdxl-refiner, flux, chroma)",
-                       err=True)
+                       f"SD 1.x's components assumed; give model.family ({', '.join(FAMILIES)})", err=True)
         entries = make_plan(loaded)
         if fmt == "github":
             click.echo(json.dumps(github_matrix(entries), separators=(",", ":")))
@@ -250,17 +256,24 @@ def plan_cmd(recipe, fmt):
 @click.option("--out", required=True, type=click.Path(), help="Bundle folder to write.")
 @click.option("--only", multiple=True, help="Build only this plan entry (repeatable).")
 @click.option("--shard", default=None, help="Build shard i of n of the plan, e.g. 2/3.")
+@click.option("--allow-unmatched", is_flag=True,
+              help="Merge the recipe's LoRAs even when some of their tensors name no weight of the model (they are "
+                   "listed); the same as `allow_unmatched: true` on every `loras:` entry.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON document on stdout: {\"bundle\": FOLDER, \"seconds\": S, \"artifacts\": [one record "
                    "per artifact: component, backend (onnx for the export), target, cache (hit|miss), seconds, key, "
                    "fingerprint (null for exports), entry (the plan entry; COMPONENT.onnx for an export)]}. Progress "
                    "stays on stderr.")
-def build_cmd(recipe, out, only, shard, as_json):
+def build_cmd(recipe, out, only, shard, allow_unmatched, as_json):
     """Build RECIPE's engines through the cache into a bundle."""
     def go():
+        from dataclasses import replace
         from .bundle import build_bundle
         from .recipe import load_recipe
-        report = build_bundle(load_recipe(recipe), out, tuple(only), shard, progress=True)
+        loaded = load_recipe(recipe)
+        if allow_unmatched:
+            loaded = replace(loaded, loras=tuple(replace(lora, allow_unmatched=True) for lora in loaded.loras))
+        report = build_bundle(loaded, out, tuple(only), shard, progress=True)
         if as_json:
             click.echo(json.dumps(report, indent=2))
             return

@@ -3,7 +3,7 @@
 Owns: resolving every module of every LoRA through the forward name table
 (compiler/sources/lora.py) and checking coverage before anything is written -- each LoRA key
 must name exactly one model weight (unmatched keys are an error listing them, or a warning
-listing them with `allow_unmatched`), and each delta's shape must fit its weight (an error
+listing them with `allow_unmatched`, for every LoRA or one), and each delta's shape must fit its weight (an error
 naming both shapes and the weight); and the per-weight update, applied while weights stream
 into the ONNX file: W += strength * scale * delta, accumulated in fp32 (the writer casts after),
 with a separate strength for text-encoder weights. Formulas (MODEL_FORMATS.md §5):
@@ -43,6 +43,7 @@ class LoraSpec:
     path: str
     strength: float = 1.0
     te_strength: float | None = None      # None: the same as strength
+    allow_unmatched: bool = False         # its tensors that name no weight are skipped (listed), not an error
 
     def __post_init__(self):
         for what, value in (("strength", self.strength), ("te_strength", self.te_strength)):
@@ -270,9 +271,12 @@ def _listing(keys: list[str]) -> str:
 
 def plan_merge(shapes: dict[str, tuple[int, ...]], loras: list[LoraSpec], allow_unmatched: bool = False,
                warn: Callable[[str], None] | None = None, table: NameTable | None = None,
-               files: list[LoraFile] | None = None) -> MergePlan:
+               files: list[LoraFile] | None = None, allow_hint: Callable[[int], str] | None = None) -> MergePlan:
     """Resolve and check every LoRA against a model's weights (name -> shape); nothing is read but
-    headers. Raises BadInput on unmatched keys (unless allow_unmatched) and on shape mismatches."""
+    headers. Raises BadInput on unmatched keys (unless allow_unmatched, or the LoRA's own) and on
+    shape mismatches. `allow_hint(i)`: how the command that asked allows the unmatched keys of LoRA i
+    (default: export's flag)."""
+    allow_hint = allow_hint or (lambda i: "pass --allow-unmatched")
     warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
     table = table or build_name_table(shapes)
     opened = files or [read_lora(spec.path) for spec in loras]
@@ -329,9 +333,9 @@ def plan_merge(shapes: dict[str, tuple[int, ...]], loras: list[LoraSpec], allow_
     for i, keys in plan.unmatched.items():
         lf = plan.loras[i][1]
         msg = (f"{lf.path}: {len(keys)} of its tensors name no weight of this model: {_listing(keys)}")
-        if not allow_unmatched:
-            raise BadInput(msg + ". Is the LoRA for another model family? Pass --allow-unmatched to merge the rest.")
-        warn(msg + " (skipped: --allow-unmatched)")
+        if not (allow_unmatched or plan.loras[i][0].allow_unmatched):
+            raise BadInput(f"{msg}. Is the LoRA for another model family? To merge the rest, {allow_hint(i)}.")
+        warn(msg + " (skipped: unmatched tensors allowed)")
     return plan
 
 

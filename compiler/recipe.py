@@ -14,19 +14,13 @@ from pathlib import Path
 import yaml
 
 from .errors import BadInput
-from .families import SET_FIELDS, TEXT_POSITIONS, set_problem
+from .families import FAMILIES, SET_FIELDS, TEXT_POSITIONS, set_problem
 from .profiles import ShapeProfile, parse_range
 from .targets import TargetSpec, get_target, parse_target
 
 COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "unet", "transformer", "vae_encoder", "vae_decoder")
-SD_COMPONENTS = ("text_encoder", "text_encoder_2", "unet", "vae_encoder", "vae_decoder")
-DEFAULT_COMPONENTS = {"sd1": ("text_encoder", "unet", "vae_encoder", "vae_decoder"),
-                      "sd2": ("text_encoder", "unet", "vae_encoder", "vae_decoder"),
-                      "sdxl": SD_COMPONENTS, "sdxl-refiner": ("text_encoder_2", "unet", "vae_encoder", "vae_decoder"),
-                      "flux": ("text_encoder", "text_encoder_2", "transformer", "vae_encoder", "vae_decoder"),
-                      "chroma": ("text_encoder", "transformer", "vae_encoder", "vae_decoder"),
-                      "sd3": ("text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae_encoder",
-                              "vae_decoder")}
+# a recipe's default components: all of its family's (the one table of families, compiler/families.py)
+DEFAULT_COMPONENTS = {name: tuple(comps) for name, comps in FAMILIES.items()}
 PRECISIONS = ("fp32", "fp16", "bf16")
 TOP_FIELDS = {"name", "model", "components", "precision", "loras", "embeddings", "controlnets", "profiles", "targets"}
 MODEL_FIELDS = {"source", "family", "set", "vae", "prediction", "text_encoders"}
@@ -43,6 +37,7 @@ class Lora:
     path: str
     strength: float = 1.0
     te_strength: float | None = None
+    allow_unmatched: bool = False       # its tensors that name no model weight are skipped (listed), not an error
 
 
 @dataclass(frozen=True)
@@ -168,6 +163,12 @@ def _number(doc: _Doc, where: str, value) -> float:
     return float(value)
 
 
+def _flag(doc: _Doc, where: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise doc.error(where, f"expected true or false, got {value!r}")
+    return value
+
+
 def _overrides(doc: _Doc, value) -> dict:
     """`model.set`: {component: {field: value}}, each field one precast reads (families.SET_FIELDS)."""
     if value is None:
@@ -262,17 +263,21 @@ def _targets(doc: _Doc, value) -> tuple[TargetSpec, ...]:
     return tuple(out)
 
 
-def _detected_family(source: str) -> str | None:
-    """The family of a checkpoint from its header (names and shapes), or None when it cannot tell."""
+def _detected_family(doc: _Doc, source: str) -> str:
+    """The family of the checkpoint at `source` (a file or folder there) from its header (names and
+    shapes). A damaged file or a model precast does not build is refused now, as `build` would."""
     from .foreign_onnx import is_foreign_folder, read_foreign
     from .sources.checkpoint import open_checkpoint
-    from .sources.detect import detect_family
+    from .sources.detect import detect_family, require_supported
     try:
         if is_foreign_folder(source):        # its graphs' IO, read without their weights
             return read_foreign(source)[1]["family"]
-        return detect_family(open_checkpoint(source)).name
-    except BadInput:
-        return None
+        ckpt = open_checkpoint(source)
+        family = detect_family(ckpt)
+        require_supported(ckpt, family)
+        return family.name
+    except BadInput as e:
+        raise doc.error("model.source", str(e)) from None
 
 
 SHIPPED = Path(__file__).parent / "recipes"   # package data; the repository's recipes/ links here
@@ -327,7 +332,7 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
     comps = data.get("components")
     assumed = False
     if comps is None:   # the family's components: named, a demo's, or detected from the checkpoint's header
-        default = family or DEMO_SOURCES.get(source) or (_detected_family(source) if Path(source).is_file()
+        default = family or DEMO_SOURCES.get(source) or (_detected_family(doc, source) if Path(source).is_file()
                                                          or Path(source).is_dir() else None)
         assumed = default is None
         comps = list(DEFAULT_COMPONENTS.get(default or "sd1", DEFAULT_COMPONENTS["sd1"]))
@@ -366,11 +371,13 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
     loras = []
     for i, item in enumerate(_list(doc, "loras", data.get("loras"), "LoRA files or {path, strength, te_strength}")):
         w = f"loras[{i}]"
-        item = {"path": item} if isinstance(item, str) else _check_keys(doc, w, item, {"path", "strength", "te_strength"})
+        item = {"path": item} if isinstance(item, str) else \
+            _check_keys(doc, w, item, {"path", "strength", "te_strength", "allow_unmatched"})
         lora_path = _string(doc, f"{w}.path" if "path" in item else w, item.get("path"), "{path: FILE, strength: S}")
         strength = _number(doc, f"{w}.strength", item["strength"]) if "strength" in item else 1.0
         te = None if item.get("te_strength") is None else _number(doc, f"{w}.te_strength", item["te_strength"])
-        loras.append(Lora(str((base / lora_path).resolve()), strength, te))
+        allow = _flag(doc, f"{w}.allow_unmatched", item["allow_unmatched"]) if "allow_unmatched" in item else False
+        loras.append(Lora(str((base / lora_path).resolve()), strength, te, allow))
     embeddings = tuple(str((base / _string(doc, f"embeddings[{i}]", e, "an embedding file")).resolve())
                        for i, e in enumerate(_list(doc, "embeddings", data.get("embeddings"), "embedding files")))
     controlnets = _controlnets(doc, data.get("controlnets"), base, check_files)

@@ -5,6 +5,8 @@ Owns: the API's types (`Bundle`, `Report` and `ComponentPlan` -- `precast doctor
 `Component`, `Pipeline`, `Image`), the `verify` argument's values ("auto" | "full", as `--verify`),
 each family's generation defaults as `precast generate` applies them, and the per-step hooks (a
 progress callback, a cancel hook raising `Cancelled`) wrapped around the pipelines' denoising loop.
+Every argument is checked before anything loads: a wrong type or value is one UserError line naming
+the keyword and the fix, in `precast generate`'s words for the same mistake (runtime/checks.py).
 Selection, fallback and the `--backend` grammar are runtime/select.py's and runtime/assign.py's;
 the pipelines are runtime/sd_pipeline.py's, dit_pipeline.py's and sd3_pipeline.py's, picked by family as
 `precast generate` picks them (run_commands.pipeline_class). Imports numpy and the
@@ -20,12 +22,10 @@ runtime's own modules (the backends lazily, as they load); never the compiler, o
 """
 from __future__ import annotations
 
-import dataclasses
 import io
-import math
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,11 +34,13 @@ from typing import Literal, Union
 import numpy as np
 
 from .assign import COMPONENT_MODULE, Placement, assign_modules, module_of
+from .checks import (check_guidance, check_number, check_out, check_scheduler, check_seed, check_steps, check_strength,
+                     check_text, is_int, shown, write_image)
 from .devices import Device, apply_device_override, discover_devices
 from .errors import Cancelled, UserError
 from .manifest import Manifest, read_manifest
-from .pipeline import (BundleModel, check_image_mode, check_steps, describe_where, latent_factor, optimal_size,
-                       requests, to_uint8)
+from .pipeline import (BundleModel, check_image_mode, describe_where, latent_factor, optimal_size, requests,
+                       to_uint8)
 from .select import (Candidate, component_report, installed_backends, load_component, nothing_runs,
                      passed_text, select_all, select_component)
 
@@ -208,10 +210,12 @@ class Image:
         return png_bytes(self.to_uint8())
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Writes the PNG (temp file + rename: a failed write leaves nothing behind)."""
-        from .png import write_png
-        write_png(path, self.to_uint8())
-        return Path(path)
+        """Writes the PNG as `precast generate --out` does: `path` checked first (a .png file in a folder
+        that exists; UserError, one line, otherwise), then a temp file renamed into place, so a failed
+        write leaves nothing behind."""
+        out = check_out(path, "path=")
+        write_image(out, self.to_uint8(), "path=")
+        return out
 
 
 # ---- components ----------------------------------------------------------------------------------
@@ -234,8 +238,12 @@ class Component:
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Runs the component; each feed is cast to the dtype the artifact declares. A text encoder's
-        textual-inversion input (`token_embeddings_extra`) is filled in when only `input_ids` is fed."""
-        feeds = self._with_defaults({k: np.asarray(v) for k, v in feeds.items()})
+        textual-inversion input (`token_embeddings_extra`) is filled in when only `input_ids` is fed. Each
+        feed is checked against the manifest's IO first (rank, fixed dimensions, a numeric dtype)."""
+        if not isinstance(feeds, Mapping):
+            raise UserError(f"{self.name}: feeds={type(feeds).__name__}: expected a dict of input name -> numpy "
+                            f"array (it takes {', '.join(self.input_names)})")
+        feeds = self._with_defaults({k: self._feed(k, v) for k, v in feeds.items()})
         names = self.input_names
         missing = [n for n in names if n not in feeds]
         unknown = sorted(set(feeds) - set(names))
@@ -246,6 +254,24 @@ class Component:
         return dict(self.session.run(feeds))
 
     __call__ = run
+
+    def _feed(self, name: str, value) -> np.ndarray:
+        label = f"{self.name}: feeds[{name!r}]"
+        try:
+            arr = np.asarray(value)
+        except ValueError as e:       # ragged nested lists
+            raise UserError(f"{label}: not an array ({e})") from None
+        if arr.dtype.kind not in "biuf":
+            raise UserError(f"{label}: expected a numeric numpy array, got {type(value).__name__} of {arr.dtype}")
+        fixed = (getattr(self.session, "input_shapes", None) or {}).get(name)   # the loaded artifact's dims
+        named = self.inputs.get(name) or []                                     # the manifest's, by name
+        want = fixed or named
+        if want and (arr.ndim != len(want) or any(isinstance(d, int) and d != n for d, n in zip(want, arr.shape))):
+            dims = [d if isinstance(d, int) else (named[i] if i < len(named) else "?") for i, d in enumerate(want)]
+            raise UserError(f"{label} has shape {list(arr.shape)}; the loaded {self.name} takes "
+                            f"[{', '.join(map(str, dims))}] (named dimensions vary; the image size is set when it loads: "
+                            f"bundle.load({self.name!r}, size=...))")
+        return arr
 
     def _with_defaults(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         from .embeddings import EXTRA_TOKENS_INPUT, encoder_feeds
@@ -266,7 +292,7 @@ def _stop_check(cancel: CancelHook) -> Callable[[], bool] | None:
         return cancel.is_set
     if callable(cancel):
         return cancel
-    raise TypeError(f"cancel={cancel!r}: expected a callable returning True to stop, or a threading.Event")
+    raise UserError(f"cancel={cancel!r}: expected a callable returning True to stop, or a threading.Event")
 
 
 @dataclass
@@ -332,9 +358,10 @@ class Pipeline:
         they need a pipeline opened with image_input=True (Bundle.img2img / inpaint do that). `controls`:
         (ControlNet name, control image[, scale[, start, end]]) each, the nets loaded by
         bundle.pipeline(..., controlnets=names); `guess_mode` as `--guess-mode`."""
-        steps = self.defaults["steps"] if steps is None else steps
-        guidance = self.defaults["guidance"] if guidance is None else guidance
-        _check_settings(prompt, negative, steps, seed, guidance)
+        sched = _check_settings(self.pipe.manifest, prompt, negative, steps, seed, guidance, scheduler, on_step, cancel)
+        steps = self.defaults["steps"] if steps is None else int(steps)
+        guidance = self.defaults["guidance"] if guidance is None else float(guidance)
+        seed = int(seed)
         mode, strength = check_image_mode(self.pipe.manifest, init_image is not None, mask is not None, strength,
                                           steps, "api")
         kwargs = {"negative": negative, "steps": steps, "seed": seed, "guidance": guidance, "progress": show_progress}
@@ -352,13 +379,11 @@ class Pipeline:
         warnings = []
         if self.dit:
             from .dit_pipeline import SCHEDULER
-            if (scheduler or "").lower() not in ("", "euler", SCHEDULER):
-                raise UserError(f"scheduler={scheduler!r}: {self.family} samples with {SCHEDULER} only")
             used = SCHEDULER
             if negative and self.family == "flux":
                 warnings.append("the negative prompt is not used by Flux (distilled guidance, no negative prompt)")
         else:
-            used = kwargs["scheduler"] = (scheduler or SD_SCHEDULER).lower()
+            used = kwargs["scheduler"] = sched or SD_SCHEDULER
         with _step_hooks(self.pipe, on_step, cancel):
             pixels = self.pipe(prompt, **kwargs)
         warnings += self.pipe.prompt_warnings(prompt, negative)
@@ -366,43 +391,71 @@ class Pipeline:
 
 
     def _controls(self, controls: Sequence[ControlSpec], guess_mode: bool) -> list:
-        """runtime/control.py's plan of (name, image[, scale[, start, end]]) entries, the images read,
-        every net loaded in this pipeline; UserError (one line) otherwise."""
+        """runtime/control.py's plan of the checked `controls=` entries, every net loaded in this pipeline;
+        UserError (one line) otherwise."""
         from .control import plan_controls
-        from .images import init_image
-        specs = [tuple(c) for c in controls]
-        if any(not 2 <= len(c) <= 5 or len(c) == 4 for c in specs):
-            raise UserError("controls=: each entry is (controlnet name, image[, scale[, start, end]])")
-        plan = plan_controls(self.pipe.manifest, [(c[1], float(c[2]) if len(c) > 2 else 1.0) for c in specs],
-                             [c[0] for c in specs], [c[3] for c in specs if len(c) == 5],
-                             [c[4] for c in specs if len(c) == 5])
-        if guess_mode and not plan:
-            raise UserError("guess_mode=True: give controls too")
+        entries = _control_entries(self.pipe.manifest, controls, guess_mode)
+        plan = plan_controls(self.pipe.manifest, [(e[1], e[2]) for e in entries], [e[0] for e in entries],
+                             [e[3] for e in entries], [e[4] for e in entries])
         missing = [c.component for c in plan if c.component not in self.pipe.needed]
         if missing:
             raise UserError(f"controls=: {missing[0]} is not loaded in this pipeline; open it with "
                             f"bundle.pipeline(..., controlnets=[...]) or pass controls to bundle.txt2img")
-        return [dataclasses.replace(c, image=init_image(c.image, f"controls {c.component}")) for c in plan]
+        return plan
 
 
-def _net_names(controls: Sequence[ControlSpec]) -> tuple[str, ...]:
-    """The ControlNet names `controls` use (each entry's first item)."""
-    if isinstance(controls, (str, bytes)) or not all(isinstance(c, (tuple, list)) and c for c in controls):
-        raise UserError("controls=: a list of (controlnet name, image[, scale[, start, end]]) tuples")
-    return tuple(str(c[0]) for c in controls)
+def _control_entries(manifest, controls: Sequence[ControlSpec] | None, guess_mode: bool) -> list[tuple]:
+    """`controls=` checked before anything loads: each (name, image[, scale[, start, end]]) entry ->
+    (name, uint8 RGB image, scale, start, end), its numbers, its image, then its net against the bundle
+    (runtime/control.py's checks, as for --controlnet / --control-start / --control-end)."""
+    from .control import check_net, check_range
+    from .images import init_image
+    entry = "(controlnet name, image[, scale[, start, end]])"
+    if controls is None:
+        controls = ()
+    if isinstance(controls, (str, bytes, Mapping, np.ndarray)) or not isinstance(controls, Iterable):
+        raise UserError(f"controls=: expected a list of {entry} tuples, got {type(controls).__name__}")
+    out = []
+    for i, c in enumerate(controls):
+        at = f"controls[{i}]"
+        if not isinstance(c, (tuple, list)) or len(c) not in (2, 3, 5):
+            got = f"{len(c)} items" if isinstance(c, (tuple, list)) else type(c).__name__
+            raise UserError(f"{at}: expected {entry}, got {got}")
+        if not isinstance(c[0], str):
+            raise UserError(f"{at}: the first item names the ControlNet (a str, e.g. 'canny'), got {type(c[0]).__name__}")
+        scale = check_number(c[2], f"{at} scale=", "e.g. 0.8") if len(c) > 2 else 1.0
+        start, end = (check_number(c[3], f"{at} start=", "a fraction of the steps, e.g. 0"),
+                      check_number(c[4], f"{at} end=", "a fraction of the steps, e.g. 1")) if len(c) == 5 else (0.0, 1.0)
+        check_range(start, end, f"{at} start={start!r}, end={end!r}")
+        image = init_image(c[1], f"{at} image")
+        check_net(manifest, c[0], f"{at} name=")
+        out.append((c[0], image, scale, start, end))
+    if guess_mode and not out:
+        raise UserError("guess_mode=True: give controls too")
+    return out
 
 
-def _check_settings(prompt: str, negative: str, steps: int | None, seed: int, guidance: float | None) -> None:
-    """The settings `precast generate` checks before loading anything (None: the default, checked later)."""
-    for name, text in (("prompt", prompt), ("negative", negative)):
-        if not isinstance(text, str):
-            raise UserError(f"{name}={text!r}: expected text (str)")
+def _check_settings(manifest, prompt, negative, steps, seed, guidance, scheduler, on_step, cancel) -> str | None:
+    """The settings `precast generate` checks before loading anything, in its words (runtime/checks.py)
+    named as keywords (None: the default); returns the scheduler, lower case (None: the default)."""
+    check_text(prompt, "prompt=")
+    check_text(negative, "negative=")
     if steps is not None:
-        check_steps(steps)
-    if seed < 0:
-        raise UserError(f"seed={seed}: must be 0 or more (negative seeds are refused)")
-    if guidance is not None and not math.isfinite(guidance):
-        raise UserError(f"guidance={guidance}: must be a finite number, e.g. 7.5")
+        check_steps(steps, "steps=")
+    check_seed(seed, "seed=")
+    if guidance is not None:
+        check_guidance(guidance, "guidance=")
+    if on_step is not None and not callable(on_step):
+        raise UserError(f"on_step={on_step!r}: expected a callable taking (steps done, total steps), or None")
+    _stop_check(cancel)
+    return check_scheduler(scheduler, manifest, "scheduler=")
+
+
+def _check_backends(backend, params_backend) -> None:
+    """`backend` / `params_backend`: strings in the --backend grammar (runtime/assign.py), or None."""
+    for name, text, e in (("backend=", backend, "'te=cpu,unet=gpu0'"), ("params_backend=", params_backend, "'cpu'")):
+        if text is not None and not isinstance(text, str):
+            raise UserError(f"{shown(name, text)}: expected a string in the --backend grammar, e.g. {e} (or None)")
 
 
 # ---- bundles -------------------------------------------------------------------------------------
@@ -444,6 +497,7 @@ class Bundle:
              strict: bool = False) -> Report:
         """What would load where, and why, for every component (nothing is loaded; files are verified
         as `verify` says): `precast doctor BUNDLE` as data."""
+        _check_backends(backend, params_backend)
         w, h = self._size(size)
         m = self._machine(backend, params_backend, strict)
         sels = select_all(self.manifest, m.placements, m.devices, requests(self.manifest, 1, h, w), m.installed,
@@ -460,8 +514,9 @@ class Bundle:
              size: Size = None, strict: bool = False) -> Component:
         """One component, selected, verified and loaded as `precast generate` loads it (the next
         candidate is tried when one fails to load; the reasons are in `Component.plan`)."""
-        if component not in self.manifest.components:
+        if not isinstance(component, str) or component not in self.manifest.components:
             raise UserError(f"{self.path}: no component {component!r} (it has {', '.join(self.components)})")
+        _check_backends(backend, params_backend)
         w, h = self._size(size)
         m = self._machine(backend, params_backend, strict)
         placement = m.placements[COMPONENT_MODULE.get(component, "diffusion")]
@@ -480,6 +535,11 @@ class Bundle:
         `image_input`: the VAE encoder loaded too, for img2img and inpainting (SD 1.x/2.x/XL bundles that
         have one); such a pipeline also serves txt2img. `controlnets`: the bundle's ControlNets (by name)
         to load for `controls=` calls."""
+        _check_backends(backend, params_backend)
+        controlnets = () if controlnets is None else controlnets
+        if isinstance(controlnets, (str, bytes)) or not isinstance(controlnets, Iterable) \
+                or not all(isinstance(n, str) for n in controlnets):
+            raise UserError(f"controlnets={controlnets!r}: expected a list of the bundle's ControlNet names, e.g. ['canny']")
         w, h = self._size(size)
         nets = tuple(sorted(set(controlnets)))
         key = (backend, params_backend, w, h, strict, nets)
@@ -491,11 +551,9 @@ class Bundle:
             cls = pipeline_class(self.manifest)
             extra = {"image_input": True} if image_input else {}
             if nets:
-                from .control import bundle_nets
-                unknown = [n for n in nets if n not in bundle_nets(self.manifest)]
-                if unknown:
-                    raise UserError(f"controlnets=: {unknown[0]} is not in the bundle (it has "
-                                    f"{', '.join(bundle_nets(self.manifest)) or 'no ControlNet'})")
+                from .control import check_net
+                for n in nets:
+                    check_net(self.manifest, n, "controlnets=")
                 extra["controlnets"] = tuple(f"controlnet_{n}" for n in nets)
             pipe = cls(self.manifest, backend, params_backend, width=w, height=h, sysroot=self.sysroot,
                        strict=strict, verify=self.verify, **extra)
@@ -510,10 +568,11 @@ class Bundle:
         """One image in one call: `pipeline(...)` (loaded once per backend/size) then `Pipeline.__call__`.
         The same image as `precast generate` with the same settings. `controls`: ControlNets, each
         (name, image[, scale[, start, end]]) as `--controlnet NAME --control IMAGE:SCALE`."""
-        _check_settings(prompt, negative, steps, seed, guidance)
+        _check_settings(self.manifest, prompt, negative, steps, seed, guidance, scheduler, on_step, cancel)
         check_image_mode(self.manifest, False, False, None, 1, "api")   # an inpainting UNet needs an image and mask
+        controls = _control_entries(self.manifest, controls, guess_mode)
         pipe = self.pipeline(backend, params_backend=params_backend, size=size, strict=strict,
-                             controlnets=_net_names(controls))
+                             controlnets=[c[0] for c in controls])
         return pipe(prompt, negative=negative, steps=steps, seed=seed, guidance=guidance, scheduler=scheduler,
                     on_step=on_step, cancel=cancel, show_progress=show_progress, controls=controls,
                     guess_mode=guess_mode)
@@ -548,18 +607,21 @@ class Bundle:
 
     def _image_mode(self, prompt, image, mask, strength, negative, steps, seed, guidance, scheduler, size, backend,
                     params_backend, strict, on_step, cancel, show_progress, controls=(), guess_mode=False) -> Image:
-        """Everything checked before any engine loads: settings, the mode against the bundle, the images."""
+        """Everything checked before any engine loads: settings, the images, the mode against the bundle."""
         from . import images
-        _check_settings(prompt, negative, steps, seed, guidance)
-        check_image_mode(self.manifest, True, mask is not None, strength,
-                         SD_DEFAULTS["steps"] if steps is None else steps, "api")
+        _check_settings(self.manifest, prompt, negative, steps, seed, guidance, scheduler, on_step, cancel)
+        if strength is not None:
+            check_strength(strength, "strength=")
         init = images.init_image(image, "init_image")
         mask_px = images.mask_image(mask, init, "mask") if mask is not None else None
+        check_image_mode(self.manifest, True, mask is not None, strength,
+                         SD_DEFAULTS["steps"] if steps is None else steps, "api")
+        controls = _control_entries(self.manifest, controls, guess_mode)
         if size is None:
             size = images.output_size(init, "init_image", image if not isinstance(image, np.ndarray) else None,
                                       latent_factor(self.manifest))
         pipe = self.pipeline(backend, params_backend=params_backend, size=size, strict=strict, image_input=True,
-                             controlnets=_net_names(controls))
+                             controlnets=[c[0] for c in controls])
         return pipe(prompt, negative=negative, steps=steps, seed=seed, guidance=guidance, scheduler=scheduler,
                     on_step=on_step, cancel=cancel, show_progress=show_progress, init_image=init, mask=mask_px,
                     strength=strength, controls=controls, guess_mode=guess_mode)
@@ -572,10 +634,13 @@ class Bundle:
         if not isinstance(size, str):
             try:
                 w, h = size
-                size = f"{int(w)}x{int(h)}"
             except (TypeError, ValueError):
-                raise UserError(f"size={size!r}: expected 'WIDTHxHEIGHT' or (width, height)") from None
-        return parse_size(size, self.manifest)
+                w = h = None
+            if not (is_int(w) and is_int(h)):
+                raise UserError(f"size={size!r}: expected 'WIDTHxHEIGHT' or (width, height) in whole pixels, "
+                                "e.g. (512, 512)")
+            size = (int(w), int(h))
+        return parse_size(size, self.manifest, "size=")
 
     def _machine(self, backend: str | None, params_backend: str | None, strict: bool) -> _Machine:
         devices, warning = apply_device_override(discover_devices(self.sysroot, os.environ), os.environ)
@@ -596,6 +661,8 @@ def open_bundle(path: str | os.PathLike, *, verify: Verify = "auto", sysroot: st
     `--verify`: "auto" hashes each file once per file state (records trusted while the file is
     unchanged), "full" hashes every file again on every load. `sysroot`: read devices from a recorded
     tree (tests)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise UserError(f"path={path!r}: expected the bundle's folder (a str or os.PathLike), e.g. 'build/demo/bundle'")
     mode = str(verify).lower()
     if mode not in ("auto", "full"):
         raise UserError(f"verify={verify!r}: expected 'auto' or 'full'")

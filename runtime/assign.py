@@ -152,6 +152,9 @@ def _find_device(name: str, devices: list[Device]) -> Device:
         return matches[0]
     if matches:
         raise UserError(f"device '{name}' is ambiguous: {', '.join(d.id for d in matches)}")
+    if ":" in name:                                  # DEVICE:BACKEND whose BACKEND is none (split_value kept it whole)
+        raise UserError(f"unknown backend '{name.rpartition(':')[2].strip()}' in '{name}' (DEVICE:BACKEND, e.g. "
+                        f"cpu:onnxruntime; backends: {', '.join(BACKEND_RUNS_ON)})")
     raise UserError(f"unknown device '{name}' (devices: {_ids(devices)}; or a backend: "
                     f"{', '.join(BACKEND_RUNS_ON)})")
 

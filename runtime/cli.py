@@ -56,8 +56,10 @@ def missing_dependency(e: ModuleNotFoundError, command: str | None = None) -> st
     if extra is None:
         return None
     what = "the build side's dependencies" if extra == "compiler" else f"the {extra} extra"
-    return (f"`{command or _command_path()}` needs {what}, not installed here (no module {top!r}): "
-            f"pip install 'precast[{extra}]'")
+    # precast is not on the package index: `precast[X]` resolves only where precast is already installed
+    return (f"`{command or _command_path()}` needs {what}, not installed here (no module {top!r}): add the "
+            f"{extra} extra to this precast: pip install 'precast[{extra}]' with this environment's pip, "
+            f"or pip install -e '.[{extra}]' in a checkout")
 
 
 def run_cli(fn, as_json=False):

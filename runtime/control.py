@@ -6,7 +6,8 @@ named net; a bundle with one ControlNet needs no name), each net's step range (d
 control_guidance_start / _end: a net runs at step i unless i/steps < start or (i+1)/steps > end),
 guess mode (only the conditional half of the CFG batch gets the net's residuals, scaled by
 logspace(-1, 0, N + 1) x scale; the unconditional half gets none), summing several nets' residuals,
-and the zero residuals a ControlNet bundle's UNet is fed when no control is given. The control image
+and the zero residuals a ControlNet bundle's UNet is fed when no control is given; the checks of a net's name
+and step range (check_net, check_range), which the Python API's `controls=` uses too. The control image
 goes through runtime/images.py's sizing rules, then to [0, 1] (diffusers' control_image_processor:
 no normalization). Each net is its own engine (`controlnet_<name>` components, unscaled residual
 outputs `down_block_{i}_additional_residual`, `mid_block_additional_residual`); the UNet takes them as
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .checks import shown
 from .errors import UserError
 
 PREFIX = "controlnet_"
@@ -96,16 +98,28 @@ def plan_controls(manifest, controls: list[tuple[object, float]], names: list[st
     if len(names) != len(controls):
         raise UserError(f"--controlnet given {len(names)} times but --control {len(controls)} times: one name per image")
     for name in names:
-        if name not in nets:
-            raise UserError(f"--controlnet {name}: not in the bundle (it has {', '.join(nets)})")
+        check_net(manifest, name)
     out = []
     for i, ((image, scale), name) in enumerate(zip(controls, names)):
         start = float(starts[i]) if i < len(starts) else 0.0
         end = float(ends[i]) if i < len(ends) else 1.0
-        if not 0.0 <= start < end <= 1.0:
-            raise UserError(f"--control-start {start} / --control-end {end} for {name}: need 0 <= start < end <= 1")
+        check_range(start, end, f"--control-start {start} / --control-end {end} for {name}")
         out.append(Control(PREFIX + name, image, float(scale), start, end))
     return out
+
+
+def check_net(manifest, name: str, option: str = "--controlnet") -> None:
+    """A ControlNet name (`option`: how the caller spells it, runtime/checks.py's `shown`) is the bundle's."""
+    nets = bundle_nets(manifest)
+    if name not in nets:
+        fix = f"it has {', '.join(nets)}" if nets else "it has no ControlNet; rebuild it with `controlnets:` in the recipe"
+        raise UserError(f"{shown(option, name)}: not in the bundle ({fix})")
+
+
+def check_range(start: float, end: float, what: str) -> None:
+    """A net's step range, as fractions of the steps (`what` names the values as the caller gave them)."""
+    if not 0.0 <= start < end <= 1.0:
+        raise UserError(f"{what}: need 0 <= start < end <= 1")
 
 
 class ControlNets:

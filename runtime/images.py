@@ -46,6 +46,8 @@ def load_pixels(source, what: str) -> np.ndarray:
         arr = np.asarray(source)
     except Exception as e:  # noqa: BLE001 - anything np.asarray refuses is a bad argument
         raise UserError(f"{what}: expected a PNG path or a uint8 array, got {type(source).__name__} ({e})") from None
+    if arr.dtype.kind not in "biuf":       # None, bytes, text, objects: no pixels
+        raise UserError(f"{what}: expected a PNG path (str or os.PathLike) or a uint8 array, got {type(source).__name__}")
     if arr.dtype == np.bool_:
         arr = arr.astype(np.uint8) * 255
     if arr.dtype != np.uint8:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .assign import assign_modules, module_of
+from .checks import check_steps, check_strength, shown  # noqa: F401 (check_steps: for the pipelines)
 from .devices import apply_device_override, discover_devices
 from .errors import UserError
 from .manifest import Manifest
@@ -87,16 +88,9 @@ def check_image_mode(manifest, init: bool, mask: bool, strength: float | None, s
         raise UserError(f"{manifest.root}: img2img and inpainting encode the image with the VAE encoder, which this "
                         "bundle lacks: rebuild it with vae_encoder in the recipe's components")
     mode = "inpaint" if mask else "img2img"
-    strength = DEFAULT_STRENGTH[mode] if strength is None else strength
-    try:
-        strength = float(strength)
-    except (TypeError, ValueError):
-        raise UserError(f"{n['strength']} {strength!r}: expected a number more than 0 and at most 1") from None
-    if not 0 < strength <= 1:    # NaN fails this too
-        raise UserError(f"{n['strength']} {strength:g}: must be more than 0 and at most 1 "
-                        "(the share of the schedule run from the noised image; 1 = from pure noise)")
+    strength = check_strength(DEFAULT_STRENGTH[mode] if strength is None else strength, n["strength"])
     if start_index(steps, strength) >= steps:
-        raise UserError(f"{n['strength']} {strength:g} with {steps} steps runs no step (int(steps x strength) = 0): "
+        raise UserError(f"{shown(n['strength'], strength)} with {steps} steps runs no step (int(steps x strength) = 0): "
                         f"raise {n['strength']} or {n['steps']}")
     return mode, strength
 
@@ -127,6 +121,29 @@ def image_size(manifest, width: int | None, height: int | None, factor: int, why
         raise UserError(f"--size {width}x{height}: width and height must be multiples of {factor}"
                         + (f" ({why})" if why else ""))
     return width, height
+
+
+def size_warning(manifest, width: int, height: int) -> str | None:
+    """One line when width x height lies outside every shape profile the denoiser's engines were built
+    for: no prebuilt engine takes it, so the ONNX is compiled at run time, on every run (seconds to
+    minutes); it names the profiles and a recipe profile that would cover the size."""
+    name = next((c for c in DENOISERS if c in manifest.components), None)
+    profiles = manifest.components[name].get("profiles") or [] if name else []
+    if not profiles or not manifest.artifacts(name) or any(
+            p["width"][0] <= width <= p["width"][2] and p["height"][0] <= height <= p["height"][2] for p in profiles):
+        return None
+
+    def size(p, i):
+        return f"{p['width'][i]}x{p['height'][i]}"
+
+    def widened(key, want):
+        lo, opt, hi = profiles[0][key]
+        lo, hi = min(lo, want), max(hi, want)
+        return str(lo) if lo == hi else f"{{min: {lo}, opt: {opt}, max: {hi}}}"
+    have = ", ".join(size(p, 1) if size(p, 0) == size(p, 2) else f"{size(p, 0)}..{size(p, 2)}" for p in profiles)
+    return (f"size {width}x{height} is outside every shape profile of this bundle's {name} engines ({have}): its "
+            "ONNX is compiled at run time instead, on every run (slow); to avoid that, rebuild with a recipe profile "
+            f"covering it, e.g. profiles: {{height: {widened('height', height)}, width: {widened('width', width)}}}")
 
 
 def requests(manifest, batch: int, height: int, width: int, tokens: int = 77, cfg: bool = True) -> dict:
@@ -244,14 +261,6 @@ def timed(stages: dict, name: str):
         yield
     finally:
         stages[name] = round(stages.get(name, 0.0) + time.perf_counter() - t0, 3)
-
-
-MAX_STEPS = 1000   # the schedules' training timesteps: more steps than that repeat timesteps
-
-
-def check_steps(steps: int) -> None:
-    if not 1 <= steps <= MAX_STEPS:
-        raise UserError(f"--steps {steps}: must be 1 to {MAX_STEPS} (the noise schedule's timesteps)")
 
 
 class BundleModel:

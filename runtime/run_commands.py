@@ -1,19 +1,20 @@
 """The runtime's own commands, `precast doctor` and `precast generate` (registered on the group in
 runtime/cli.py), with the checks of every option before anything loads: sizes against the bundle,
---out, prompt text, scheduler per family, assignments; and their text and JSON reports.
+assignments, ControlNets, and (through runtime/checks.py, shared with the Python API) steps, seed,
+guidance, prompt text, scheduler per family and --out; and their text and JSON reports.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import sys
 import time
-from pathlib import Path
 
 import click
 
+from .checks import check_guidance, check_out as _check_out, check_scheduler, check_seed, check_text, shown
+from .checks import write_image as _write_image  # noqa: F401 (tests call it here)
 from .cli import main, run_cli
 from .errors import UserError
 
@@ -22,58 +23,27 @@ MAX_SIDE = 4096  # px per side, unless the bundle's shape profiles declare more
 _SIZE = re.compile(r"([0-9]{1,6})[xX]([0-9]{1,6})")
 
 
-def parse_size(size: str, manifest) -> tuple[int, int]:
-    """'WIDTHxHEIGHT' -> (width, height), checked against the bundle: ASCII digits, multiples of
-    its VAE's factor, at most MAX_SIDE px per side or the largest side its profiles declare."""
+def parse_size(size: str | tuple[int, int], manifest, name: str = "--size") -> tuple[int, int]:
+    """'WIDTHxHEIGHT' (or the API's (width, height) ints) -> (width, height), checked against the bundle:
+    ASCII digits, multiples of its VAE's factor, at most MAX_SIDE px per side or the largest side its
+    profiles declare. `name`: the option or keyword the errors name (runtime/checks.py's `shown`)."""
     from .pipeline import latent_factor
-    m = _SIZE.fullmatch(size.strip())
-    if not m:
-        raise UserError(f"--size {size!r}: expected WIDTHxHEIGHT in pixels, e.g. 512x512")
-    w, h = int(m.group(1)), int(m.group(2))
+    if isinstance(size, str):
+        m = _SIZE.fullmatch(size.strip())
+        if not m:
+            raise UserError(f"{shown(name, size, quote=True)}: expected WIDTHxHEIGHT in pixels, e.g. 512x512")
+        w, h = int(m.group(1)), int(m.group(2))
+    else:
+        w, h = size
     f = latent_factor(manifest)
     declared = [p[dim][2] for c in manifest.components.values() for p in c["profiles"] for dim in ("width", "height")]
     limit = max([MAX_SIDE, *declared])
     if not (f <= w <= limit and f <= h <= limit):
-        raise UserError(f"--size {size}: each side must be {f} to {limit} px "
+        raise UserError(f"{shown(name, size)}: each side must be {f} to {limit} px "
                         f"(the larger of {MAX_SIDE} and this bundle's largest profile)")
     if w % f or h % f:
-        raise UserError(f"--size {size}: width and height must be multiples of {f}")
+        raise UserError(f"{shown(name, size)}: width and height must be multiples of {f}")
     return w, h
-
-
-def _check_text(option: str, text: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise UserError(f"{option}: not valid UTF-8 text; pass it in UTF-8 (check the terminal's locale)") from None
-
-
-def _check_out(out: str) -> Path:
-    """Refuse an --out that cannot become a PNG file before any work is done."""
-    path = Path(out)
-    if path.is_dir() or out.endswith(os.sep):
-        raise UserError(f"--out {out}: is a folder; give a file path such as {path / 'image.png'}")
-    if os.path.lexists(path) and not path.is_file():
-        raise UserError(f"--out {out}: exists and is not a regular file (a device, pipe or broken link); "
-                        "choose another path")
-    if not path.parent.is_dir():
-        raise UserError(f"--out {out}: folder {path.parent} does not exist; create it first")
-    if not os.access(path.parent, os.W_OK):
-        raise UserError(f"--out {out}: folder {path.parent} is not writable; choose another path")
-    if path.suffix.lower() != ".png":   # never a PNG written over a checkpoint or under a .jpg name
-        raise UserError(f"--out {out}: precast writes PNG images; give a path ending in .png, "
-                        f"such as {path.with_suffix('.png')}")
-    return path
-
-
-def _write_image(path: Path, image) -> None:
-    """The PNG is written to a temp file beside `path` and renamed into place (write_png removes
-    the temp file on any failure, so a failed write leaves nothing behind)."""
-    from .png import write_png
-    try:
-        write_png(path, image)
-    except OSError as e:
-        raise UserError(f"--out {path}: cannot write ({e.strerror or e})") from None
 
 
 def _scheduler_names() -> list[str]:
@@ -85,7 +55,8 @@ def _scheduler_names() -> list[str]:
 BACKEND_HELP = ("Where each module runs: DEVICE, BACKEND or DEVICE:BACKEND, per module or for all, e.g. "
                 "te=cpu,unet=gpu0 | all=openvino | unet=onnxruntime | te=cpu:onnxruntime. A device that is not here "
                 "falls back with the reason (see --strict).")
-STRICT_HELP = "Run every module where --backend puts it (device and backend) or exit 2: no fallback."
+STRICT_HELP = ("Run every module where --backend puts it (device and backend) or exit 2: no fallback, not even past "
+               "a damaged engine (without --strict: a warning, and the next candidate runs).")
 VERIFY_HELP = ("auto: hash each bundle file once per file state (a recorded match is trusted while the file's "
                "device, inode, size, mtime and ctime are unchanged); full: hash every file again (and refresh "
                "the records).")
@@ -276,20 +247,19 @@ def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, schedule
         from .assign import parse_assignment
         from .dit_pipeline import SCHEDULER
         from .manifest import read_manifest
-        from .pipeline import check_image_mode, check_steps, describe_where, latent_factor, to_uint8
+        from .pipeline import check_image_mode, check_steps, describe_where, latent_factor, size_warning, to_uint8
         from .sd_pipeline import Txt2Img
         t_start = time.perf_counter()
         # Every option is checked here, before any engine is verified or loaded.
         if steps is not None:
             check_steps(steps)
-        if seed < 0:
-            raise UserError(f"--seed {seed}: must be 0 or more (negative seeds are refused)")
-        if guidance is not None and not math.isfinite(guidance):
-            raise UserError(f"--guidance {guidance}: must be a finite number, e.g. 7.5")
+        check_seed(seed)
+        if guidance is not None:
+            check_guidance(guidance)
         parse_assignment(backend, "--backend")
         parse_assignment(params_backend, "--params-backend")
-        _check_text("--prompt", prompt)
-        _check_text("--negative", negative)
+        check_text(prompt, "--prompt")
+        check_text(negative, "--negative")
         manifest = read_manifest(bundle)
         dit = "transformer" in manifest.components
         mode, used_strength = check_image_mode(manifest, init_image is not None, mask is not None, strength,
@@ -317,16 +287,14 @@ def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, schedule
                 w, h = parse_size(f"{iw}x{ih}", manifest)
             except UserError as e:
                 raise UserError(f"--init-image {init_image} sets the output size: {e}; give --size") from None
-        sched = (scheduler or "").lower() or None
+        sched = check_scheduler(scheduler, manifest)
         family = manifest.model.get("family")
-        if dit and sched not in (None, "euler", SCHEDULER):   # Flux, Chroma, SD3
-            raise UserError(f"--scheduler {scheduler}: {family} samples with flow-matching Euler "
-                            "(the scheduler it was trained for); leave --scheduler out")
-        if not dit and sched == SCHEDULER:
-            raise UserError(f"--scheduler {scheduler}: is Flux / Chroma / SD3's; {family} bundles take euler or dpm++2m")
         if dit and negative and family == "flux":
             click.echo("warning: --negative is not used by Flux (distilled guidance, no negative prompt)", err=True)
         out_path = _check_out(out)
+        slow = size_warning(manifest, w, h)     # said now, before the run-time compile it warns of
+        if slow and not as_json:
+            click.echo(f"warning: {slow}", err=True)
         t0 = time.perf_counter()
         if dit:
             pipe = pipeline_class(manifest)(manifest, backend, params_backend, width=w, height=h, sysroot=sysroot,
@@ -355,7 +323,7 @@ def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, schedule
                   "mode": mode, "init_image": init_image, "mask": mask, "strength": used_strength,
                   "controls": [{"controlnet": c.component[len("controlnet_"):], "image": str(c.image), "scale": c.scale,
                                 "start": c.start, "end": c.end} for c in plan], "guess_mode": guess_mode,
-                  "strict": strict, "warnings": warnings, **pipe.report(),
+                  "strict": strict, "warnings": [slow] * bool(slow) + warnings, **pipe.report(),
                   "seconds": {"check": round(t0 - t_start, 3), "load": round(t1 - t0, 3),
                               "generate": round(t2 - t1, 3), "total": round(t2 - t_start, 3),
                               "stages": pipe.stages, "run": pipe.run_stages}}

@@ -51,6 +51,9 @@ class OnnxRuntimeSession:
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         if threads:
             opts.intra_op_num_threads = threads
+        from .onnx_header import input_defaults
+        if input_defaults(model_path):  # an input with a default is meant (token_embeddings_extra): ORT's
+            opts.log_severity_level = 3   # warning about it on every load is kept off stderr (errors still shown)
         self._s = ort.InferenceSession(str(model_path), opts, providers=providers)
         # inputs with a default (the export's token_embeddings_extra) are inputs to precast too
         ins = [*self._s.get_inputs(), *self._s.get_overridable_initializers()]

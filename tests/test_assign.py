@@ -93,7 +93,7 @@ def test_a_device_that_is_not_here_falls_back_with_the_reason_unless_strict(devi
     ("unet=xpu0:onnxruntime", "onnxruntime does not run on xpu0"),
     ("vae=cuda0:openvino", "openvino does not run on cuda0"),
     ("te=cpu:", "expected DEVICE:BACKEND"),
-    ("te=cpu:tvm", "unknown device 'cpu:tvm'"),
+    ("te=cpu:tvm", "unknown backend 'tvm' in 'cpu:tvm'"),                          # the backend is unknown
 ])
 def test_refused(text, error):
     """Names that are no device or backend at all, or a backend on a device it does not run on: a

@@ -420,5 +420,5 @@ def test_bundle_without_vae_encoder_and_other_families_are_refused(tiny_bundle, 
     flux = SimpleNamespace(root="b", model={"family": "flux"}, components={"transformer": {}, "vae_encoder": {}})
     with pytest.raises(UserError, match="img2img and inpainting are for SD 1.x/2.x/XL bundles now; this one is flux"):
         check_image_mode(flux, True, False, None, 20)
-    with pytest.raises(UserError, match="strength= 0: must be more than 0"):
+    with pytest.raises(UserError, match="strength=0: must be more than 0"):
         open_bundle(tiny["plain"][0]).img2img("x", picture(), strength=0)

@@ -120,7 +120,8 @@ def test_build_commands_on_a_runtime_only_install_name_the_extra(tmp_path, args)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         (line,) = proc.stderr.strip().splitlines()
         assert line.startswith(f"error: `precast {command.split()[0]}") and "needs the build side's dependencies" in line
-        assert line.endswith("pip install 'precast[compiler]'"), line
+        assert line.endswith("add the compiler extra to this precast: pip install 'precast[compiler]' with this "
+                             "environment's pip, or pip install -e '.[compiler]' in a checkout"), line
         if extra:
             assert json.loads(proc.stdout) == {"error": line[len("error: "):], "exit": 2}
         else:

@@ -1,0 +1,129 @@
+"""The checks of a generation's settings that `precast generate` (runtime/run_commands.py) and the
+Python API (runtime/api.py) share, run before anything loads: steps, seed, guidance, strength,
+scheduler, prompt text, the output path, and the PNG write itself.
+
+Owns the wording: each mistake is one UserError line naming the setting as its caller spells it --
+an option (`--steps 0: ...`) or a keyword (`steps='10': ...`, any name ending in "=") -- and the fix,
+the same words from both. Types are checked too, since an app can pass anything: a bool or a str is
+no number here, a float no whole number. Imports the runtime's own modules only, lazily.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from pathlib import Path
+
+from .errors import UserError
+
+MAX_STEPS = 1000   # the schedules' training timesteps: more steps than that repeat timesteps
+
+
+def shown(name: str, value, quote: bool = False) -> str:
+    """A setting and its value as an error names them: `--steps 0` (an option; `quote`: its value
+    repr'd) or `steps='10'` (a keyword, ending in "=": always repr'd)."""
+    if name.endswith("="):
+        return f"{name}{value!r}"
+    return f"{name} {value!r}" if quote else f"{name} {value}"
+
+
+def is_int(value) -> bool:
+    """A whole number: int or numpy integer, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_number(value, name: str, example: str) -> float:
+    """A finite real number (not a bool, not a str) -> float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise UserError(f"{shown(name, value)}: must be a finite number, {example}")
+    return float(value)
+
+
+def check_steps(steps, name: str = "--steps") -> int:
+    if not is_int(steps) or not 1 <= steps <= MAX_STEPS:
+        raise UserError(f"{shown(name, steps)}: must be a whole number from 1 to {MAX_STEPS} "
+                        "(the noise schedule's timesteps)")
+    return int(steps)
+
+
+def check_seed(seed, name: str = "--seed") -> int:
+    if not is_int(seed) or seed < 0:
+        raise UserError(f"{shown(name, seed)}: must be a whole number, 0 or more (negative seeds are refused)")
+    return int(seed)
+
+
+def check_guidance(guidance, name: str = "--guidance") -> float:
+    return check_number(guidance, name, "e.g. 7.5")
+
+
+def check_strength(strength, name: str = "--strength") -> float:
+    """img2img / inpainting's share of the schedule: more than 0, at most 1."""
+    share = check_number(strength, name, "more than 0 and at most 1")
+    if not 0 < share <= 1:
+        raise UserError(f"{shown(name, strength)}: must be more than 0 and at most 1 "
+                        "(the share of the schedule run from the noised image; 1 = from pure noise)")
+    return share
+
+
+def check_text(text, name: str) -> str:
+    """A prompt: text that encodes as UTF-8."""
+    if not isinstance(text, str):
+        raise UserError(f"{shown(name, text)}: expected text (str)")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        label = shown(name, text) if name.endswith("=") else name     # the CLI's text cannot be printed
+        raise UserError(f"{label}: not valid UTF-8 text; pass it in UTF-8 (check the terminal's locale)") from None
+    return text
+
+
+def check_scheduler(scheduler, manifest, name: str = "--scheduler") -> str | None:
+    """The scheduler asked for, lower case (None: the family's default), checked against the bundle:
+    SD takes euler or dpm++2m, Flux / Chroma / SD3 flow-euler (or euler, meaning it) only."""
+    from .dit_pipeline import SCHEDULER
+    from .schedulers import SAMPLERS
+    if scheduler is None:
+        return None
+    sched = scheduler.lower() if isinstance(scheduler, str) else None
+    if sched not in ("", *SAMPLERS, SCHEDULER):
+        raise UserError(f"{shown(name, scheduler)}: choose one of {', '.join(SAMPLERS)} (SD) or {SCHEDULER} "
+                        "(Flux / Chroma / SD3)")
+    family, dit = manifest.model.get("family"), "transformer" in manifest.components
+    if dit and sched not in ("", "euler", SCHEDULER):
+        raise UserError(f"{shown(name, scheduler)}: {family} samples with flow-matching Euler "
+                        f"(the scheduler it was trained for); leave {name.rstrip('=')} out")
+    if not dit and sched == SCHEDULER:
+        raise UserError(f"{shown(name, scheduler)}: is Flux / Chroma / SD3's; {family} bundles take "
+                        f"{' or '.join(SAMPLERS)}")
+    return sched or None
+
+
+def check_out(out, name: str = "--out") -> Path:
+    """Refuse a path that cannot become a PNG file before any work is done."""
+    if not isinstance(out, (str, os.PathLike)):
+        raise UserError(f"{shown(name, out)}: expected a file path such as image.png")
+    out = os.fsdecode(out)
+    path = Path(out)
+    if path.is_dir() or out.endswith(os.sep):
+        raise UserError(f"{shown(name, out)}: is a folder; give a file path such as {path / 'image.png'}")
+    if os.path.lexists(path) and not path.is_file():
+        raise UserError(f"{shown(name, out)}: exists and is not a regular file (a device, pipe or broken link); "
+                        "choose another path")
+    if not path.parent.is_dir():
+        raise UserError(f"{shown(name, out)}: folder {path.parent} does not exist; create it first")
+    if not os.access(path.parent, os.W_OK):
+        raise UserError(f"{shown(name, out)}: folder {path.parent} is not writable; choose another path")
+    if path.suffix.lower() != ".png":   # never a PNG written over a checkpoint or under a .jpg name
+        raise UserError(f"{shown(name, out)}: precast writes PNG images; give a path ending in .png, "
+                        f"such as {path.with_suffix('.png')}")
+    return path
+
+
+def write_image(path: Path, image, name: str = "--out") -> None:
+    """The PNG is written to a temp file beside `path` and renamed into place (write_png removes
+    the temp file on any failure, so a failed write leaves nothing behind)."""
+    from .png import write_png
+    try:
+        write_png(path, image)
+    except OSError as e:
+        raise UserError(f"{shown(name, str(path))}: cannot write ({e.strerror or e})") from None
