@@ -12,7 +12,7 @@ INTEROP_STAMP := $(INTEROP)/.installed
 INTEROP_PINS := torch==2.13.0 transformers==4.57.6 optimum==2.1.0 optimum-onnx==0.1.0 optimum-intel==1.27.0 \
 	diffusers==0.39.0 onnxruntime==1.32.0 openvino==2026.4.1 numpy==2.4.6
 
-.PHONY: setup test-setup interop-setup demo demo-flux test bench clean
+.PHONY: setup test-setup interop-setup demo demo-rtx demo-flux test bench clean
 
 # The product: the compiler, the CPU runtimes (ONNX Runtime, OpenVINO) and TensorRT-RTX (its AOT builds need no GPU).
 $(STAMP): pyproject.toml Makefile
@@ -47,6 +47,14 @@ demo: setup
 	$(BIN)/precast bundle verify $(DEMO)/bundle
 	$(BIN)/precast doctor $(DEMO)/bundle
 	$(BIN)/precast generate $(DEMO)/bundle --prompt "a photo of a cat" --steps 20 --size 64x64 --out $(DEMO)/cat.png
+	@echo "NVIDIA RTX engines too (TensorRT-RTX, built ahead of time here, no GPU needed): make demo-rtx"
+
+# The same plus NVIDIA RTX engines (TensorRT-RTX, built ahead of time with no GPU; they run only on an RTX GPU:
+# elsewhere doctor and generate pass them over, saying why, and use ONNX Runtime / OpenVINO).
+demo-rtx: setup
+	mkdir -p $(DEMO)
+	$(BIN)/precast build tiny-sd15-rtx --out $(DEMO)/rtx-bundle
+	$(BIN)/precast doctor $(DEMO)/rtx-bundle
 
 # The same for the tiny embedded Flux.1 [dev] (T5 + CLIP-L + transformer + 16-channel VAE; random weights).
 demo-flux: setup

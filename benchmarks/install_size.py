@@ -19,7 +19,7 @@ The promise: the runtime (numpy + one vendor runtime) stays under 200 MB install
    plugins on a machine without them);
 5. prints a table with the ratio to 200 MB and writes JSON (default benchmarks/results/install_size.json).
 
-The tiny bundle is built once with this checkout's .venv (recipe tiny-sd15: ONNX Runtime, OpenVINO
+The tiny bundle is built once with this checkout's .venv (recipe tiny-sd15-rtx: ONNX Runtime, OpenVINO
 CPU and a TensorRT-RTX sm_86 engine) into the work folder, which is deleted at the end (--keep keeps it).
 
 Usage: .venv/bin/python benchmarks/install_size.py [--extras none,onnxruntime,openvino,tensorrt-rtx]
@@ -190,7 +190,7 @@ def build_wheel(work: Path) -> tuple[Path, dict]:
 def build_bundle(work: Path) -> Path:
     bundle = work / "bundle"
     env = dict(os.environ, PRECAST_CACHE=str(work / "cache"))
-    must([ROOT / ".venv/bin/precast", "build", "tiny-sd15", "--out", bundle], env=env)
+    must([ROOT / ".venv/bin/precast", "build", "tiny-sd15-rtx", "--out", bundle], env=env)
     return bundle
 
 
@@ -278,7 +278,7 @@ def main():
                     help="rows to measure; onnxruntime-before = precast[onnxruntime] + onnxsim, the former extra")
     ap.add_argument("--work", type=Path, default=HERE / "results" / "work-install-size")
     ap.add_argument("--json", type=Path, default=HERE / "results" / "install_size.json")
-    ap.add_argument("--bundle", type=Path, help="a tiny bundle to run (default: built from tiny-sd15)")
+    ap.add_argument("--bundle", type=Path, help="a tiny bundle to run (default: built from tiny-sd15-rtx)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
     args = ap.parse_args()
     extras = [e for e in args.extras.split(",") if e]

@@ -1,5 +1,6 @@
 """Writes tiny ControlNets with seeded random weights in the LDM layout (`control_model.` keys) for
-the demo configs of compiler/demo_model.py (tiny SD 1.x, SD 2.x, SDXL), for tests.
+the demo configs of compiler/demo_model.py (tiny SD 1.x, SD 2.x, SDXL), for tests and
+`precast demo-model --family controlnet`.
 
 Owns: the LDM ControlNet key/shape layout for an SD1Config: the UNet's encoder half (taken from
 demo_model's UNet layout), the hint embedding and the zero convs.

@@ -2,8 +2,8 @@
 
 Owns: the LDM key/shape layout of an SD 1.x checkpoint for a given config (UNet, VAE, CLIP-L
 text encoder), and a streaming .safetensors writer (one tensor in memory at a time). Used for
-the embedded default (`precast demo-model`: tiny, a few MB, every block kind) and by the
-benchmarks (full-size SD 1.5 shapes).
+the embedded default (`precast demo-model`: tiny, a few MB, every block kind; its --family sd2,
+sdxl and inpaint configs too) and by the benchmarks (full-size SD 1.5 shapes).
 """
 from __future__ import annotations
 

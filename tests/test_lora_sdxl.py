@@ -5,9 +5,10 @@ import numpy as np
 import onnx
 import pytest
 from onnx import numpy_helper
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file
 
 from conftest import rel_err
+from precast.compiler.demo_lora import write_demo_lora
 from precast.compiler.demo_model import TINY_SD2, TINY_SDXL, random_tensor, sd1_layout, write_safetensors
 from precast.compiler.export import export
 from precast.compiler.sources.safetensors_file import SafetensorsFile
@@ -22,52 +23,23 @@ def _initializers(folder):
     return {prefix + t.name: numpy_helper.to_array(t, base_dir=str(folder)) for t in m.graph.initializer}
 
 
-def _kohya(layout, rng, te_prefixes, rank=4, alpha=2.0):
-    """kohya LoRA over LDM paths for the UNet's attention projections and the text encoders' MLPs
-    and q/k/v (OpenCLIP's fused in_proj addressed as HF q_proj/k_proj/v_proj, as kohya names them)."""
-    sd, want = {}, {}
-
-    def add(name, out_dim, in_dim, target, rows=None):
-        down = rng.standard_normal((rank, in_dim)).astype(np.float32) * 0.2
-        up = rng.standard_normal((out_dim, rank)).astype(np.float32) * 0.2
-        sd[f"{name}.lora_down.weight"], sd[f"{name}.lora_up.weight"] = down, up
-        sd[f"{name}.alpha"] = np.array(alpha, np.float32)
-        want.setdefault(target, []).append((rows, (alpha / rank) * up @ down))
-
-    for key, shape in layout.items():
-        if key.startswith(UNET) and ".transformer_blocks." in key and key.endswith(("to_q.weight", "to_v.weight",
-                                                                                    "to_out.0.weight")):
-            module = key[len(UNET):-len(".weight")]
-            add("lora_unet_" + module.replace(".", "_"), shape[0], shape[1], key)
-    for tag, prefix in te_prefixes.items():
-        for key, shape in layout.items():
-            if not key.startswith(prefix):
-                continue
-            rel = key[len(prefix):]
-            if rel.endswith("mlp.fc1.weight"):  # HF layout (CLIP-L)
-                layer = rel.split(".")[2]
-                add(f"lora_{tag}_text_model_encoder_layers_{layer}_mlp_fc1", shape[0], shape[1], key)
-            elif rel.endswith("attn.in_proj_weight"):  # OpenCLIP: rows q | k | v
-                layer, d = rel.split(".")[2], shape[1]
-                for i, name in enumerate(("q_proj", "k_proj", "v_proj")):
-                    add(f"lora_{tag}_text_model_encoder_layers_{layer}_self_attn_{name}", d, d, key, (i * d, (i + 1) * d))
-            elif rel.endswith("mlp.c_fc.weight"):
-                layer = rel.split(".")[2]
-                add(f"lora_{tag}_text_model_encoder_layers_{layer}_mlp_fc1", shape[0], shape[1], key)
-    return sd, want
+def _deltas(targets, lora):
+    """{checkpoint key: [(rows, alpha / rank * up @ down)]}, computed here in numpy from the LoRA file."""
+    want = {}
+    for t in targets:
+        down, up = lora[f"{t.name}.lora_down.weight"], lora[f"{t.name}.lora_up.weight"]
+        want.setdefault(t.key, []).append((t.rows, (float(lora[f"{t.name}.alpha"]) / down.shape[0]) * up @ down))
+    return want
 
 
-@pytest.mark.parametrize("cfg, te", [
-    (TINY_SDXL, {"te1": "conditioner.embedders.0.transformer.text_model.", "te2": "conditioner.embedders.1.model."}),
-    (TINY_SD2, {"te": "cond_stage_model.model."}),
-])
-def test_kohya_lora_merges_into_sdxl_and_sd2(tmp_path, cfg, te):
+@pytest.mark.parametrize("cfg", [TINY_SDXL, TINY_SD2])
+def test_kohya_lora_merges_into_sdxl_and_sd2(tmp_path, cfg):
     layout = sd1_layout(cfg)
     rng = np.random.default_rng(5)
     ckpt = tmp_path / "model.safetensors"
     write_safetensors(str(ckpt), layout, "fp32", lambda k, s: random_tensor(rng, k, s))
-    lora, want = _kohya(layout, np.random.default_rng(6), te)
-    save_file(lora, str(tmp_path / "lora.safetensors"))
+    targets = write_demo_lora(str(tmp_path / "lora.safetensors"), cfg, seed=6)
+    want = _deltas(targets, load_file(str(tmp_path / "lora.safetensors")))
     strength, te_strength = 0.7, 0.4
     out = tmp_path / "onnx"
     report = export(ckpt, out, progress=False, loras=[(str(tmp_path / "lora.safetensors"), strength, te_strength)])
