@@ -28,7 +28,7 @@ Runners, each in a fresh process (so one's memory and threads cannot bill anothe
   openvino-f32-static  the same, reshaped to the run's static shapes first (as precast compiles)
 
 Inputs are what the runtime feeds: packed latents, T5 states, pooled CLIP, sigma, guidance 3.5 and the
-ids of precast.runtime.dit_pipeline.image_ids (txt ids zero). Each runner: one warm-up call, then --steps
+ids of precast.runtime.families.flux.image_ids (txt ids zero). Each runner: one warm-up call, then --steps
 timed calls; the median is reported. Outputs are compared with PyTorch fp32 (max|x - ref| / max|ref|);
 an f32 runner must be within 1e-3, a bf16 runner within the bound below, else its time does not count. The bf16
 precast runs are also compared with precast's own f32 run (the RoPE angles are computed from the ids in
@@ -99,7 +99,7 @@ OUTPUT = {"flux": "out_hidden_states", "t5": "last_hidden_state"}
 def make_inputs(model: str) -> dict[str, np.ndarray]:
     rng = np.random.default_rng({"flux": 11, "t5": 12}[model])
     if model == "flux":
-        from precast.runtime.dit_pipeline import image_ids
+        from precast.runtime.families.flux import image_ids
         return {"hidden_states": rng.standard_normal((1, IMG_GRID * IMG_GRID, 64)).astype(np.float32),
                 "encoder_hidden_states": rng.standard_normal((1, T5_TOKENS, 4096)).astype(np.float32),
                 "pooled_projections": rng.standard_normal((1, 768)).astype(np.float32),

@@ -222,7 +222,7 @@ def folder_bytes(p: Path) -> int:
 
 
 def session_inputs(path: Path, image: int, t5: int, cfg) -> None:
-    from precast.runtime.dit_pipeline import image_ids
+    from precast.runtime.families.flux import image_ids
     rng = np.random.default_rng(3)
     grid = image // 16
     np.savez(path, hidden_states=rng.standard_normal((1, grid * grid, 64)).astype(np.float32),

@@ -102,8 +102,8 @@ def child_precast(spec: dict) -> dict:
     component loaded on return (lazy=False); "open-serial": the loop before this change, in the
     same process layout (select_all with sha256, then load_component one component after another)."""
     t_proc = time.perf_counter()
-    from precast.runtime.pipeline import NEEDED, requests
-    from precast.runtime.sd_pipeline import Txt2Img
+    from precast.runtime.families.sd import NEEDED, requests
+    from precast.runtime.families.sd import Txt2Img
     out = {"import_s": time.perf_counter() - t_proc}
     verify = spec.get("verify", True)
     t0 = time.perf_counter()
@@ -111,7 +111,7 @@ def child_precast(spec: dict) -> dict:
         from precast.runtime.assign import COMPONENT_MODULE, assign_modules
         from precast.runtime.devices import discover_devices
         from precast.runtime.manifest import read_manifest
-        from precast.runtime.pipeline import bundle_tokenizers
+        from precast.runtime.loading import bundle_tokenizers
         from precast.runtime.select import installed_backends, load_component, select_all
         m = read_manifest(spec["bundle"])
         devices = discover_devices("/", os.environ)
@@ -216,7 +216,7 @@ def child_flux(spec: dict) -> dict:
     from precast.runtime.assign import assign_modules
     from precast.runtime.devices import discover_devices
     from precast.runtime.manifest import bytes_hashed, read_manifest
-    from precast.runtime.pipeline import requests
+    from precast.runtime.families.sd import requests
     from precast.runtime.select import installed_backends, load_component, select_all
     out = {"import_s": time.perf_counter() - t_proc, "stages": {}}
     st = out["stages"]

@@ -366,7 +366,7 @@ def child_cold_start(spec: dict) -> dict:
     """A fresh process: bundle -> first image through the runtime (Txt2Img, 1 step), then per
     component import_model of the cached blob vs compiling the bundle's ONNX."""
     t_proc = time.perf_counter()
-    from precast.runtime.sd_pipeline import Txt2Img
+    from precast.runtime.families.sd import Txt2Img
     import_s = time.perf_counter() - t_proc
     t0 = time.perf_counter()
     pipe = Txt2Img(spec["bundle"], width=IMAGE, height=IMAGE)

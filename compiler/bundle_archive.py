@@ -20,6 +20,7 @@ Archives are read through tar_reader.py (bounded headers, member types). Also `c
 from __future__ import annotations
 
 import bisect
+import gzip
 import hashlib
 import json
 import os
@@ -123,7 +124,6 @@ def _write_archive(bundle: Path, names: list[str], kind: str, tmp: Path) -> None
             stream = zstd_module().ZstdCompressor(level=3).stream_writer(raw, closefd=False)
             mode = "w|"
         elif kind == "gz":
-            import gzip
             stream = gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0, compresslevel=1)
             mode = "w|"
         else:

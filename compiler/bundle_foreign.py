@@ -2,12 +2,13 @@
 layout, or a diffusers OnnxStableDiffusionPipeline folder): a normal bundle without re-exporting.
 
 Owns: what a checkpoint build gets from its export and the folder gives here instead -- the graphs
-(compiler/foreign_onnx.py read_foreign: their IO in precast's dimension names), the family (SD 1.x / 2.x),
+(compiler/foreign_onnx.py read_foreign: their IO in precast's dimension names), the family (one whose
+record says `precast build` takes its ONNX folders: SD 1.x / 2.x),
 the prediction type (scheduler/scheduler_config.json, unless the recipe's model.prediction says), the
 latent scale and factor (the VAE's config.json: scaling_factor, block_out_channels), the tokenizer, and
 the bundle's onnx/ (the folder's own component files, configs, scheduler and model_index.json, copied:
 the user's folder is never linked to nor written). Engines come from the same compile path as any
-bundle's (bundle.add_engines). What a foreign graph cannot take (LoRAs merged into weights, textual
+bundle's (bundle_writer.add_engines). What a foreign graph cannot take (LoRAs merged into weights, textual
 inversion, ControlNet residuals, a separate VAE or text encoder) is refused in one line.
 """
 from __future__ import annotations
@@ -19,15 +20,16 @@ from pathlib import Path
 
 from ..runtime.manifest import SCHEMA, file_record, sha256_file
 from ..runtime.staging import Staging
+from .bundle_records import record_written, snapshot
+from .bundle_writer import BundleWriter, add_engines, add_tokenizer, commit_bundle, write_manifest
 from .cache import Cache, cache_key
 from .engines import PRECAST_VERSION
 from .errors import BadInput
+from .families import FAMILIES
 from .foreign_onnx import COMPONENTS, _json, read_foreign
+from .interop import write_json
 from .recipe import Recipe
 from .targets import check_buildable
-
-FAMILIES = ("sd1", "sd2")          # what the foreign reader's IO mapping and Txt2Img are proven on
-LATENT_SCALE = {"sd1": 0.18215, "sd2": 0.18215}
 
 
 def folder_digest(folder: Path) -> str:
@@ -47,7 +49,7 @@ def _refuse_extras(recipe: Recipe) -> None:
 
 
 def _config(comp: str, cfg: dict, vae_cfg: dict) -> dict:
-    """The config fields precast's runtime reads (runtime/pipeline.py, sd_pipeline.py), from diffusers' /
+    """The config fields precast's runtime reads (runtime/loading.py, runtime/families/sd.py), from diffusers' /
     transformers' config.json."""
     if comp.startswith("text_encoder"):
         keys = {"hidden": "hidden_size", "vocab": "vocab_size", "layers": "num_hidden_layers",
@@ -77,7 +79,6 @@ def _copy_into(writer, folder: Path, comp: str, names) -> list[str]:
 
 def _pipeline_files(writer, folder: Path, comps, index: dict) -> None:
     """onnx/model_index.json (the folder's, listing the components the bundle has) and scheduler/."""
-    from .interop import write_json
     kept = {k: v for k, v in index.items() if k not in COMPONENTS or k in comps}
     paths = [write_json(writer.root / "onnx" / "model_index.json", kept)]
     sched = folder / "scheduler" / "scheduler_config.json"
@@ -88,15 +89,14 @@ def _pipeline_files(writer, folder: Path, comps, index: dict) -> None:
 
 
 def build_foreign(recipe: Recipe, out: Path, entries, cache: Cache, progress: bool, t0: float) -> dict:
-    from .bundle import (BundleWriter, add_engines, add_tokenizer, commit_bundle, write_manifest)
-    from .bundle_records import record_written, snapshot
     folder = Path(recipe.source)
     _refuse_extras(recipe)
     comps, found = read_foreign(folder)
     family, index = found["family"], _json(folder / "model_index.json")
     if recipe.family and recipe.family != family:
         raise BadInput(f"{recipe.path}: family {recipe.family!r} but {folder} is {family} (its graphs' IO)")
-    if family not in FAMILIES:
+    fam = FAMILIES[family]
+    if not fam.foreign_onnx:       # what the foreign reader's IO mapping and Txt2Img are proven on
         raise BadInput(f"{recipe.path}: {folder} is a {family} ONNX folder; `precast build` takes SD 1.x / 2.x ONNX "
                        f"folders (build {family} engines with `precast compile {folder} --target ...`)")
     wanted = sorted({e.component for e in entries})
@@ -136,7 +136,7 @@ def build_foreign(recipe: Recipe, out: Path, entries, cache: Cache, progress: bo
                     "model": {"family": family, "variant": "", "source": folder.name,
                               "source_sha256": folder_digest(folder), "loras": [], "embeddings": [], "vae": None,
                               "prediction": prediction,
-                              "latent_scale": float(scale) if isinstance(scale, (int, float)) else LATENT_SCALE[family],
+                              "latent_scale": float(scale) if isinstance(scale, (int, float)) else fam.runtime.latent_scale,
                               "onnx_source": {"layout": layout, "pipeline": index.get("_class_name")}},
                     "components": {}, "artifacts": [], "files": writer.files}
         report = []
@@ -153,8 +153,8 @@ def build_foreign(recipe: Recipe, out: Path, entries, cache: Cache, progress: bo
                            "fingerprint": None})
         add_engines(writer, manifest, report, entries, profiles, comps, cache, progress)
         if "text_encoder" in wanted:
-            add_tokenizer(writer, folder, "tokenizer", pad_zero=family == "sd2")
-            add_tokenizer(writer, folder, "onnx/tokenizer", pad_zero=family == "sd2", source_folder="tokenizer")
+            add_tokenizer(writer, folder, "tokenizer", pad_zero=fam.pad_zero("text_encoder"))
+            add_tokenizer(writer, folder, "onnx/tokenizer", pad_zero=fam.pad_zero("text_encoder"), source_folder="tokenizer")
         _pipeline_files(writer, folder, wanted, index)
         write_manifest(staging, manifest)
         staged = snapshot(staging, writer.files, skip=writer.copied)

@@ -22,6 +22,9 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Callable
 
+import platformdirs
+from filelock import FileLock, Timeout
+
 from ..runtime.fileops import path_held, hold_path, rename_dir, replace_file
 from ..runtime.manifest import file_record, sha256_file, verify_file
 from ..runtime.progress import heartbeat
@@ -36,7 +39,6 @@ def cache_root() -> Path:
     env = os.environ.get("PRECAST_CACHE")
     if env:
         return Path(env)
-    import platformdirs
     return Path(platformdirs.user_cache_dir("precast"))
 
 
@@ -184,7 +186,6 @@ class Cache:
                            "point PRECAST_CACHE at a writable folder") from None
 
     def _lock(self, key: str):
-        from filelock import FileLock
         self._mkdir(self.locks)
         return FileLock(str(self.locks / f"{key}.lock"))
 
@@ -314,7 +315,6 @@ class Cache:
     def _drop_stale_locks(self, keys: set[str], min_age_s: float = 60.0) -> int:
         """Lock files of entries that are gone (removed, or a build that failed), idle for a minute
         and free now: each is taken without waiting, then unlinked while held."""
-        from filelock import FileLock, Timeout
         if not self.locks.is_dir():
             return 0
         dropped = 0

@@ -9,7 +9,7 @@ import json
 
 import click
 
-from ..runtime.cli import run_cli as _run
+from ..runtime.cli_support import run_cli as _run
 
 
 def _count(n: int, noun: str) -> str:

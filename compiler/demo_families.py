@@ -8,6 +8,7 @@ Imports nothing heavy at module level (the CLI lists the names).
 """
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass
 
@@ -57,9 +58,11 @@ FAMILIES = {
 }
 
 
+DEFAULT = "sd15"      # the embedded default (demo:tiny-sd15)
+
+
 def write_demo_file(family: str, path: str, seed: int = 0) -> str:
     """Write `family`'s tiny file at `path` (temp file + rename); the recipe that builds it."""
-    import importlib
     module, function, arg = FAMILIES[family].write.split(":")
     write = getattr(importlib.import_module(f"{__package__}.{module}"), function)
     write(path, getattr(importlib.import_module(f"{__package__}.demo_model"), arg) if arg.isupper() else arg, seed=seed)

@@ -12,6 +12,7 @@ import os
 import struct
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 from .sources.checkpoint import TEXT, UNET, VAE
@@ -274,14 +275,12 @@ def storage_type(dtype: str) -> np.dtype:
     """The numpy dtype whose bytes are what a .safetensors file of this dtype name holds."""
     if dtype in ("fp32", "fp16"):
         return np.dtype(np.float32 if dtype == "fp32" else np.float16)
-    import ml_dtypes
     return np.dtype({"bf16": ml_dtypes.bfloat16, "fp8_e4m3": ml_dtypes.float8_e4m3fn,
                      "fp8_e5m2": ml_dtypes.float8_e5m2}[dtype])
 
 
 def _cast(arr: np.ndarray, kind: np.dtype, dtype: str) -> np.ndarray:
     if dtype.startswith("fp8") and arr.dtype != kind:   # fp8 casts overflow to NaN: saturate at the format's max
-        import ml_dtypes
         top = float(ml_dtypes.finfo(kind).max)
         arr = np.clip(np.asarray(arr, dtype=np.float32), -top, top)
     return np.ascontiguousarray(arr, dtype=kind)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .demo_dit import TINY_VAE16, Component, T5Config, Vae16Config, t5_layout, vae16_layout, write_components
+from .demo_dit import TINY_VAE16, T5Config, Vae16Config, t5_layout, vae16_layout
+from .demo_weights import Component, write_components
 from .demo_model import SD1Config, _lin, clip_layout
 
 # SAI / ComfyUI all-in-one prefixes (comfy/supported_models.py SD3: unet, text encoder and vae prefixes)

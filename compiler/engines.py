@@ -1,44 +1,30 @@
 """Component ONNX -> engine artifact for one target, through the content-addressed cache.
 
-Owns: the cache key of an artifact (sha256 over the graph, the weights, the component's input
-shapes, target and build options, the fingerprint class and toolchain versions), the checks made
-before any build (`preflight`: files present, dtype and options buildable, backend installed,
-shapes) and the compile step that reports, per artifact, cache hit or miss and time, with a
-heartbeat on stderr while a backend builds (runtime/progress.py).
+Owns: reading an export folder's components (read_export: a `precast export`'s record, or a foreign
+ONNX folder's graphs through foreign_onnx.py; the record type is exported.py's), the cache key of an
+artifact (sha256 over the graph, the weights, the component's input shapes, target and build options,
+the fingerprint class and toolchain versions), the checks made before any build (`preflight`: files
+present, dtype and options buildable, backend installed, shapes) and the compile step that reports,
+per artifact, cache hit or miss and time, with a heartbeat on stderr while a backend builds
+(runtime/progress.py).
 """
 from __future__ import annotations
 
 import json
+import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from ..runtime.progress import heartbeat
 from .cache import Cache, Entry, cache_key, input_digest
 from .errors import BadInput
+from .exported import ExportedComponent
+from .foreign_onnx import is_foreign_folder, read_foreign
 from .profiles import ShapeProfile
-from ..runtime.progress import heartbeat
-from .targets import BuildJob, TargetSpec, check_buildable, get_target, io_dtype
+from .targets import BuildJob, TargetSpec, check_buildable, get_target
 from .targets.quantize import quantized, quantizer_versions
 
 PRECAST_VERSION = "0.1.0"
-
-
-@dataclass(frozen=True)
-class ExportedComponent:
-    name: str
-    onnx_path: Path
-    inputs: list[dict]
-    outputs: list[dict]
-    sizes: dict | None = None   # file name -> bytes, as the export recorded them
-    dtype: str | None = None    # fp32 / fp16 / bf16 as the export recorded it (else read from the IO)
-    max_positions: int | None = None   # a CLIP text encoder's learned positions (77): the most tokens it takes
-    gguf_blocks: Path | None = None    # where the weights copied from GGUF Q8_0 / Q4_0 blocks lie (weights: gguf)
-    from_gguf: bool = False            # the export's source was a .gguf file
-    gguf_sources: tuple = ()           # the GGUF files the build knows now (a recorded one may have moved)
-
-    @property
-    def export_dtype(self) -> str:
-        return self.dtype if self.dtype in ("fp32", "fp16", "bf16") else io_dtype(self.inputs + self.outputs)
 
 
 def read_export(folder: str | Path) -> dict[str, ExportedComponent]:
@@ -48,7 +34,6 @@ def read_export(folder: str | Path) -> dict[str, ExportedComponent]:
     if not folder.exists():
         raise BadInput(f"{folder}: no such folder; give the --out folder of `precast export`")
     if not index.is_file():
-        from .foreign_onnx import is_foreign_folder, read_foreign
         if is_foreign_folder(folder):   # optimum-cli export onnx / diffusers ONNX pipeline folder
             return read_foreign(folder)[0]
         raise BadInput(f"{folder}: not a precast export folder (no precast_export.json); run `precast export` first")
@@ -190,7 +175,6 @@ def compile_component(comp: ExportedComponent, spec: TargetSpec, profile: ShapeP
     job = BuildJob(comp.onnx_path, comp.name, comp.inputs, shapes, progress,
                    {"gguf_blocks": (comp.gguf_blocks, comp.gguf_sources)} if spec.get("weights") == "gguf" else {})
     if spec.get("weights") == "gguf" and comp.gguf_blocks is None and quantized(comp.name):
-        import sys
         print(f"note: {comp.name} holds no weights copied from GGUF Q8_0 / Q4_0 blocks: weights: gguf quantizes it "
               "int8", file=sys.stderr)
 

@@ -1,8 +1,10 @@
 """Checkpoint -> one ONNX folder per component (optimum-onnx layout), written atomically.
 
-Owns: which components a family has, which checkpoint keys each must consume, and the export
-itself: open, detect, build every graph from the header alone, check coverage, and only then
-stream weights into a staging folder that is renamed into place. A failure leaves nothing.
+Owns: the export itself: open, detect, build every graph from the header alone (the components of the
+detected family, compiler/families/, and the ControlNets given beside it), check coverage and that the
+parts fit, and only then stream weights (LoRAs merged on the way) into a staging folder that is renamed
+into place; the export's record (precast_export.json: family, variant, prediction type, latent scale,
+schedule). A failure leaves nothing.
 """
 from __future__ import annotations
 
@@ -17,17 +19,20 @@ import numpy as np
 import onnx
 
 from ..runtime.fileops import exchange_dirs, replace_file
+from ..runtime.progress import bar
 from ..runtime.staging import Staging, recover
 from .cache import staging_registry
 from .errors import BadInput
-from .families import (FAMILIES, FP32_VAE_FAMILIES, LATENT_SCALE, LATENT_SHIFT, T5_TOKENS, Component, flow_defaults,
-                       check_parts, latent_factor_of, overrides_for)
+from .families import (FAMILIES, Component, Detected, Family, detect_family, flow_defaults, latent_factor_of,
+                       require_supported, titles)
+from .graphs import controlnet as cn
 from .graphs.onnx_graph import DTYPE_NAMES, NP_OF, Graph
 from .graphs.onnx_writer import save_model
 from .interop import write_pipeline_folder
+from .lora_merge import LoraSpec, plan_merge
 from .sources.checkpoint import Checkpoint, open_checkpoint
 from .sources.config_fields import field
-from .sources.detect import Family, detect_family, require_supported
+from .sources.controlnet import CONTROL, CONTROLNET_PREFIX, controlnet_name, open_controlnet
 from .sources.gguf_file import GGUF_BLOCKS, carried_blocks, source_quantization
 
 
@@ -47,8 +52,8 @@ def _io(values) -> list[dict]:
     return out
 
 
-def present_components(ckpt: Checkpoint, family: Family) -> list[str]:
-    return [n for n, c in FAMILIES[family.name].items() if c.prefix_in(ckpt.refs)]
+def present_components(ckpt: Checkpoint, family: Detected) -> list[str]:
+    return [n for n, c in FAMILIES[family.name].components.items() if c.prefix_in(ckpt.refs)]
 
 
 def component_dtype(family: Family, name: str, dtype: str, vae_dtype: str = "auto") -> str:
@@ -57,15 +62,15 @@ def component_dtype(family: Family, name: str, dtype: str, vae_dtype: str = "aut
         return dtype
     if vae_dtype != "auto":
         return vae_dtype
-    return "fp32" if family.name in FP32_VAE_FAMILIES else dtype
+    return "fp32" if family.fp32_vae else dtype
 
 
 def plan_graphs(ckpt: Checkpoint, names: list[str], dtype: str, overrides: dict,
                 vae_dtype: str = "auto") -> list[tuple[Component, Graph, dict]]:
     """Build every requested graph (header only) and check each one's coverage."""
     family = detect_family(ckpt)
-    require_supported(ckpt, family)
-    table = FAMILIES[family.name]
+    fam = require_supported(ckpt, family)
+    table = fam.components
     unknown = [n for n in names if n not in table]
     if unknown:
         raise BadInput(f"--component {unknown[0]!r}: {family.name} has {', '.join(table)}")
@@ -76,23 +81,23 @@ def plan_graphs(ckpt: Checkpoint, names: list[str], dtype: str, overrides: dict,
         if prefix is None:
             raise BadInput(f"{ckpt.path}: has no {name} weights (no tensors under {' or '.join(comp.prefixes)}); "
                            + (comp.missing_hint or "export the components it has with --component"))
-        g = Graph(name, ckpt, prefix, component_dtype(family, name, dtype, vae_dtype))
+        g = Graph(name, ckpt, prefix, component_dtype(fam, name, dtype, vae_dtype))
         try:
-            cfg = comp.make_config(g, ckpt.configs.get(comp.config_key, {}), overrides_for(family.name, comp, overrides))
+            cfg = comp.make_config(g, ckpt.configs.get(comp.config_key, {}), fam.overrides_for(comp, overrides))
             comp.build(g, cfg)
         except (ValueError, IndexError, TypeError, ZeroDivisionError, OverflowError) as e:
             raise BadInput(f"{ckpt.path}: the {name} tensors' shapes do not fit a {family.name} {name} ({e}); "
                            "the checkpoint may be damaged or of another architecture") from None
         g.check_coverage(list(comp.scopes or (prefix,)), ignore=lambda k: k.endswith(IGNORED_SUFFIXES))
         planned.append((comp, g, cfg.describe()))
-    check_parts(family.name, {c.name: cfg for c, _, cfg in planned}, ckpt.path, ckpt.vae_file)
+    if fam.check_parts:
+        fam.check_parts(fam, {c.name: cfg for c, _, cfg in planned}, ckpt.path, ckpt.vae_file)
     return planned
 
 
 def _progress(total: int, enabled: bool):
     """Bytes of weights written, on stderr (runtime/progress.py: a bar on a terminal, else a plain
     `export: 1.2/3.4 GB (35%)` line every PRECAST_PROGRESS_INTERVAL seconds)."""
-    from ..runtime.progress import bar
     return bar(total, "export", unit="B", enabled=enabled)
 
 
@@ -115,9 +120,10 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
     earlier = _earlier(out)
     ckpt = open_checkpoint(source, vae=vae, text_encoders=text_encoders)
     family = detect_family(ckpt)
-    require_supported(ckpt, family)
-    if text_encoders and family.name not in T5_TOKENS:
-        raise BadInput(f"--text-encoder {text_encoders[0]}: separate text-encoder files are read for Flux, Chroma and SD3; "
+    fam = require_supported(ckpt, family)
+    if text_encoders and not fam.text_encoder_files:
+        raise BadInput(f"--text-encoder {text_encoders[0]}: separate text-encoder files are read for "
+                       f"{titles(n for n, f in FAMILIES.items() if f.text_encoder_files)}; "
                        f"a {family.name} export takes its text encoders from {ckpt.path}: drop the flag")
     nets = plan_controlnets(ckpt, family, controlnets, dtype, overrides or {})
     wanted = list(components) if components else None
@@ -137,13 +143,14 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
     report = {"source": str(source), "layout": ckpt.layout, "family": family.name, "variant": family.variant,
               "dtype": dtype, "source_identity": ckpt.identity(), "components": [],
               "latent_scale": float(field(ckpt.configs.get("vae", {}), "scaling_factor", "positive",
-                                          LATENT_SCALE[family.name], f"{ckpt.path} vae/config.json")),
+                                          fam.runtime.latent_scale, f"{ckpt.path} vae/config.json")),
               "prediction": prediction_type(ckpt, family, overrides or {})}
-    if family.name in LATENT_SHIFT:
+    if fam.runtime.latent_shift:
         report["latent_shift"] = float(field(ckpt.configs.get("vae", {}), "shift_factor", "finite",
-                                             LATENT_SHIFT[family.name], f"{ckpt.path} vae/config.json"))
-    if family.name in T5_TOKENS:
-        report["t5_tokens"] = T5_TOKENS[family.name].get(family.variant, 512)
+                                             fam.runtime.latent_shift, f"{ckpt.path} vae/config.json"))
+    if fam.t5:
+        released = fam.flow(family.variant)
+        report["t5_tokens"] = released.t5_tokens if released else 512
         report["latent_factor"] = latent_factor_of(ckpt.refs)   # for `precast compile` of a transformer alone
     flow = flow_defaults(family.name, family.variant, ckpt.configs.get("scheduler", {}),
                          f"{ckpt.path} scheduler/scheduler_config.json")
@@ -208,37 +215,20 @@ def _record_gguf_blocks(g, folder: Path, touched: set[str]) -> dict | None:
     return {"file": GGUF_BLOCKS, "weights": len(tensors), "types": dict(sorted(types.items()))}
 
 
-CONTROLNET_PREFIX = "controlnet_"
-
-
-def controlnet_name(path, name: str | None = None) -> str:
-    """`name` if given (letters, digits, _), else the file's stem (a diffusers folder's name)
-    lower-cased with every other character run replaced by _."""
-    import re
-    if name:
-        if not re.fullmatch(r"[A-Za-z0-9_]+", name):
-            raise BadInput(f"--controlnet {path}:{name}: a name is letters, digits and _")
-        return name
-    p = Path(path)
-    stem = p.parent.name if p.name == "controlnet" and p.is_dir() else (p.stem if p.is_file() else p.name)
-    return re.sub(r"[^a-z0-9_]+", "_", stem.lower()).strip("_") or "net"
-
-
-def plan_controlnets(ckpt: Checkpoint, family: Family, controlnets, dtype: str,
+def plan_controlnets(ckpt: Checkpoint, family: Detected, controlnets, dtype: str,
                      overrides: dict) -> list[tuple[Component, Graph, dict]]:
     """Open each ControlNet, check that it fits the model's UNet (one line naming both files and the
     field; fitting ones share the UNet's input blocks, so all give the same residual count) and
     build its graph (header only), as `controlnet_<name>` components."""
     if not controlnets:
         return []
-    from .graphs import controlnet as cn
-    from .sources.controlnet import CONTROL, open_controlnet
-    unet = FAMILIES[family.name].get("unet")
+    fam = FAMILIES[family.name]
+    unet = fam.components.get("unet")
     prefix = unet.prefix_in(ckpt.refs) if unet else None
     if prefix is None:
         raise BadInput(f"--controlnet: {ckpt.path} has no SD UNet ({family.name}); ControlNets are built for SD 1.x, "
                        "SD 2.x and SDXL models")
-    unet_overrides = overrides_for(family.name, unet, overrides)
+    unet_overrides = fam.overrides_for(unet, overrides)
     unet_cfg = unet.make_config(Graph("unet", ckpt, prefix, dtype), ckpt.configs.get(unet.config_key, {}),
                                 unet_overrides).describe()
     planned = []
@@ -251,7 +241,7 @@ def plan_controlnets(ckpt: Checkpoint, family: Family, controlnets, dtype: str,
         net = open_controlnet(path)
         g = Graph(comp_name, net, CONTROL, dtype)
         try:
-            cfg = cn.controlnet_config(g, net.configs.get("controlnet", {}), unet_overrides)
+            cfg = cn.controlnet_config(g, net.configs.get("controlnet", {}), unet_overrides, fam.controlnet_family)
             cn.check_fits(family.name, unet_cfg, cfg.describe(), ckpt.path, str(path))
             cn.build_controlnet(g, cfg)
         except (ValueError, IndexError, TypeError, ZeroDivisionError, OverflowError) as e:
@@ -273,7 +263,6 @@ def _with_residuals(overrides: dict, nets: list) -> dict:
 
 
 def _lora_plan(ckpt: Checkpoint, loras: list, allow_unmatched: bool, warn):
-    from .lora_merge import LoraSpec, plan_merge
     specs = []
     for item in loras:
         if isinstance(item, (tuple, list)):     # (path[, strength[, te_strength[, allow_unmatched]]])
@@ -290,10 +279,11 @@ def _lora_identity(described: list[dict]) -> list[dict]:
     return [{k: d[k] for k in ("name", "sha256", "strength", "te_strength")} for d in described]
 
 
-def prediction_type(ckpt: Checkpoint, family: Family, overrides: dict) -> str:
-    """epsilon or v_prediction: an override, a diffusers scheduler config, a marker key, or (SD 2.x)
-    ComfyUI's rule: the last attention block's norm1 bias has std > 0.09 in v-models."""
-    if family.name in ("flux", "chroma", "sd3"):
+def prediction_type(ckpt: Checkpoint, family: Detected, overrides: dict) -> str:
+    """epsilon or v_prediction: an override, a diffusers scheduler config, a marker key, or the family's
+    rule from the weights (SD 2.x: compiler/families/sd.py v_prediction); "flow" for flow-matching families."""
+    fam = FAMILIES[family.name]
+    if fam.runtime.variants:
         return "flow"          # rectified flow: the transformer predicts the velocity (noise - data)
     if overrides.get("model", {}).get("prediction"):
         return str(overrides["model"]["prediction"])
@@ -303,13 +293,8 @@ def prediction_type(ckpt: Checkpoint, family: Family, overrides: dict) -> str:
         return scheduler
     if "v_pred" in ckpt.refs:
         return "v_prediction"
-    if family.name == "sd2":
-        import numpy as np
-        biases = sorted((k for k in ckpt.refs if k.startswith("model.diffusion_model.output_blocks.")
-                         and k.endswith(".1.transformer_blocks.0.norm1.bias")),
-                        key=lambda k: int(k.split(".")[3]))
-        if biases and float(np.std(ckpt.read(biases[-1]).astype(np.float32))) > 0.09:
-            return "v_prediction"
+    if fam.guess_prediction:
+        return fam.guess_prediction(ckpt) or "epsilon"
     return "epsilon"
 
 

@@ -6,8 +6,8 @@ component holding model.onnx, no precast_export.json), reading each graph's inpu
 without its weights, translating their axis names (optimum's batch_size / sequence_length /
 height_latent / num_channels ..., diffusers' batch / channels / height ...) into precast's profile
 dimension names (compiler/profiles.py), resolving symbolic channel axes to numbers, and inferring
-the family (SD 1.x: text hidden 768, SD 2.x: 1024, SDXL: text_encoder_2 or a UNet with
-text_embeds/time_ids). Nothing is written into the user's folder.
+the family from the graphs' IO (the family module's evidence: compiler/families/sd.py detect_onnx).
+Nothing is written into the user's folder.
 """
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 
 from .errors import BadInput
+from .exported import ExportedComponent
+from .families import detect_onnx_family
 
 COMPONENTS = ("text_encoder", "text_encoder_2", "unet", "vae_encoder", "vae_decoder")
 BATCH = {"batch_size", "batch", "unet_sample_batch", "N"}
@@ -126,7 +128,6 @@ def map_dims(comp: str, tensor: dict, is_input: bool, channels) -> list:
 
 
 def read_component(folder: Path, comp: str, vae_cfg: dict):
-    from .engines import ExportedComponent
     import onnx
     path = folder / comp / "model.onnx"
     try:
@@ -168,15 +169,6 @@ def _hidden(comp) -> int | None:
     return None
 
 
-def infer_family(comps: dict, index: dict) -> str:
-    unet = comps.get("unet")
-    xl_unet = unet is not None and {"text_embeds", "time_ids"} <= {i["name"] for i in unet.inputs}
-    if "text_encoder_2" in comps or xl_unet or "XL" in str(index.get("_class_name", "")):
-        return "sdxl" if "text_encoder" in comps or "text_encoder_2" not in comps else "sdxl-refiner"
-    hidden = next((h for h in (_hidden(comps[n]) for n in ("text_encoder", "unet") if n in comps) if h), None)
-    return "sd2" if hidden == 1024 else "sd1"
-
-
 def read_foreign(folder: str | Path) -> tuple[dict, dict]:
     """({name: ExportedComponent}, a precast_export.json-like report: family, components, source)."""
     folder = Path(folder)
@@ -189,7 +181,7 @@ def read_foreign(folder: str | Path) -> tuple[dict, dict]:
     if not comps:
         raise BadInput(f"{folder}: has model_index.json but no component folder with a model.onnx "
                        f"({', '.join(COMPONENTS)})")
-    family = infer_family(comps, index)
+    family = detect_onnx_family(comps, index, _hidden)
     report = {"source": str(folder), "layout": "foreign-onnx", "family": family,
               "pipeline": index.get("_class_name"), "components": [
                   {"name": c.name, "path": f"{c.name}/model.onnx", "dtype": c.dtype, "inputs": c.inputs,

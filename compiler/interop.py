@@ -4,9 +4,11 @@ Owns: turning what an export already records (precast_export.json, or a bundle m
 components) into `model_index.json`, `scheduler/scheduler_config.json`, each component's
 `config.json` in diffusers / transformers form, and complete tokenizer folders, so that
 optimum's ORT*Pipeline, diffusers' OnnxStableDiffusionPipeline and optimum-intel load a precast
-export or a bundle's `onnx/` folder as written. Plain data, one table per family: adding a family
-is one PIPELINES entry. Component configs carry the fields those tools read; fields the graphs do
-not record (the VAE's block widths, which UNet levels attend) are nominal, marked `_precast_nominal`.
+export or a bundle's `onnx/` folder as written. What differs per family (pipeline and scheduler
+classes, sample size, flags, the transformer's class and fields) is the family's `Diffusers` record
+(compiler/families/); its tokenizers follow its text encoders. Component configs carry the fields
+those tools read; fields the graphs do not record (the VAE's block widths, which UNet levels attend)
+are nominal, marked `_precast_nominal`.
 """
 from __future__ import annotations
 
@@ -14,45 +16,26 @@ import json
 import os
 from pathlib import Path
 
-ONNX_PART = ["diffusers", "OnnxRuntimeModel"]
-CLIP_TOKENIZER = ["transformers", "CLIPTokenizer"]
-T5_TOKENIZER = ["transformers", "T5TokenizerFast"]
-DIFFUSERS_VERSION = "0.30.0"
+from ..runtime.manifest import file_record
+from .bundle_writer import BundleWriter, add_t5_tokenizer, add_tokenizer
+from .families import FAMILIES
+from .families.shared import CLIP_TOKENIZER, DPM_SOLVER, T5_TOKENIZER
 
-# family -> pipeline class, scheduler class, tokenizer folders (name -> class), nominal sample size (latents)
-PIPELINES = {
-    "sd1": {"class": "OnnxStableDiffusionPipeline", "scheduler": "DPMSolverMultistepScheduler",
-            "tokenizers": {"tokenizer": CLIP_TOKENIZER}, "sample_size": 64},
-    "sd2": {"class": "OnnxStableDiffusionPipeline", "scheduler": "DPMSolverMultistepScheduler",
-            "tokenizers": {"tokenizer": CLIP_TOKENIZER}, "sample_size": 96},
-    "sdxl": {"class": "StableDiffusionXLPipeline", "scheduler": "DPMSolverMultistepScheduler",
-             "tokenizers": {"tokenizer": CLIP_TOKENIZER, "tokenizer_2": CLIP_TOKENIZER}, "sample_size": 128},
-    "sdxl-refiner": {"class": "StableDiffusionXLImg2ImgPipeline", "scheduler": "DPMSolverMultistepScheduler",
-                     "tokenizers": {"tokenizer_2": CLIP_TOKENIZER}, "sample_size": 128},
-    "flux": {"class": "FluxPipeline", "scheduler": "FlowMatchEulerDiscreteScheduler",
-             "tokenizers": {"tokenizer": CLIP_TOKENIZER, "tokenizer_2": T5_TOKENIZER}, "sample_size": 128},
-    "chroma": {"class": "ChromaPipeline", "scheduler": "FlowMatchEulerDiscreteScheduler",
-               "tokenizers": {"tokenizer": T5_TOKENIZER}, "sample_size": 128},
-    "sd3": {"class": "StableDiffusion3Pipeline", "scheduler": "FlowMatchEulerDiscreteScheduler",
-            "tokenizers": {"tokenizer": CLIP_TOKENIZER, "tokenizer_2": CLIP_TOKENIZER, "tokenizer_3": T5_TOKENIZER},
-            "sample_size": 128},
-}
-# SD-class pipelines also name these (diffusers' OnnxStableDiffusionPipeline requires the keys)
-OPTIONAL_PARTS = {"sd1": ("safety_checker", "feature_extractor"), "sd2": ("safety_checker", "feature_extractor")}
+ONNX_PART = ["diffusers", "OnnxRuntimeModel"]
+DIFFUSERS_VERSION = "0.30.0"
+TOKENIZER_CLASS = {"clip": CLIP_TOKENIZER, "openclip": CLIP_TOKENIZER, "t5": T5_TOKENIZER}
 
 
 def model_index(model: dict, components: list[str]) -> dict:
     """model_index.json: the pipeline class and where each part comes from."""
-    spec = PIPELINES[model["family"]]
-    out = {"_class_name": spec["class"], "_diffusers_version": DIFFUSERS_VERSION,
-           "scheduler": ["diffusers", spec["scheduler"]], **{n: list(c) for n, c in spec["tokenizers"].items()}}
-    from .families import FAMILIES
-    out.update({name: [None, None] for name in FAMILIES.get(model["family"], {})})  # parts not in the folder
+    family = FAMILIES[model["family"]]
+    spec = family.diffusers
+    out = {"_class_name": spec.pipeline, "_diffusers_version": DIFFUSERS_VERSION,
+           "scheduler": ["diffusers", spec.scheduler],
+           **{n: list(TOKENIZER_CLASS[kind]) for n, kind in family.tokenizers().items()}}
+    out.update({name: [None, None] for name in family.components})  # parts not in the folder
     out.update({name: list(ONNX_PART) for name in components})
-    out.update({name: [None, None] for name in OPTIONAL_PARTS.get(model["family"], ())})
-    if model["family"].startswith("sdxl"):
-        out["force_zeros_for_empty_prompt"] = model["family"] == "sdxl"
-        out["requires_aesthetics_score"] = model["family"] == "sdxl-refiner"
+    out.update({k: list(v) if isinstance(v, list) else v for k, v in spec.index.items()})
     return out
 
 
@@ -60,8 +43,8 @@ def scheduler_config(model: dict) -> dict:
     """`precast generate --scheduler dpm++2m`'s schedule in diffusers' form (DPM-Solver++ 2M, `leading`
     spacing; flow families: their FlowMatch schedule). Not Euler, precast's default: diffusers'
     numpy OnnxStableDiffusionPipeline cannot multiply its latents by Euler's tensor init_noise_sigma."""
-    spec = PIPELINES[model["family"]]
-    if spec["scheduler"] == "DPMSolverMultistepScheduler":
+    family = FAMILIES[model["family"]]
+    if family.diffusers.scheduler == DPM_SOLVER:
         return {"_class_name": "DPMSolverMultistepScheduler", "_diffusers_version": DIFFUSERS_VERSION,
                 "algorithm_type": "dpmsolver++", "solver_order": 2, "solver_type": "midpoint",
                 "lower_order_final": True, "final_sigmas_type": "zero", "use_karras_sigmas": False,
@@ -69,7 +52,8 @@ def scheduler_config(model: dict) -> dict:
                 "beta_schedule": "scaled_linear", "trained_betas": None,
                 "prediction_type": model.get("prediction", "epsilon"), "timestep_spacing": "leading",
                 "steps_offset": 1, "thresholding": False}
-    sched = dict(model.get("scheduler") or _flow_default(model))
+    released = family.flow(model.get("variant", ""))
+    sched = dict(model.get("scheduler") or (released.scheduler if released else {}))
     out = {"_class_name": "FlowMatchEulerDiscreteScheduler", "_diffusers_version": DIFFUSERS_VERSION,
            "num_train_timesteps": 1000, "shift": sched.get("shift", 1.0),
            "use_dynamic_shifting": sched.get("use_dynamic_shifting", False)}
@@ -77,12 +61,6 @@ def scheduler_config(model: dict) -> dict:
         if k in sched:
             out[k] = sched[k]
     return out
-
-
-def _flow_default(model: dict) -> dict:
-    from .families import FLOW
-    found = FLOW.get((model["family"], model.get("variant", "")))
-    return dict(found[0]) if found else {}
 
 
 def clip_text_config(cfg: dict) -> dict:
@@ -115,11 +93,11 @@ def unet_config(cfg: dict, model: dict) -> dict:
     n = max(levels) + 1
     widths = [[c for c, lv in zip(channels, levels) if lv == i][-1] for i in range(n)]
     per_level = levels.count(0) - 1
-    xl = model["family"].startswith("sdxl")
-    attends = [i > 0 if xl else i < n - 1 for i in range(n)]
+    spec = FAMILIES[model["family"]].diffusers
+    attends = [i != spec.unet_plain_level % n for i in range(n)]
     out = {"_class_name": "UNet2DConditionModel", "_diffusers_version": DIFFUSERS_VERSION,
            "in_channels": cfg["in_channels"], "out_channels": cfg["out_channels"],
-           "sample_size": PIPELINES[model["family"]]["sample_size"], "block_out_channels": widths,
+           "sample_size": spec.sample_size, "block_out_channels": widths,
            "layers_per_block": per_level, "cross_attention_dim": cfg["context_dim"],
            "attention_head_dim": cfg["num_heads"],   # diffusers' name for the head count
            "down_block_types": ["CrossAttnDownBlock2D" if a else "DownBlock2D" for a in attends],
@@ -137,14 +115,15 @@ def unet_config(cfg: dict, model: dict) -> dict:
 def vae_config(cfg: dict, model: dict) -> dict:
     """diffusers AutoencoderKL config; the level count (hence the latent factor) is exact, the widths nominal."""
     n = cfg["decoder_levels"]
+    spec = FAMILIES[model["family"]].diffusers
     widths = ([128, 256, 512, 512] + [512] * n)[:n]
     out = {"_class_name": "AutoencoderKL", "_diffusers_version": DIFFUSERS_VERSION,
            "in_channels": cfg["image_channels"], "out_channels": cfg["image_channels"],
            "latent_channels": cfg["latent_channels"], "block_out_channels": widths,
            "down_block_types": ["DownEncoderBlock2D"] * cfg["encoder_levels"],
            "up_block_types": ["UpDecoderBlock2D"] * n, "layers_per_block": 2, "norm_num_groups": cfg["groups"],
-           "act_fn": "silu", "sample_size": PIPELINES[model["family"]]["sample_size"] * 2 ** (n - 1),
-           "scaling_factor": model.get("latent_scale"), "force_upcast": model["family"].startswith("sdxl"),
+           "act_fn": "silu", "sample_size": spec.sample_size * 2 ** (n - 1),
+           "scaling_factor": model.get("latent_scale"), "force_upcast": spec.vae_force_upcast,
            "_precast_nominal": ["block_out_channels"]}
     if model.get("latent_shift") is not None:
         out["shift_factor"] = model["latent_shift"]
@@ -153,25 +132,14 @@ def vae_config(cfg: dict, model: dict) -> dict:
 
 def transformer_config(cfg: dict, model: dict) -> dict:
     """FluxTransformer2DModel / SD3Transformer2DModel: the diffusers fields pipelines read (in_channels,
-    joint_attention_dim, guidance_embeds; SD3's patch_size and sample_size, the latent side, at most what
-    its position table covers), then precast's own record."""
-    family = model["family"]
-    out = {"_class_name": "SD3Transformer2DModel" if family == "sd3" else "FluxTransformer2DModel",
+    joint_attention_dim; the family's own: Flux's guidance_embeds, SD3's patch_size and sample_size), then
+    precast's own record."""
+    spec = FAMILIES[model["family"]].diffusers
+    out = {"_class_name": spec.transformer,
            "_diffusers_version": DIFFUSERS_VERSION, "in_channels": cfg.get("in_channels"),
            "out_channels": cfg.get("out_channels"), "joint_attention_dim": cfg.get("context_dim"),
            "num_attention_heads": cfg.get("heads"), "attention_head_dim": cfg.get("head_dim"), "precast": cfg}
-    if family == "sd3":
-        patch = cfg.get("patch") or 2
-        out.update(patch_size=patch, pos_embed_max_size=cfg.get("pos_embed_max"), num_layers=cfg.get("depth"),
-                   pooled_projection_dim=cfg.get("pooled_dim"), caption_projection_dim=cfg.get("hidden"),
-                   qk_norm="rms_norm" if cfg.get("qk_norm") else None,
-                   dual_attention_layers=list(cfg.get("dual_attention_layers") or ()),
-                   sample_size=min(PIPELINES["sd3"]["sample_size"], patch * (cfg.get("pos_embed_max") or 64)))
-    else:
-        out.update(patch_size=1, guidance_embeds=bool(cfg.get("guidance", False)), num_layers=cfg.get("depth"),
-                   num_single_layers=cfg.get("depth_single"), axes_dims_rope=cfg.get("axes_dim"))
-        if family == "flux":
-            out["pooled_projection_dim"] = cfg.get("vec_dim")
+    out.update(spec.transformer_fields(cfg))
     return out
 
 
@@ -197,9 +165,9 @@ def pipeline_files(model: dict, components: dict[str, dict]) -> dict[str, dict]:
     return files
 
 
-def tokenizer_extras(kind: list, pad_zero: bool) -> dict[str, dict]:
+def tokenizer_extras(kind: str, pad_zero: bool) -> dict[str, dict]:
     """tokenizer_config.json fields and special_tokens_map.json for a CLIP tokenizer folder."""
-    if kind != CLIP_TOKENIZER:
+    if TOKENIZER_CLASS[kind] != CLIP_TOKENIZER:
         return {}
     special = {"bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
                "pad_token": "!" if pad_zero else "<|endoftext|>"}
@@ -218,7 +186,7 @@ def write_json(path: Path, data: dict) -> Path:
     return path
 
 
-def complete_tokenizer(folder: Path, kind: list, pad_zero: bool) -> list[Path]:
+def complete_tokenizer(folder: Path, kind: str, pad_zero: bool) -> list[Path]:
     """Add what transformers needs to a tokenizer folder (its own tokenizer_config.json fields kept)."""
     written = []
     for name, data in tokenizer_extras(kind, pad_zero).items():
@@ -232,18 +200,17 @@ def write_pipeline_folder(root: Path, model: dict, components: dict[str, dict], 
                           writer=None) -> list[Path]:
     """Write the pipeline files and tokenizers into `root` (an export, or a bundle's onnx/ with its
     BundleWriter `writer`, which records them); returns the paths written."""
-    from ..runtime.manifest import file_record
-    from .bundle import BundleWriter, add_t5_tokenizer, add_tokenizer
     root = Path(root)
-    if model.get("family") not in PIPELINES:
+    family = FAMILIES.get(model.get("family"))
+    if family is None:
         return []
     written = [write_json(root / rel, data) for rel, data in pipeline_files(model, components).items()]
     writer = writer or BundleWriter(root)
     prefix = root.relative_to(writer.root).as_posix() if root != writer.root else ""
-    for folder, kind in PIPELINES[model["family"]]["tokenizers"].items():
+    for folder, kind in family.tokenizers().items():
         rel = f"{prefix}/{folder}" if prefix else folder
-        pad_zero = model["family"] == "sd2" or folder == "tokenizer_2"
-        if kind == T5_TOKENIZER:
+        pad_zero = kind == "openclip"
+        if kind == "t5":
             add_t5_tokenizer(writer, Path(source), rel, source_folder=folder)
         else:
             add_tokenizer(writer, Path(source), rel, pad_zero=pad_zero, source_folder=folder)

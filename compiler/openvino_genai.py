@@ -36,60 +36,26 @@ import shutil
 import time
 from pathlib import Path
 
+from ..runtime.openvino_attention import rewrite_attention
 from ..runtime.staging import Staging
 from .cache import staging_registry
 from .engines import read_export
 from .errors import BadInput
+from .families import FAMILIES
 from .interop import DIFFUSERS_VERSION, pipeline_files, write_json
 
-FAMILIES = ("sd1", "sd2", "sdxl", "flux", "sd3")
-UNET = ("text_encoder", "unet", "vae_decoder")
-REQUIRED = {"sd1": UNET, "sd2": UNET, "sdxl": ("text_encoder", "text_encoder_2", "unet", "vae_decoder"),
-            "flux": ("text_encoder", "text_encoder_2", "transformer", "vae_decoder"),
-            "sd3": ("text_encoder", "text_encoder_2", "transformer", "vae_decoder")}
 PARTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "unet", "transformer", "vae_decoder", "vae_encoder")
-POOLED_FIRST = {"sdxl": ("text_encoder_2",), "sd3": ("text_encoder", "text_encoder_2")}
-# the schedule spacing each GenAI pipeline samples with (runtime/flow.py's names): FluxPipeline's own
-# sigmas, and StableDiffusion3Pipeline's scheduler default
-SPACING = {"flux": "1/steps", "sd3": "training"}
-CLIP, CLIP_PROJ, T5 = ["transformers", "CLIPTextModel"], ["transformers", "CLIPTextModelWithProjection"], \
-    ["transformers", "T5EncoderModel"]
-CLIP_TOK, T5_TOK = ["transformers", "CLIPTokenizer"], ["transformers", "T5TokenizerFast"]
-DIT_INDEX = {
-    "flux": {"_class_name": "FluxPipeline", "text_encoder": CLIP, "tokenizer": CLIP_TOK, "text_encoder_2": T5,
-             "tokenizer_2": T5_TOK, "transformer": ["diffusers", "FluxTransformer2DModel"]},
-    "sd3": {"_class_name": "StableDiffusion3Pipeline", "text_encoder": CLIP_PROJ, "tokenizer": CLIP_TOK,
-            "text_encoder_2": CLIP_PROJ, "tokenizer_2": CLIP_TOK, "text_encoder_3": T5, "tokenizer_3": T5_TOK,
-            "transformer": ["diffusers", "SD3Transformer2DModel"]}}
 INSTALL = "pip install 'precast[openvino-genai]' (openvino, openvino-tokenizers and transformers)"
 
 
 def model_index(family: str, components: list[str]) -> dict:
-    """model_index.json as optimum-intel writes it for the family's pipeline."""
-    if family in DIT_INDEX:
-        return dit_model_index(family, components)
-    out = {"_class_name": "StableDiffusionPipeline", "_diffusers_version": DIFFUSERS_VERSION,
-           "scheduler": ["diffusers", "EulerDiscreteScheduler"], "tokenizer": ["transformers", "CLIPTokenizer"],
-           "text_encoder": ["transformers", "CLIPTextModel"], "unet": ["diffusers", "UNet2DConditionModel"],
-           "vae": ["diffusers", "AutoencoderKL"]}
-    if family == "sdxl":
-        out.update({"_class_name": "StableDiffusionXLPipeline", "tokenizer_2": ["transformers", "CLIPTokenizer"],
-                    "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
-                    "force_zeros_for_empty_prompt": True, "requires_aesthetics_score": False})
-    else:
-        out.update({"safety_checker": [None, None], "feature_extractor": [None, None],
-                    "requires_safety_checker": False})
-    if "vae_encoder" not in components:
-        out["_precast_note"] = "no vae_encoder: Text2ImagePipeline only"
-    return out
-
-
-def dit_model_index(family: str, components: list[str]) -> dict:
-    """Flux / SD3: an SD3 export without T5 names text_encoder_3 / tokenizer_3 null, as diffusers does."""
-    out = {"_diffusers_version": DIFFUSERS_VERSION, "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-           "vae": ["diffusers", "AutoencoderKL"], **DIT_INDEX[family]}
-    if family == "sd3" and "text_encoder_3" not in components:
-        out["text_encoder_3"] = out["tokenizer_3"] = [None, None]
+    """model_index.json as optimum-intel writes it for the family's pipeline (the family's GenAI.index); an
+    optional part the export lacks (SD3's T5) is named null with its tokenizer, as diffusers does."""
+    fam = FAMILIES[family]
+    out = {"_diffusers_version": DIFFUSERS_VERSION, **fam.genai.index}
+    for name in fam.runtime.optional:
+        if name not in components:
+            out[name] = out[name.replace("text_encoder", "tokenizer")] = [None, None]
     if "vae_encoder" not in components:
         out["_precast_note"] = "no vae_encoder: Text2ImagePipeline only"
     return out
@@ -107,16 +73,16 @@ def scheduler_config(prediction: str) -> dict:
 
 def check_flow_schedule(export_dir: Path, report: dict) -> None:
     """A Flux / SD3 export's schedule must be one GenAI samples the way precast does."""
-    from .families import FLOW
-    family = report["family"]
-    sched = report.get("scheduler") or dict(FLOW.get((family, report.get("variant", "")), ({},))[0])
-    spacing = sched.get("spacing", "1/steps")
-    if spacing != SPACING[family]:
+    fam = FAMILIES[report["family"]]
+    released = fam.flow(report.get("variant", ""))
+    sched = report.get("scheduler") or dict(released.scheduler if released else {})
+    spacing, genai = sched.get("spacing", "1/steps"), fam.genai
+    if spacing != genai.spacing:
         raise BadInput(f"{export_dir}: the export's scheduler spacing is {spacing!r}; OpenVINO GenAI's "
-                       f"{DIT_INDEX[family]['_class_name']} samples {SPACING[family]!r} only")
-    if family == "sd3" and sched.get("use_dynamic_shifting"):
+                       f"{genai.index['_class_name']} samples {genai.spacing!r} only")
+    if genai.static_shift_only and sched.get("use_dynamic_shifting"):
         raise BadInput(f"{export_dir}: the export's scheduler shifts dynamically; OpenVINO GenAI's "
-                       "StableDiffusion3Pipeline supports a static shift only")
+                       f"{genai.index['_class_name']} supports a static shift only")
 
 
 def _modules():
@@ -141,7 +107,6 @@ def convert_component(ov, onnx_path: Path, name: str, dtype: str):
     """precast's ONNX graph -> an ov.Model with the IO GenAI feeds (see the module doc)."""
     model = ov.convert_model(str(onnx_path))
     if dtype in ("fp16", "bf16"):
-        from ..runtime.openvino_attention import rewrite_attention
         rewrite_attention(model)
     ppp = ov.preprocess.PrePostProcessor(model)
     changed = False
@@ -214,17 +179,18 @@ def write_tokenizer(ov, ovt, source: Path, dest: Path) -> list[str]:
 def check_export(export_dir: Path, report: dict, comps: dict) -> list[str]:
     """The export is one GenAI runs, else one BadInput; returns the tokenizer folders to write."""
     family = report.get("family")
-    if family == "chroma":
-        raise BadInput(f"{export_dir}: a Chroma export; OpenVINO GenAI has no Chroma pipeline (its Text2ImagePipeline "
-                       "runs SD 1.x / 2.x, SDXL, SD3 and Flux), so export-openvino-genai cannot write one")
-    if family not in FAMILIES:
+    fam = FAMILIES.get(family)
+    if fam is not None and fam.no_genai:
+        raise BadInput(f"{export_dir}: a {fam.title} export; {fam.no_genai}")
+    if fam is None or fam.genai is None:
         raise BadInput(f"{export_dir}: a {family} export; export-openvino-genai writes SD 1.x / 2.x, SDXL, SD3 / SD3.5 "
                        "and Flux pipelines (the SDXL refiner is not written yet)")
-    missing = [n for n in REQUIRED[family] if n not in comps]
+    required = fam.runtime.needs
+    missing = [n for n in required if n not in comps]
     if missing:
         raise BadInput(f"{export_dir}: has no {', '.join(missing)}; OpenVINO GenAI's Text2ImagePipeline needs "
-                       f"{', '.join(REQUIRED[family])}: export them (precast export --component ...)")
-    if family in SPACING:
+                       f"{', '.join(required)}: export them (precast export --component ...)")
+    if fam.genai.spacing:
         check_flow_schedule(export_dir, report)
     tokenizers = [n.replace("text_encoder", "tokenizer") for n in PARTS if n.startswith("text_encoder") and n in comps]
     for folder in tokenizers:
@@ -242,6 +208,7 @@ def export_openvino_genai(export_dir: str | Path, out: str | Path, progress=None
     report = json.loads((export_dir / "precast_export.json").read_text())
     family = report.get("family")
     tokenizers = check_export(export_dir, report, comps)
+    genai = FAMILIES[family].genai
     if out.resolve() == export_dir.resolve():
         raise BadInput(f"--out {out}: is the export folder; give a new folder")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not (out / "precast_openvino_genai.json").is_file():
@@ -257,8 +224,8 @@ def export_openvino_genai(export_dir: str | Path, out: str | Path, progress=None
         for name in parts:
             comp = comps[name]
             model = convert_component(ov, comp.onnx_path, name, comp.export_dtype)
-            if family in POOLED_FIRST and name in ("text_encoder", "text_encoder_2"):
-                model = hidden_state_outputs(ov, model, name, configs[name]["layers"], name in POOLED_FIRST[family],
+            if genai.pooled_first and name in ("text_encoder", "text_encoder_2"):
+                model = hidden_state_outputs(ov, model, name, configs[name]["layers"], name in genai.pooled_first,
                                              configs[name].get("hidden_name"))
             (staging / name).mkdir()
             ov.save_model(model, str(staging / name / "openvino_model.xml"), compress_to_fp16=comp.export_dtype == "fp16")
@@ -273,7 +240,7 @@ def export_openvino_genai(export_dir: str | Path, out: str | Path, progress=None
             say(f"{folder}: openvino_tokenizer.xml, openvino_detokenizer.xml")
         files = pipeline_files(report, configs)
         files["model_index.json"] = model_index(family, parts)
-        if family not in SPACING:      # flow families keep interop's FlowMatch schedule (the export's)
+        if not genai.spacing:      # flow families keep interop's FlowMatch schedule (the export's)
             files["scheduler/scheduler_config.json"] = scheduler_config(report.get("prediction", "epsilon"))
         for rel, data in files.items():
             write_json(staging / rel, data)

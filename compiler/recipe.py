@@ -1,35 +1,35 @@
 """Build recipes: YAML that says what to build, validated with errors that name file:line and field.
 
 Owns: the recipe schema (model source, family, components, precision per component, LoRAs and
-embeddings, shape profiles, targets) and its validation. Paths are relative to the recipe's
-folder; `demo:tiny-sd15` names the embedded default checkpoint (written on demand, no download).
+embeddings, shape profiles, targets), its validation, a family's default components (all of the
+family's, compiler/families/) and the shipped recipes. Reading the YAML with its lines is
+compiler/recipe_doc.py's. Paths are relative to the recipe's folder; `demo:tiny-NAME` names an embedded
+checkpoint, the file `precast demo-model --family NAME` writes (written on demand, no download).
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from .errors import BadInput
-from .families import FAMILIES, SET_FIELDS, TEXT_POSITIONS, set_problem
+from .families import ASSUMED, FAMILIES, SET_FIELDS, TEXT_POSITIONS, detect_family, require_supported, set_problem
+from .foreign_onnx import is_foreign_folder, read_foreign
 from .profiles import ShapeProfile, parse_range
-from .targets import TargetSpec, get_target, parse_target
+from .recipe_doc import Doc, check_keys, flag, listed, number, string
+from .sources.checkpoint import open_checkpoint
+from .sources.controlnet import controlnet_name
+from .targets import TargetSpec, dtype_problem, get_target, parse_target
 
 COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "unet", "transformer", "vae_encoder", "vae_decoder")
-# a recipe's default components: all of its family's (the one table of families, compiler/families.py)
-DEFAULT_COMPONENTS = {name: tuple(comps) for name, comps in FAMILIES.items()}
+# a recipe's default components: all of its family's (the one table of families, compiler/families/)
+DEFAULT_COMPONENTS = {name: tuple(f.components) for name, f in FAMILIES.items()}
 PRECISIONS = ("fp32", "fp16", "bf16")
 TOP_FIELDS = {"name", "model", "components", "precision", "loras", "embeddings", "controlnets", "profiles", "targets"}
 MODEL_FIELDS = {"source", "family", "set", "vae", "prediction", "text_encoders"}
 PROFILE_FIELDS = {"batch", "height", "width", "tokens", "t5_tokens", "static"}
-# embedded tiny models (written on demand, no download): demo name -> family
-DEMO_SOURCES = {"demo:tiny-sd15": "sd1", "demo:tiny-flux-dev": "flux", "demo:tiny-flux-schnell": "flux",
-                "demo:tiny-chroma": "chroma", "demo:tiny-sd3": "sd3", "demo:tiny-sd35-medium": "sd3",
-                "demo:tiny-sd35-large": "sd3"}
-MAX_RECIPE_BYTES = 1 << 20
+# embedded tiny models (written on demand, no download): demo name -> family (each family's Family.demos)
+DEMO_SOURCES = {demo: f.name for f in FAMILIES.values() for demo in f.demos}
 
 
 @dataclass(frozen=True)
@@ -61,115 +61,7 @@ class Recipe:
     controlnets: tuple[tuple[str, str], ...] = ()   # (file or folder, name): components controlnet_<name>
 
 
-class _Loader(yaml.SafeLoader):
-    """Safe YAML without aliases: `*name` could repeat a subtree exponentially or refer to itself."""
-
-    def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            raise yaml.composer.ComposerError(None, None, "YAML aliases (*name) are not accepted in recipes; "
-                                              "write the value out", self.peek_event().start_mark)
-        return super().compose_node(parent, index)
-
-
-class _Doc:
-    """A YAML document as plain data, remembering the line of every value by its field path."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        if path.exists() and not path.is_file():
-            raise BadInput(f"{path}: not a file; give the path of a recipe .yaml file")
-        try:
-            with open(path, "rb") as f:
-                raw = f.read(MAX_RECIPE_BYTES + 1)
-        except OSError as e:
-            raise BadInput(f"{path}: cannot read recipe ({e.strerror})") from None
-        if len(raw) > MAX_RECIPE_BYTES:
-            raise BadInput(f"{path}: more than {MAX_RECIPE_BYTES} bytes; a recipe is at most that")
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            line = raw[:e.start].count(b"\n") + 1
-            raise BadInput(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}); save the recipe as UTF-8") from None
-        self.lines: dict[str, int] = {}
-        try:
-            node = yaml.compose(text, Loader=_Loader)
-            self.data = self._plain(node, "") if node is not None else {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f"{path}:{mark.line + 1}" if mark else str(path)
-            raise BadInput(f"{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
-        except RecursionError:
-            raise BadInput(f"{path}: nested too deeply to be a recipe") from None
-
-    def _plain(self, node, where: str):
-        self.lines[where] = node.start_mark.line + 1
-        if not isinstance(node, yaml.ScalarNode) and node.tag not in ("tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"):
-            raise self.error(where, f"YAML tag {node.tag} is not accepted; write a plain value")
-        if isinstance(node, yaml.MappingNode):
-            out = {}
-            for k, v in node.value:
-                if not isinstance(k, yaml.ScalarNode):
-                    self.lines[where] = k.start_mark.line + 1
-                    raise self.error(where, "has a key that is a list or a map; keys are plain words")
-                key = str(k.value)
-                sub = f"{where}.{key}" if where else key
-                if key in out:
-                    first, self.lines[sub] = self.lines[sub], k.start_mark.line + 1
-                    raise self.error(sub, f"given twice (lines {first} and {self.lines[sub]}); keep one")
-                self.lines[sub] = k.start_mark.line + 1
-                out[key] = self._plain(v, sub)
-                self.lines[sub] = k.start_mark.line + 1
-            return out
-        if isinstance(node, yaml.SequenceNode):
-            return [self._plain(v, f"{where}[{i}]") for i, v in enumerate(node.value)]
-        try:
-            return yaml.SafeLoader("").construct_object(node)
-        except yaml.YAMLError:
-            raise self.error(where, f"YAML tag {node.tag} is not accepted; write a plain value") from None
-
-    def error(self, where: str, message: str) -> BadInput:
-        line = self.lines.get(where) or self.lines.get(where.rsplit(".", 1)[0]) or 1
-        return BadInput(f"{self.path}:{line}: {where or 'recipe'}: {message}")
-
-
-def _check_keys(doc: _Doc, where: str, value, allowed: set[str]) -> dict:
-    if not isinstance(value, dict):
-        raise doc.error(where, f"expected a mapping with {', '.join(sorted(allowed))}")
-    for k in value:
-        if k not in allowed:
-            sub = f"{where}.{k}" if where else k
-            raise doc.error(sub, f"unknown field {k!r}; allowed: {', '.join(sorted(allowed))}")
-    return value
-
-
-def _string(doc: _Doc, where: str, value, what: str = "a string") -> str:
-    if not isinstance(value, str) or not value:
-        raise doc.error(where, f"expected {what}, got {value!r}")
-    return value
-
-
-def _list(doc: _Doc, where: str, value, what: str) -> list:
-    """A YAML list (absent: empty). A string is refused, never iterated character by character."""
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise doc.error(where, f"expected a list of {what}, got {value!r}")
-    return value
-
-
-def _number(doc: _Doc, where: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise doc.error(where, f"expected a finite number, got {value!r}")
-    return float(value)
-
-
-def _flag(doc: _Doc, where: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise doc.error(where, f"expected true or false, got {value!r}")
-    return value
-
-
-def _overrides(doc: _Doc, value) -> dict:
+def _overrides(doc: Doc, value) -> dict:
     """`model.set`: {component: {field: value}}, each field one precast reads (families.SET_FIELDS)."""
     if value is None:
         return {}
@@ -188,11 +80,11 @@ def _overrides(doc: _Doc, value) -> dict:
     return {comp: dict(fields) for comp, fields in value.items()}
 
 
-def _range(doc: _Doc, where: str, value, default: int):
+def _range(doc: Doc, where: str, value, default: int):
     if value is None:
         return (default,) * 3
     if isinstance(value, dict):
-        _check_keys(doc, where, value, {"min", "opt", "max"})
+        check_keys(doc, where, value, {"min", "opt", "max"})
         value = f"{value.get('min')}:{value.get('opt', value.get('min'))}:{value.get('max', value.get('opt'))}"
     elif isinstance(value, list):
         value = ":".join(str(v) for v in value)
@@ -202,10 +94,10 @@ def _range(doc: _Doc, where: str, value, default: int):
         raise doc.error(where, str(e).split(": ", 1)[-1]) from None
 
 
-def _profiles(doc: _Doc, value) -> tuple[ShapeProfile, ...]:
+def _profiles(doc: Doc, value) -> tuple[ShapeProfile, ...]:
     if value is None:
         return (ShapeProfile(),)
-    value = _check_keys(doc, "profiles", value, PROFILE_FIELDS)
+    value = check_keys(doc, "profiles", value, PROFILE_FIELDS)
     if "static" in value:
         if set(value) != {"static"}:
             raise doc.error("profiles", "give either min/opt/max ranges or a `static:` list, not both")
@@ -214,7 +106,7 @@ def _profiles(doc: _Doc, value) -> tuple[ShapeProfile, ...]:
         out = []
         for i, shape in enumerate(value["static"]):
             w = f"profiles.static[{i}]"
-            _check_keys(doc, w, shape, {"batch", "height", "width", "tokens", "t5_tokens"})
+            check_keys(doc, w, shape, {"batch", "height", "width", "tokens", "t5_tokens"})
             out.append(_one_profile(doc, w, shape, static=True))
         return tuple(out)
     return (_one_profile(doc, "profiles", value),)
@@ -238,7 +130,7 @@ def _one_profile(doc, where, value, static=False) -> ShapeProfile:
     return p
 
 
-def _targets(doc: _Doc, value) -> tuple[TargetSpec, ...]:
+def _targets(doc: Doc, value) -> tuple[TargetSpec, ...]:
     if not isinstance(value, list) or not value:
         raise doc.error("targets", "expected a non-empty list, e.g. [onnxruntime, {openvino: {device: CPU}}, "
                                    "{tensorrt-rtx: {compute_capabilities: [sm_86]}}]")
@@ -263,12 +155,9 @@ def _targets(doc: _Doc, value) -> tuple[TargetSpec, ...]:
     return tuple(out)
 
 
-def _detected_family(doc: _Doc, source: str) -> str:
+def _detected_family(doc: Doc, source: str) -> str:
     """The family of the checkpoint at `source` (a file or folder there) from its header (names and
     shapes). A damaged file or a model precast does not build is refused now, as `build` would."""
-    from .foreign_onnx import is_foreign_folder, read_foreign
-    from .sources.checkpoint import open_checkpoint
-    from .sources.detect import detect_family, require_supported
     try:
         if is_foreign_folder(source):        # its graphs' IO, read without their weights
             return read_foreign(source)[1]["family"]
@@ -309,9 +198,9 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
     `check_files=False` (for `precast plan`, which CI runs before the checkpoint is downloaded)
     skips checking that the model files exist."""
     path, base = find_recipe(path)
-    doc = _Doc(path)
-    data = _check_keys(doc, "", doc.data, TOP_FIELDS)
-    model = _check_keys(doc, "model", data.get("model"), MODEL_FIELDS)
+    doc = Doc(path)
+    data = check_keys(doc, "", doc.data, TOP_FIELDS)
+    model = check_keys(doc, "model", data.get("model"), MODEL_FIELDS)
     source = model.get("source")
     if not isinstance(source, str) or not source:
         raise doc.error("model.source", "expected a checkpoint path (.safetensors file or diffusers folder) "
@@ -335,7 +224,7 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
         default = family or DEMO_SOURCES.get(source) or (_detected_family(doc, source) if Path(source).is_file()
                                                          or Path(source).is_dir() else None)
         assumed = default is None
-        comps = list(DEFAULT_COMPONENTS.get(default or "sd1", DEFAULT_COMPONENTS["sd1"]))
+        comps = list(DEFAULT_COMPONENTS.get(default or ASSUMED, DEFAULT_COMPONENTS[ASSUMED]))
     if not isinstance(comps, list) or not comps:
         raise doc.error("components", f"expected a list drawn from {', '.join(COMPONENTS)}")
     for i, c in enumerate(comps):
@@ -344,7 +233,7 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
     precision = data.get("precision", "fp32")
     if isinstance(precision, str):
         precision = {"default": precision}
-    _check_keys(doc, "precision", precision, {"default", *COMPONENTS})
+    check_keys(doc, "precision", precision, {"default", *COMPONENTS})
     for k, v in precision.items():
         if v not in PRECISIONS:
             raise doc.error(f"precision.{k}" if len(precision) > 1 or k != "default" else "precision",
@@ -353,15 +242,15 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
     explicit = frozenset(c for c in comps if c in precision)
     vae = model.get("vae")
     if vae is not None:
-        vae_path = (base / _string(doc, "model.vae", vae, "a VAE file or folder")).resolve()
+        vae_path = (base / string(doc, "model.vae", vae, "a VAE file or folder")).resolve()
         if check_files and not vae_path.exists():
             raise doc.error("model.vae", f"{vae_path} does not exist")
         if check_files and not (vae_path.is_file() or vae_path.is_dir()):
             raise doc.error("model.vae", f"{vae_path} is not a file or folder")
         vae = str(vae_path)
     text_encoders = []
-    for i, te in enumerate(_list(doc, "model.text_encoders", model.get("text_encoders"), "text-encoder files")):
-        te_path = (base / _string(doc, f"model.text_encoders[{i}]", te, "a T5 / CLIP file")).resolve()
+    for i, te in enumerate(listed(doc, "model.text_encoders", model.get("text_encoders"), "text-encoder files")):
+        te_path = (base / string(doc, f"model.text_encoders[{i}]", te, "a T5 / CLIP file")).resolve()
         if check_files and not te_path.exists():
             raise doc.error(f"model.text_encoders[{i}]", f"{te_path} does not exist")
         text_encoders.append(str(te_path))
@@ -369,17 +258,17 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
     if prediction is not None and prediction not in ("epsilon", "v_prediction"):
         raise doc.error("model.prediction", f"{prediction!r}: allowed: epsilon, v_prediction")
     loras = []
-    for i, item in enumerate(_list(doc, "loras", data.get("loras"), "LoRA files or {path, strength, te_strength}")):
+    for i, item in enumerate(listed(doc, "loras", data.get("loras"), "LoRA files or {path, strength, te_strength}")):
         w = f"loras[{i}]"
         item = {"path": item} if isinstance(item, str) else \
-            _check_keys(doc, w, item, {"path", "strength", "te_strength", "allow_unmatched"})
-        lora_path = _string(doc, f"{w}.path" if "path" in item else w, item.get("path"), "{path: FILE, strength: S}")
-        strength = _number(doc, f"{w}.strength", item["strength"]) if "strength" in item else 1.0
-        te = None if item.get("te_strength") is None else _number(doc, f"{w}.te_strength", item["te_strength"])
-        allow = _flag(doc, f"{w}.allow_unmatched", item["allow_unmatched"]) if "allow_unmatched" in item else False
+            check_keys(doc, w, item, {"path", "strength", "te_strength", "allow_unmatched"})
+        lora_path = string(doc, f"{w}.path" if "path" in item else w, item.get("path"), "{path: FILE, strength: S}")
+        strength = number(doc, f"{w}.strength", item["strength"]) if "strength" in item else 1.0
+        te = None if item.get("te_strength") is None else number(doc, f"{w}.te_strength", item["te_strength"])
+        allow = flag(doc, f"{w}.allow_unmatched", item["allow_unmatched"]) if "allow_unmatched" in item else False
         loras.append(Lora(str((base / lora_path).resolve()), strength, te, allow))
-    embeddings = tuple(str((base / _string(doc, f"embeddings[{i}]", e, "an embedding file")).resolve())
-                       for i, e in enumerate(_list(doc, "embeddings", data.get("embeddings"), "embedding files")))
+    embeddings = tuple(str((base / string(doc, f"embeddings[{i}]", e, "an embedding file")).resolve())
+                       for i, e in enumerate(listed(doc, "embeddings", data.get("embeddings"), "embedding files")))
     controlnets = _controlnets(doc, data.get("controlnets"), base, check_files)
     for _, net in controlnets:       # each its own component, built at the UNet's precision
         comps.append(f"controlnet_{net}")
@@ -387,7 +276,7 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
     overrides = _overrides(doc, model.get("set"))
     if prediction:
         overrides["model"] = {**overrides.get("model", {}), "prediction": prediction}
-    name = path.stem if data.get("name") is None else _string(doc, "name", data["name"], "a name (a string)")
+    name = path.stem if data.get("name") is None else string(doc, "name", data["name"], "a name (a string)")
     targets = _targets(doc, data.get("targets"))
     _check_target_dtypes(doc, targets, per_comp, explicit, family or DEMO_SOURCES.get(source))
     return Recipe(str(path), str(name), source, family, overrides, tuple(comps), per_comp, explicit, vae,
@@ -395,20 +284,19 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
                   lines=doc.lines, assumed_components=assumed, controlnets=controlnets)
 
 
-def _controlnets(doc: _Doc, value, base: Path, check_files: bool) -> tuple[tuple[str, str], ...]:
+def _controlnets(doc: Doc, value, base: Path, check_files: bool) -> tuple[tuple[str, str], ...]:
     """`controlnets:` -- files / folders or {path, name}: (absolute path, component name suffix)."""
-    from .export import controlnet_name
     out: list[tuple[str, str]] = []
-    for i, item in enumerate(_list(doc, "controlnets", value, "ControlNet files or {path, name}")):
+    for i, item in enumerate(listed(doc, "controlnets", value, "ControlNet files or {path, name}")):
         w = f"controlnets[{i}]"
-        item = {"path": item} if isinstance(item, str) else _check_keys(doc, w, item, {"path", "name"})
-        path = (base / _string(doc, f"{w}.path" if "path" in item else w, item.get("path"),
+        item = {"path": item} if isinstance(item, str) else check_keys(doc, w, item, {"path", "name"})
+        path = (base / string(doc, f"{w}.path" if "path" in item else w, item.get("path"),
                                "{path: FILE, name: NAME}")).resolve()
         if check_files and not path.exists():
             raise doc.error(w, f"{path} does not exist")
         try:
             name = controlnet_name(path, None if item.get("name") is None else
-                                   _string(doc, f"{w}.name", item["name"], "a name: letters, digits and _"))
+                                   string(doc, f"{w}.name", item["name"], "a name: letters, digits and _"))
         except BadInput as e:
             raise doc.error(w, str(e)) from None
         if any(name == n for _, n in out):
@@ -417,15 +305,14 @@ def _controlnets(doc: _Doc, value, base: Path, check_files: bool) -> tuple[tuple
     return tuple(out)
 
 
-def _check_target_dtypes(doc: _Doc, targets, precision: dict, explicit: frozenset, family: str | None) -> None:
+def _check_target_dtypes(doc: Doc, targets, precision: dict, explicit: frozenset, family: str | None) -> None:
     """A precision a target cannot build (fp32 / bf16 for TensorRT-RTX sm_75, bf16 for ONNX Runtime)
     is refused when the recipe is read, so `plan` and `build` stop before any work."""
-    from .families import FP32_VAE_FAMILIES
-    from .targets import dtype_problem
+    fp32_vae = family in FAMILIES and FAMILIES[family].fp32_vae
     for i, spec in enumerate(targets):
         for comp, dtype in precision.items():
             source = "precision"
-            if comp.startswith("vae_") and comp not in explicit and family in FP32_VAE_FAMILIES:
+            if comp.startswith("vae_") and comp not in explicit and fp32_vae:
                 dtype, source = "fp32", f"{family}'s VAE is kept fp32 unless precision.{comp} says otherwise"
             why = dtype_problem(spec, dtype, comp)
             if why:

@@ -1,6 +1,7 @@
-"""The checks of a generation's settings that `precast generate` (runtime/run_commands.py) and the
-Python API (runtime/api.py) share, run before anything loads: steps, seed, guidance, strength,
-scheduler, prompt text, the output path, and the PNG write itself.
+"""The value checks of a generation's settings that `precast generate` (runtime/run_commands.py) and the
+Python API (runtime/api.py, runtime/generate.py) share, run before anything loads: steps, seed, guidance,
+strength, prompt text, the output path, and the PNG write itself (the checks that need the bundle's
+family -- scheduler, image mode -- are runtime/generate.py's).
 
 Owns the wording: each mistake is one UserError line naming the setting as its caller spells it --
 an option (`--steps 0: ...`) or a keyword (`steps='10': ...`, any name ending in "=") -- and the fix,
@@ -15,6 +16,7 @@ import os
 from pathlib import Path
 
 from .errors import UserError
+from .png import write_png
 
 MAX_STEPS = 1000   # the schedules' training timesteps: more steps than that repeat timesteps
 
@@ -77,27 +79,6 @@ def check_text(text, name: str) -> str:
     return text
 
 
-def check_scheduler(scheduler, manifest, name: str = "--scheduler") -> str | None:
-    """The scheduler asked for, lower case (None: the family's default), checked against the bundle:
-    SD takes euler or dpm++2m, Flux / Chroma / SD3 flow-euler (or euler, meaning it) only."""
-    from .dit_pipeline import SCHEDULER
-    from .schedulers import SAMPLERS
-    if scheduler is None:
-        return None
-    sched = scheduler.lower() if isinstance(scheduler, str) else None
-    if sched not in ("", *SAMPLERS, SCHEDULER):
-        raise UserError(f"{shown(name, scheduler)}: choose one of {', '.join(SAMPLERS)} (SD) or {SCHEDULER} "
-                        "(Flux / Chroma / SD3)")
-    family, dit = manifest.model.get("family"), "transformer" in manifest.components
-    if dit and sched not in ("", "euler", SCHEDULER):
-        raise UserError(f"{shown(name, scheduler)}: {family} samples with flow-matching Euler "
-                        f"(the scheduler it was trained for); leave {name.rstrip('=')} out")
-    if not dit and sched == SCHEDULER:
-        raise UserError(f"{shown(name, scheduler)}: is Flux / Chroma / SD3's; {family} bundles take "
-                        f"{' or '.join(SAMPLERS)}")
-    return sched or None
-
-
 def check_out(out, name: str = "--out") -> Path:
     """Refuse a path that cannot become a PNG file before any work is done."""
     if not isinstance(out, (str, os.PathLike)):
@@ -122,7 +103,6 @@ def check_out(out, name: str = "--out") -> Path:
 def write_image(path: Path, image, name: str = "--out") -> None:
     """The PNG is written to a temp file beside `path` and renamed into place (write_png removes
     the temp file on any failure, so a failed write leaves nothing behind)."""
-    from .png import write_png
     try:
         write_png(path, image)
     except OSError as e:

@@ -23,6 +23,7 @@ import numpy as np
 
 from .checks import shown
 from .errors import UserError
+from .images import fit, init_image
 
 PREFIX = "controlnet_"
 MID = "mid_block_additional_residual"
@@ -126,7 +127,6 @@ class ControlNets:
     """The nets of one generation, loaded from a BundleModel, and the residuals at each step."""
 
     def __init__(self, model, controls: list[Control], width: int, height: int, guess_mode: bool = False):
-        from .images import fit, init_image
         self.model, self.controls, self.guess_mode = model, controls, guess_mode
         self.images = []
         for c in controls:

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import UserError
+from .png import read_png
 
 ImageSource = "str | os.PathLike | np.ndarray"
 
@@ -40,7 +41,6 @@ def load_pixels(source, what: str) -> np.ndarray:
         path = Path(source)
         if not path.is_file():
             raise UserError(f"{what} {source}: no such file" if not path.exists() else f"{what} {source}: not a file")
-        from .png import read_png
         return read_png(path, what)
     try:
         arr = np.asarray(source)

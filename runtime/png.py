@@ -20,6 +20,7 @@ import zlib
 import numpy as np
 
 from .fileops import replace_file
+from .errors import UserError
 
 SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MAX_PIXELS = 2 ** 26            # 8192 x 8192: a larger image is refused before it is decompressed
@@ -68,7 +69,6 @@ class PngError(ValueError):
 def read_png(path: str | os.PathLike, what: str = "") -> np.ndarray:
     """The PNG file's pixels, uint8 [H, W, C] (see the module doc). `what` prefixes the error line
     (e.g. "--init-image"). Raises UserError (one line) for a file that cannot be read or decoded."""
-    from .errors import UserError
     name = f"{what} {path}" if what else str(path)
     try:
         with open(path, "rb") as f:

@@ -1,55 +1,30 @@
 """The runtime's own commands, `precast doctor` and `precast generate` (registered on the group in
-runtime/cli.py), with the checks of every option before anything loads: sizes against the bundle,
-assignments, ControlNets, and (through runtime/checks.py, shared with the Python API) steps, seed,
-guidance, prompt text, scheduler per family and --out; and their text and JSON reports.
+runtime/cli.py), built on the Python API (runtime/api.py: open_bundle, Bundle.plan, Bundle.pipeline):
+every option checked before anything loads, in the options' own words (runtime/checks.py and
+runtime/generate.py, the API's checks); and their text and JSON reports.
 """
 from __future__ import annotations
 
 import json
-import os
-import re
 import sys
 import time
 
 import click
 
-from .checks import check_guidance, check_out as _check_out, check_scheduler, check_seed, check_text, shown
-from .checks import write_image as _write_image  # noqa: F401 (tests call it here)
-from .cli import main, run_cli
+from . import images
+from .assign import parse_assignment
+from .checks import check_guidance, check_out, check_seed, check_steps, check_text, write_image
+from .cli_support import run_cli
+from .control import parse_control, plan_controls
 from .errors import UserError
+from .families import FAMILIES, family_of
+from .generate import check_image_mode, check_scheduler, unused_negative
+from .image_size import MAX_SIDE, latent_factor, optimal_size, parse_size, size_warning
+from .loading import timed
+from .report import describe_where
 
-
-MAX_SIDE = 4096  # px per side, unless the bundle's shape profiles declare more
-_SIZE = re.compile(r"([0-9]{1,6})[xX]([0-9]{1,6})")
-
-
-def parse_size(size: str | tuple[int, int], manifest, name: str = "--size") -> tuple[int, int]:
-    """'WIDTHxHEIGHT' (or the API's (width, height) ints) -> (width, height), checked against the bundle:
-    ASCII digits, multiples of its VAE's factor, at most MAX_SIDE px per side or the largest side its
-    profiles declare. `name`: the option or keyword the errors name (runtime/checks.py's `shown`)."""
-    from .pipeline import latent_factor
-    if isinstance(size, str):
-        m = _SIZE.fullmatch(size.strip())
-        if not m:
-            raise UserError(f"{shown(name, size, quote=True)}: expected WIDTHxHEIGHT in pixels, e.g. 512x512")
-        w, h = int(m.group(1)), int(m.group(2))
-    else:
-        w, h = size
-    f = latent_factor(manifest)
-    declared = [p[dim][2] for c in manifest.components.values() for p in c["profiles"] for dim in ("width", "height")]
-    limit = max([MAX_SIDE, *declared])
-    if not (f <= w <= limit and f <= h <= limit):
-        raise UserError(f"{shown(name, size)}: each side must be {f} to {limit} px "
-                        f"(the larger of {MAX_SIDE} and this bundle's largest profile)")
-    if w % f or h % f:
-        raise UserError(f"{shown(name, size)}: width and height must be multiples of {f}")
-    return w, h
-
-
-def _scheduler_names() -> list[str]:
-    from .dit_pipeline import SCHEDULER
-    from .schedulers import SAMPLERS
-    return [*SAMPLERS, SCHEDULER]
+# every family's sampler names, for --scheduler's choices (checked against the bundle's family later)
+SCHEDULERS = list(dict.fromkeys(s for f in FAMILIES.values() for s in f.samplers))
 
 
 BACKEND_HELP = ("Where each module runs: DEVICE, BACKEND or DEVICE:BACKEND, per module or for all, e.g. "
@@ -63,11 +38,10 @@ VERIFY_HELP = ("auto: hash each bundle file once per file state (a recorded matc
 
 
 def _size(size: str | None, manifest) -> tuple[int, int]:
-    from .pipeline import optimal_size
     return parse_size(size, manifest) if size else optimal_size(manifest)
 
 
-@main.command("doctor")
+@click.command("doctor")
 @click.argument("bundle", required=False, type=click.Path())
 @click.option("--backend", default=None, help=BACKEND_HELP)
 @click.option("--params-backend", default=None, help="Where weights live, e.g. cpu (offload); memory budgets as DEVICE:SIZE, e.g. cuda0:8G,cpu:16G.")
@@ -83,55 +57,41 @@ def _size(size: str | None, manifest) -> tuple[int, int]:
 def doctor_cmd(bundle, backend, params_backend, size, strict, sysroot, as_json, verify, load):
     """Show devices, installed backends, and what in BUNDLE would load where, and why."""
     def go():
-        from .assign import assign_modules
-        from .devices import apply_device_override, discover_devices
-        from .pipeline import describe_where, timed
-        from .select import component_report, installed_backends, nothing_runs, select_all
-        m = None
-        stages = {"manifest": None, "discover": None, "assign": None, "backends": None, "select": None,
-                  "verify": None, "load": None, "open": None, "total": None}
+        from .api import machine, open_bundle     # the CLI's start does not load the API
+        stages = dict.fromkeys(["manifest", "discover", "assign", "backends", "select", "verify", "load", "open",
+                                "total"])
         t_start = time.perf_counter()
+        api = None
         if bundle:
-            from .manifest import read_manifest
             stages["manifest"] = 0.0
             with timed(stages, "manifest"):
-                m = read_manifest(bundle)
-            w, h = _size(size, m)
+                api = open_bundle(bundle, verify=verify.lower(), sysroot=sysroot)
+            w, h = _size(size, api.manifest)
         elif size:
             raise UserError("--size: checks a bundle's engines; give the BUNDLE too")
         if load and not bundle:
             raise UserError("--load: loads a bundle's engines; give the BUNDLE too")
-        for k in ("discover", "assign", "backends"):
-            stages[k] = 0.0
-        with timed(stages, "discover"):
-            devices, warning = apply_device_override(discover_devices(sysroot, os.environ), os.environ)
-        with timed(stages, "assign"):
-            placements = assign_modules(devices, backend, params_backend, strict=strict)
-        with timed(stages, "backends"):
-            installed = installed_backends(sysroot)
+        if api is not None:
+            report = api.plan(backend, params_backend=params_backend, size=(w, h), strict=strict)
+            here = report.devices, report.device_warning, report.installed_backends, report.placements
+            stages.update(report.stages)
+        else:
+            m = machine(sysroot, backend, params_backend, strict)
+            here, report = (m.devices, m.warning, m.installed, m.placements), None
+            stages.update(m.stages)
+        devices, warning, installed, placements = here
         out = {"bundle": bundle, "devices": [d.describe() for d in devices], "device_warning": warning,
                "installed_backends": installed, "strict": strict,
                "assignment": {mod: p.describe() for mod, p in placements.items()},
                "size": None, "components": {}, "missing_for_generate": [], "loaded": None,
                "stages": stages}   # one schema, with or without a bundle
-        if m is not None:
-            from .pipeline import requests
+        if report is not None:
             out["size"] = f"{w}x{h}"
-            reqs = requests(m, 1, h, w)
-            stages["select"] = stages["verify"] = 0.0
-            with timed(stages, "select"):    # headers and manifests only
-                select_all(m, placements, devices, reqs, installed, False)
-            with timed(stages, "verify"):    # the same selection with the sha256 checks (every component)
-                sels = select_all(m, placements, devices, reqs, installed, verify.lower())
-            if strict:
-                stuck = next((s for s in sels.values() if s.choice is None), None)
-                if stuck:
-                    raise UserError(nothing_runs(stuck.component, stuck.target, stuck.refused))
-            out["components"] = {c: {**component_report(c, s.choice, s.refused),
-                                     "then": [v.describe() for v in s.viable[1:]]} for c, s in sels.items()}
-            out["missing_for_generate"] = _missing_for_generate(m)
+            out["components"] = {c: p.record() for c, p in report.components.items()}
+            out["missing_for_generate"] = list(report.missing_for_generate)
             if load and not out["missing_for_generate"]:
-                pipe = _open_pipeline(m, backend, params_backend, w, h, sysroot, strict, verify.lower(), lazy=False)
+                pipe = api.pipeline(backend, params_backend=params_backend, size=(w, h), strict=strict).pipe
+                pipe.wait_loaded()
                 stages["load"], stages["open"] = pipe.stages["load"], pipe.stages["open"]
                 out["loaded"] = {c: {k: r[k] for k in ("device", "backend", "artifact", "passed_over")}
                                  for c, r in pipe.report()["components"].items()}
@@ -149,7 +109,7 @@ def doctor_cmd(bundle, backend, params_backend, size, strict, sysroot, as_json, 
         for m_, p in placements.items():
             click.echo(f"assign    {m_:<10} -> {p.target}" + (f" (weights on {p.params.id})" if p.offload else "")
                        + (f"  (fell back: {p.fallback})" if p.fallback else ""))
-        if m is not None:
+        if report is not None:
             click.echo(f"size      {out['size']}")
             describe_where(out, sys.stdout)
             if out["loaded"] is not None:
@@ -163,34 +123,7 @@ def doctor_cmd(bundle, backend, params_backend, size, strict, sysroot, as_json, 
     run_cli(go, as_json)
 
 
-def pipeline_class(manifest):
-    """The family's txt2img pipeline (SD 1.x/2.x/XL: Txt2Img, Flux / Chroma: FluxTxt2Img, SD3: SD3Txt2Img)."""
-    if manifest.model.get("family") == "sd3":
-        from .sd3_pipeline import SD3Txt2Img
-        return SD3Txt2Img
-    if "transformer" in manifest.components:
-        from .dit_pipeline import FluxTxt2Img
-        return FluxTxt2Img
-    from .sd_pipeline import Txt2Img
-    return Txt2Img
-
-
-def _open_pipeline(manifest, backend, params_backend, w, h, sysroot, strict, verify, lazy=True):
-    return pipeline_class(manifest)(manifest, backend, params_backend, width=w, height=h, sysroot=sysroot,
-                                    strict=strict, verify=verify, lazy=lazy)
-
-
-def _missing_for_generate(manifest) -> list[str]:
-    """Components `generate` needs for this bundle's family that the bundle does not have."""
-    from .dit_pipeline import FAMILIES as DIT_NEEDS
-    from .pipeline import NEEDED
-    from .sd3_pipeline import NEEDED as SD3_NEEDS
-    family = manifest.model.get("family")
-    needed = NEEDED.get(family) or DIT_NEEDS.get(family) or (SD3_NEEDS if family == "sd3" else ())
-    return [c for c in needed if c not in manifest.components]
-
-
-@main.command("generate")
+@click.command("generate")
 @click.argument("bundle", type=click.Path())
 @click.option("--prompt", required=True)
 @click.option("--negative", default="", show_default=True)
@@ -206,7 +139,7 @@ def _missing_for_generate(manifest) -> list[str]:
               help="Guidance scale (finite): classifier-free for SD (default 7.5), Chroma (5.0) and SD3 (7.0; SD3.5 "
                    "4.5; turbo 1.0 = none); Flux dev's "
                    "distilled guidance (3.5); unused by schnell.")
-@click.option("--scheduler", default=None, type=click.Choice(_scheduler_names(), case_sensitive=False),
+@click.option("--scheduler", default=None, type=click.Choice(SCHEDULERS, case_sensitive=False),
               help="SD: euler (default) or dpm++2m. Flux / Chroma / SD3: flow-euler (the only one; euler means it too).")
 @click.option("--init-image", "init_image", default=None, type=click.Path(),
               help="img2img (SD 1.x/2.x/XL): start from this PNG, encoded by the bundle's VAE encoder. Without "
@@ -243,14 +176,9 @@ def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, schedule
     """Text to image with BUNDLE (or img2img with --init-image, inpainting with --mask), each module on
     its device; prints what ran where."""
     def go():
-        import time
-        from .assign import parse_assignment
-        from .dit_pipeline import SCHEDULER
-        from .manifest import read_manifest
-        from .pipeline import check_image_mode, check_steps, describe_where, latent_factor, size_warning, to_uint8
-        from .sd_pipeline import Txt2Img
+        from .api import open_bundle              # the CLI's start does not load the API
         t_start = time.perf_counter()
-        # Every option is checked here, before any engine is verified or loaded.
+        # Every option is checked here, in its own words, before any engine is verified or loaded.
         if steps is not None:
             check_steps(steps)
         check_seed(seed)
@@ -260,23 +188,19 @@ def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, schedule
         parse_assignment(params_backend, "--params-backend")
         check_text(prompt, "--prompt")
         check_text(negative, "--negative")
-        manifest = read_manifest(bundle)
-        dit = "transformer" in manifest.components
+        api = open_bundle(bundle, verify=verify.lower(), sysroot=sysroot)
+        manifest, family = api.manifest, family_of(api.manifest)
         mode, used_strength = check_image_mode(manifest, init_image is not None, mask is not None, strength,
-                                               20 if steps is None else steps)
-        from .control import parse_control, plan_controls
-        if controls and dit:
-            raise UserError(f"--control: ControlNets run with SD 1.x/2.x/XL bundles; this one is {manifest.model.get('family')}")
+                                               family.steps if steps is None else steps)
+        if controls and not family.controlnets:
+            raise UserError(f"--control: ControlNets run with SD 1.x/2.x/XL bundles; this one is {family.name}")
         plan = plan_controls(manifest, [parse_control(c) for c in controls], list(controlnet_names),
                              list(control_starts), list(control_ends))
         if guess_mode and not plan:
             raise UserError("--guess-mode: give a control image with --control")
-        from .images import init_image as read_control
-        for c in plan:              # read (and so check) the control images now too
-            read_control(c.image, f"--control {c.image}")
+        control_px = [images.init_image(c.image, f"--control {c.image}") for c in plan]   # read (and so checked) now
         init_px = mask_px = None
         if mode != "txt2img":       # read (and so check) the images before any engine loads
-            from . import images
             init_px = images.init_image(init_image)
             mask_px = images.mask_image(mask, init_px) if mask is not None else None
         if size or init_px is None:
@@ -288,38 +212,28 @@ def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, schedule
             except UserError as e:
                 raise UserError(f"--init-image {init_image} sets the output size: {e}; give --size") from None
         sched = check_scheduler(scheduler, manifest)
-        family = manifest.model.get("family")
-        if dit and negative and family == "flux":
-            click.echo("warning: --negative is not used by Flux (distilled guidance, no negative prompt)", err=True)
-        out_path = _check_out(out)
+        unused = unused_negative(manifest) if negative else None
+        if unused:
+            click.echo(f"warning: --negative {unused}", err=True)
+        out_path = check_out(out)
         slow = size_warning(manifest, w, h)     # said now, before the run-time compile it warns of
         if slow and not as_json:
             click.echo(f"warning: {slow}", err=True)
         t0 = time.perf_counter()
-        if dit:
-            pipe = pipeline_class(manifest)(manifest, backend, params_backend, width=w, height=h, sysroot=sysroot,
-                                            strict=strict, verify=verify.lower())
-            n_steps = pipe.defaults["steps"] if steps is None else steps
-            used_guidance = pipe.defaults["guidance"] if guidance is None else guidance
-            used_scheduler = SCHEDULER
-            t1 = time.perf_counter()
-            image = pipe(prompt, negative, n_steps, seed, used_guidance, progress=not as_json)
-        else:
-            n_steps = 20 if steps is None else steps
-            used_guidance = 7.5 if guidance is None else guidance
-            used_scheduler = sched or "euler"
-            pipe = Txt2Img(manifest, backend, params_backend, width=w, height=h, sysroot=sysroot, strict=strict,
-                           verify=verify.lower(), image_input=mode != "txt2img",
-                           controlnets=tuple(dict.fromkeys(c.component for c in plan)))
-            t1 = time.perf_counter()
-            image = pipe(prompt, negative, n_steps, seed, used_guidance, used_scheduler, progress=not as_json,
-                         init_image=init_px, mask=mask_px, strength=used_strength, controls=plan,
-                         guess_mode=guess_mode)
-        _write_image(out_path, to_uint8(image))
+        pipeline = api.pipeline(backend, params_backend=params_backend, size=(w, h), strict=strict,
+                                image_input=mode != "txt2img", controlnets=[c.component[len("controlnet_"):]
+                                                                            for c in plan])
+        t1 = time.perf_counter()
+        image = pipeline(prompt, negative=negative, steps=steps, seed=seed, guidance=guidance, scheduler=sched,
+                         show_progress=not as_json, init_image=init_px, mask=mask_px, strength=strength,
+                         controls=[(c.component[len("controlnet_"):], px, c.scale, c.start, c.end)
+                                   for c, px in zip(plan, control_px)], guess_mode=guess_mode)
+        write_image(out_path, image.to_uint8())
         t2 = time.perf_counter()
+        pipe = pipeline.pipe
         warnings = pipe.prompt_warnings(prompt, negative)
         report = {"bundle": bundle, "out": out, "prompt": prompt, "negative": negative, "size": f"{w}x{h}",
-                  "steps": n_steps, "seed": seed, "scheduler": used_scheduler, "guidance": used_guidance,
+                  "steps": image.steps, "seed": seed, "scheduler": image.scheduler, "guidance": image.guidance,
                   "mode": mode, "init_image": init_image, "mask": mask, "strength": used_strength,
                   "controls": [{"controlnet": c.component[len("controlnet_"):], "image": str(c.image), "scale": c.scale,
                                 "start": c.start, "end": c.end} for c in plan], "guess_mode": guess_mode,
@@ -334,7 +248,7 @@ def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, schedule
                 click.echo(f"warning: {line}", err=True)
             describe_where(report, sys.stdout)
             how = "" if mode == "txt2img" else f"{mode} from {init_image}, strength {used_strength:g}, "
-            click.echo(f"wrote {out} ({how}{w}x{h}, {n_steps} steps, seed {seed}, {used_scheduler}, guidance "
-                       f"{used_guidance:g}) in {report['seconds']['load']:.1f} s load + "
+            click.echo(f"wrote {out} ({how}{w}x{h}, {image.steps} steps, seed {seed}, {image.scheduler}, guidance "
+                       f"{image.guidance:g}) in {report['seconds']['load']:.1f} s load + "
                        f"{report['seconds']['generate']:.1f} s")
     run_cli(go, as_json)

@@ -11,6 +11,8 @@ same schedule (a multistep solver's first step is first order, as diffusers' low
 """
 from __future__ import annotations
 
+from .errors import UserError
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,6 +143,5 @@ def make_sampler(name: str, steps: int, schedule: NoiseSchedule | None = None):
     key = name.lower().replace("_", "").replace(" ", "")
     key = {"dpmpp2m": "dpm++2m", "dpm2m": "dpm++2m", "dpmsolver++": "dpm++2m"}.get(key, key)
     if key not in SAMPLERS:
-        from .errors import UserError
         raise UserError(f"--scheduler {name!r}: choose one of {', '.join(SAMPLERS)}")
     return SAMPLERS[key](schedule or NoiseSchedule(), steps)

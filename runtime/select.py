@@ -29,11 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .assign import COMPONENT_MODULE, Placement
+from .budgets import apply_budgets, share_budgets
 from .devices import Device
 from .errors import UserError
 from .fingerprint import Fingerprint, why_not_serves
+from .sessions import ONNX_ON_DEVICE, open_candidate
 from .manifest import Artifact, Manifest
-from .verified import verify_mode
+from .verified import user_records_dir, verify_mode
 
 BACKENDS_FOR = {"nvidia": ("tensorrt-rtx",), "amd": ("migraphx",), "intel": ("openvino",),
                 "cpu": ("openvino", "onnxruntime")}
@@ -42,7 +44,6 @@ DISTRIBUTIONS = {"tensorrt-rtx": ("tensorrt_rtx", "tensorrt-rtx"),
                  "onnxruntime": ("onnxruntime", "onnxruntime-directml", "onnxruntime-gpu"),
                  "openvino": ("openvino",), "onnxruntime-directml": ("onnxruntime-directml",)}
 # the bundle's ONNX runs on the device itself through these (the EP compiles it at load time)
-ONNX_ON_DEVICE = ("onnxruntime-directml", "onnxruntime-coreml")
 
 
 RECORDED_BACKENDS = "installed_backends.json"
@@ -130,98 +131,6 @@ class Candidate:
                 "backend": self.backend, "artifact": self.artifact.id if self.artifact else "onnx",
                 "how": "prebuilt engine" if self.artifact else "compile/load the bundle's ONNX at run time",
                 "note": self.note, **({"memory": self.memory} if self.memory else {})}
-
-
-# --- memory budgets (--params-backend DEVICE:SIZE) ---------------------------------------------
-
-def device_budget(device: Device, budgets: dict[str, int], devices: list[Device]) -> tuple[int | None, str]:
-    """(bytes, where the number comes from) the weights on `device` may take: the user's budget,
-    else a discrete GPU's memory, else for an integrated GPU half the host memory it shares (the
-    driver's usual limit); the CPU has none unless given (None)."""
-    if device.id in budgets:
-        return budgets[device.id], "--params-backend budget"
-    if device.kind == "discrete" and device.memory:
-        return device.memory, "device memory"
-    if device.kind == "integrated":
-        host = next((d.memory for d in devices if d.kind == "cpu"), 0)
-        if device.memory:
-            return device.memory, "device memory"
-        if host:
-            return host // 2, "half of the host memory it shares"
-    return None, "no budget"
-
-
-def memory_plan(weights: int, device: Device, budget: int | None, source: str, streams: bool) -> dict:
-    """What a component's weights (bytes, from the manifest's file sizes) do on `device` under
-    `budget`: `resident` (they fit), `stream` (a TensorRT-RTX engine built with weight_streaming
-    keeps `budget` bytes on the GPU and streams the rest from host memory), or `too-big` (nothing
-    of the backend's own can make them fit: the selection passes the candidate over, and the next
-    one -- usually the CPU -- runs it). Activations are not counted: the budget is for weights."""
-    out = {"device": device.id, "weights": weights, "budget": budget, "budget_from": source}
-    if budget is None or weights <= budget:
-        return {**out, "plan": "resident"}
-    if streams:
-        return {**out, "plan": "stream", "streamed": weights - budget}
-    return {**out, "plan": "too-big"}
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
-
-
-def _apply_budgets(sel: "Selection", manifest: Manifest, placement: Placement, devices: list[Device]) -> None:
-    """Each viable candidate held against its device's budget: fits, streams, or passed over."""
-    budgets = dict(placement.budgets)
-    keep = []
-    for c in sel.viable:
-        files = c.artifact.files if c.artifact else manifest.components[c.component]["files"]
-        weights = sum(manifest.files.get(rel, {}).get("size", 0) for rel in files)
-        budget, source = device_budget(c.device, budgets, devices)
-        streams = bool(c.artifact and c.artifact.metadata.get("weight_streaming"))
-        c.memory = memory_plan(weights, c.device, budget, source, streams)
-        if c.memory["plan"] == "too-big":
-            why = (f"weights {_gib(weights)} exceed {c.device.id}'s budget {_gib(budget)} ({source})"
-                   + ("; the engine was not built with weight_streaming" if c.backend == "tensorrt-rtx" else
-                      f"; {c.backend} cannot stream weights"))
-            sel.refused.append(passed(why, c.artifact.id if c.artifact else "onnx", c.backend, c.device.id))
-            continue
-        if c.backend == "openvino" and c.device.kind != "cpu" and budget is not None:
-            c.weight_budget = budget        # told to OpenVINO's GPU plugin (sessions.openvino_gpu_memory)
-            c.note = "; ".join(filter(None, [c.note, f"OpenVINO GPU plugin given {_gib(budget)} of device memory "
-                                                     f"({source})"]))
-        if c.memory["plan"] == "stream":
-            c.weight_budget = budget
-            c.note = "; ".join(filter(None, [c.note, f"streams {_gib(c.memory['streamed'])} of {_gib(weights)} "
-                                                     f"weights from host memory ({_gib(budget)} on {c.device.id})"]))
-        keep.append(c)
-    sel.viable = keep
-
-
-def _share_budgets(sels: dict[str, "Selection"], placements: dict[str, Placement], devices: list[Device]) -> None:
-    """Components that each fit but together exceed a device's budget are loaded one at a time
-    (each released before the next is loaded): said on each of them."""
-    by_device: dict[str, list[Candidate]] = {}
-    for s in sels.values():
-        c = s.choice
-        if c is not None and c.memory and c.memory["plan"] == "resident" and c.memory["budget"] is not None:
-            by_device.setdefault(c.device.id, []).append(c)
-    for dev, chosen in by_device.items():
-        total = sum(c.memory["weights"] for c in chosen)
-        budget = chosen[0].memory["budget"]
-        if total > budget and len(chosen) > 1:
-            for c in chosen:
-                c.memory = {**c.memory, "plan": "one-at-a-time", "together": total}
-                c.note = "; ".join(filter(None, [c.note, f"loaded one at a time: {len(chosen)} components need "
-                                                         f"{_gib(total)} together, {dev}'s budget is {_gib(budget)}"]))
-
-
-def keep_shared_plan(before: "Selection", after: "Selection") -> None:
-    """A component selected again (with its sha256 checks) keeps the plan _share_budgets made for it
-    over all components, when the same candidate comes first."""
-    a, b = before.choice, after.choice
-    if a is not None and b is not None and (a.memory or {}).get("plan") == "one-at-a-time" \
-            and (a.device.id, a.backend, a.entry) == (b.device.id, b.backend, b.entry):
-        b.memory, b.note = a.memory, a.note
 
 
 def passed(reason: str, artifact: str | None = None, backend: str | None = None, device: str | None = None) -> dict:
@@ -364,7 +273,8 @@ def select_component(manifest: Manifest, component: str, placement: Placement, d
             if not usable:
                 sel.refused.append(passed("no CPU fallback: neither openvino nor onnxruntime is installed",
                                           "onnx", None, cpu.id))
-    _apply_budgets(sel, manifest, placement, devices)
+    for why, c in apply_budgets(sel, manifest, placement, devices):
+        sel.refused.append(passed(why, c.artifact.id if c.artifact else "onnx", c.backend, c.device.id))
     if pin or placement.strict:
         def asked(c: Candidate) -> bool:
             return c.device.id == placement.device.id and (pin is None or c.backend == pin)
@@ -398,7 +308,7 @@ def select_all(manifest: Manifest, placements: dict[str, Placement], devices: li
         module = COMPONENT_MODULE.get(component, "diffusion")
         out[component] = select_component(manifest, component, placements[module], devices,
                                           requests.get(component, {}), installed, verify)
-    _share_budgets({c: s for c, s in out.items() if together is None or c in together}, placements, devices)
+    share_budgets({c: s for c, s in out.items() if together is None or c in together}, placements, devices)
     return out
 
 
@@ -406,50 +316,9 @@ def coreml_cache_dir(manifest: Manifest, comp: dict, version: str) -> str:
     """Where the CoreML EP keeps what it compiled from a component's ONNX: the user's precast cache,
     coreml/<digest of the ONNX files' sha256s>-ort<version>, so a changed model or onnxruntime never
     meets a stale compile (the EP does not check that itself)."""
-    from .verified import user_records_dir
     sums = {rel: manifest.files.get(rel, {}).get("sha256") for rel in comp["files"]}
     digest = hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()[:16]
     return str(user_records_dir().parent / "coreml" / f"{digest}-ort{version}")
-
-
-def open_candidate(c: Candidate, output_names: list[str], offload: bool = False):
-    """Load one candidate (checks already passed)."""
-    from . import sessions
-    from .cpu import default_precision
-    if c.artifact is None:
-        if c.backend in ONNX_ON_DEVICE:
-            return sessions.OnnxRuntimeSession(c.entry, provider=c.backend, device_index=max(c.device.adapter, 0),
-                                               cache_dir=_writable(c.ep_cache))
-        if c.backend == "openvino":
-            config = {"PERFORMANCE_HINT": "LATENCY",
-                      "INFERENCE_PRECISION_HINT": default_precision("CPU", c.device.arch, c.component)}
-            return sessions.OpenVinoSession(c.entry, "CPU", config, from_onnx=True)
-        return sessions.OnnxRuntimeSession(c.entry)
-    meta = {"backend": c.backend, "entry": c.artifact.entry, **c.artifact.metadata}
-    index = int("".join(ch for ch in c.device.id if ch.isdigit()) or 0)
-    if c.backend == "onnxruntime-directml" and c.device.adapter >= 0:
-        index = c.device.adapter      # DirectML's device_id is the DXGI adapter index
-    budget = 0 if offload and c.artifact.metadata.get("weight_streaming") else c.weight_budget
-    device = "CPU" if c.device.kind == "cpu" else f"GPU.{index}"
-    return sessions.open_artifact(_bundle_root(c), meta,  # weight_budget: streamed (TensorRT-RTX) or told (OpenVINO GPU)
-                                  device=device if c.backend == "openvino" else None,
-                                  output_names=output_names, device_index=index, weight_budget=budget)
-
-
-def _writable(folder: str) -> str | None:
-    """`folder`, created if need be; None (the EP compiles again on each load) when it cannot be."""
-    try:
-        if folder:
-            os.makedirs(folder, exist_ok=True)
-            return folder
-    except OSError:
-        pass
-    return None
-
-
-def _bundle_root(c: Candidate) -> Path:
-    entry = Path(c.entry)
-    return Path(str(entry)[: -len(c.artifact.entry)]) if c.artifact else entry.parent
 
 
 def damaged(sel: Selection, root: Path, problem: str, strict: bool) -> None:

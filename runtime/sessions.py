@@ -1,13 +1,21 @@
 """Sessions: one interface over every backend, `run(feeds) -> outputs`, numpy in and out.
 
 Owns: loading an artifact folder (a cache entry or a bundle's artifact) with the backend it
-was built for, importing that backend lazily (the runtime depends only on numpy).
+was built for, importing that backend lazily (the runtime depends only on numpy), and
+`open_candidate`: the session for what selection chose (an artifact, or the bundle's ONNX compiled
+or loaded at run time by OpenVINO, ONNX Runtime or one of its device EPs, ONNX_ON_DEVICE).
 OpenVINO blobs are imported with the compile config recorded at build time (an imported blob
 does not remember its precision hint).
 """
 from __future__ import annotations
 
+from .onnx_header import input_defaults
+from .openvino_attention import rewrite_attention
+from .embeddings import EXTRA_TOKENS_INPUT
+from .cpu import default_precision
+
 import mmap
+import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
@@ -51,7 +59,6 @@ class OnnxRuntimeSession:
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         if threads:
             opts.intra_op_num_threads = threads
-        from .onnx_header import input_defaults
         if input_defaults(model_path):  # an input with a default is meant (token_embeddings_extra): ORT's
             opts.log_severity_level = 3   # warning about it on every load is kept off stderr (errors still shown)
         self._s = ort.InferenceSession(str(model_path), opts, providers=providers)
@@ -81,7 +88,6 @@ class OpenVinoSession:
             model = core.read_model(str(path))
             restore_input_defaults(model, ov)
             if device.upper().startswith("CPU"):     # as the OpenVINO target does: half attention fused
-                from .openvino_attention import rewrite_attention
                 rewrite_attention(model)
             self._cm = core.compile_model(model, device, config)
         elif Path(path).suffix == ".xml":     # rewrites already in the IR; its .bin read memory-mapped
@@ -138,7 +144,6 @@ def restore_input_defaults(model, ov) -> int:
     """An ONNX input with an initializer default (the text encoder's token_embeddings_extra, see
     compiler/graphs/clip_text.py) is read by OpenVINO as a constant: made a parameter again (first
     dimension dynamic), so precast's embeddings still reach the graph. Returns how many."""
-    from .embeddings import EXTRA_TOKENS_INPUT
     if any(EXTRA_TOKENS_INPUT in p.get_names() for p in model.inputs):
         return 0
     count = 0
@@ -290,6 +295,7 @@ def _cast(feeds: dict[str, np.ndarray], types: dict) -> dict[str, np.ndarray]:
     return {k: np.asarray(v, dtype=types.get(k) or v.dtype, order="C") for k, v in feeds.items()}
 
 
+
 def open_artifact(folder: str | Path, metadata: dict, device: str | None = None,
                   output_names: list[str] | None = None, device_index: int = 0,
                   weight_budget: int | None = None) -> Session:
@@ -309,3 +315,45 @@ def open_artifact(folder: str | Path, metadata: dict, device: str | None = None,
     if backend == "migraphx":
         return MigraphxSession(entry, output_names or [])
     raise ValueError(f"no session for backend {backend!r}")
+
+
+ONNX_ON_DEVICE = ("onnxruntime-directml", "onnxruntime-coreml")    # ONNX Runtime EPs running an ONNX on a GPU
+
+
+def open_candidate(c, output_names: list[str], offload: bool = False):
+    """A session for one of select.py's candidates (its checks passed): an artifact through open_artifact,
+    or the bundle's ONNX through OpenVINO, ONNX Runtime or an ONNX Runtime device EP."""
+    if c.artifact is None:
+        if c.backend in ONNX_ON_DEVICE:
+            return OnnxRuntimeSession(c.entry, provider=c.backend, device_index=max(c.device.adapter, 0),
+                                               cache_dir=_writable(c.ep_cache))
+        if c.backend == "openvino":
+            config = {"PERFORMANCE_HINT": "LATENCY",
+                      "INFERENCE_PRECISION_HINT": default_precision("CPU", c.device.arch, c.component)}
+            return OpenVinoSession(c.entry, "CPU", config, from_onnx=True)
+        return OnnxRuntimeSession(c.entry)
+    meta = {"backend": c.backend, "entry": c.artifact.entry, **c.artifact.metadata}
+    index = int("".join(ch for ch in c.device.id if ch.isdigit()) or 0)
+    if c.backend == "onnxruntime-directml" and c.device.adapter >= 0:
+        index = c.device.adapter      # DirectML's device_id is the DXGI adapter index
+    budget = 0 if offload and c.artifact.metadata.get("weight_streaming") else c.weight_budget
+    device = "CPU" if c.device.kind == "cpu" else f"GPU.{index}"
+    return open_artifact(_bundle_root(c), meta,  # weight_budget: streamed (TensorRT-RTX) or told (OpenVINO GPU)
+                                  device=device if c.backend == "openvino" else None,
+                                  output_names=output_names, device_index=index, weight_budget=budget)
+
+
+def _writable(folder: str) -> str | None:
+    """`folder`, created if need be; None (the EP compiles again on each load) when it cannot be."""
+    try:
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+            return folder
+    except OSError:
+        pass
+    return None
+
+
+def _bundle_root(c) -> Path:
+    entry = Path(c.entry)
+    return Path(str(entry)[: -len(c.artifact.entry)]) if c.artifact else entry.parent

@@ -88,7 +88,7 @@ CASES = {   # id: (bundle, [(net, scale, start, end)], guess mode)
 @pytest.mark.parametrize("case", list(CASES))
 def test_sd1_matches_diffusers(sd1, case):
     from PIL import Image
-    from precast.runtime.sd_pipeline import Txt2Img
+    from precast.runtime.families.sd import Txt2Img
     bundle, uses, guess = CASES[case]
     noise = np.random.default_rng(5).standard_normal((1, 4, 8, 8)).astype(np.float32)
     images = [edges(i) for i in range(len(uses))]
@@ -118,7 +118,7 @@ def test_sd1_matches_diffusers(sd1, case):
 
 def test_a_controlnet_bundle_without_control_is_the_plain_bundle(sd1):
     """No --control: the UNet's residual inputs are fed zeros, giving the plain bundle's image."""
-    from precast.runtime.sd_pipeline import Txt2Img
+    from precast.runtime.families.sd import Txt2Img
     noise = np.random.default_rng(6).standard_normal((1, 4, 8, 8)).astype(np.float32)
     a = Txt2Img(sd1["two"], "cpu:onnxruntime", width=SIZE, height=SIZE)(PROMPT, "", 3, 0, 7.0, latents=noise,
                                                                          progress=False)
@@ -172,7 +172,7 @@ def test_sdxl_matches_diffusers(tmp_path):
     from diffusers import EulerDiscreteScheduler, StableDiffusionXLControlNetPipeline
     from PIL import Image
     from transformers import CLIPTokenizer
-    from precast.runtime.sd_pipeline import Txt2Img
+    from precast.runtime.families.sd import Txt2Img
     model, net = tmp_path / "xl.safetensors", tmp_path / "xlnet.safetensors"
     write_demo_model(str(model), TINY_SDXL, seed=3, dtype="fp32")
     write_demo_controlnet(str(net), TINY_SDXL, seed=7, dtype="fp32")

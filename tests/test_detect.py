@@ -5,7 +5,7 @@ import pytest
 
 from precast.compiler.demo_model import TINY, TINY_REFINER, TINY_SD2, TINY_SDXL, SDXL, sd1_layout, write_safetensors
 from precast.compiler.sources.checkpoint import UNET, open_checkpoint
-from precast.compiler.sources.detect import detect_family
+from precast.compiler.families import detect_family
 
 CONFIGS = {"sd1": TINY, "sd2": TINY_SD2, "sdxl": TINY_SDXL, "sdxl-refiner": TINY_REFINER}
 

@@ -61,7 +61,7 @@ def test_sdxl_bundle_holds_every_backend_and_keeps_the_vae_fp32(sdxl):
 def test_sdxl_pipeline_matches_diffusers(sdxl):
     from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
     from transformers import CLIPTokenizer
-    from precast.runtime.sd_pipeline import Txt2Img
+    from precast.runtime.families.sd import Txt2Img
     ckpt, bundle = sdxl
     noise = np.random.default_rng(3).standard_normal((1, 4, 8, 8)).astype(np.float32)
     prompt, steps, guidance = "a photo of an astronaut riding a horse", 6, 5.0
@@ -84,7 +84,7 @@ def test_sdxl_pipeline_matches_diffusers(sdxl):
 
 def test_sd2_v_prediction_pipeline_matches_diffusers(tmp_path):
     from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline
-    from precast.runtime.sd_pipeline import Txt2Img
+    from precast.runtime.families.sd import Txt2Img
     ckpt, bundle = _bundle(tmp_path, TINY_SD2, "[{openvino: {device: CPU}}]", ", prediction: v_prediction")
     m = json.loads((bundle / "manifest.json").read_text())
     assert m["model"]["prediction"] == "v_prediction"
@@ -113,7 +113,7 @@ def _drop_last_layer(te):
 
 
 def test_refiner_pipeline_runs_with_aesthetic_conditioning(tmp_path):
-    from precast.runtime.sd_pipeline import Txt2Img
+    from precast.runtime.families.sd import Txt2Img
     _, bundle = _bundle(tmp_path, TINY_REFINER, "[{openvino: {device: CPU}}]")
     pipe = Txt2Img(bundle, width=64, height=64)
     a = pipe("a castle", "", 3, 0, 5.0, aesthetic_score=6.0, progress=False)

@@ -11,7 +11,7 @@ import torch
 import reference_dit as ref
 from conftest import precast
 from precast.compiler.demo_dit import DEMOS, TINY_CLIP_L, TINY_T5, TINY_VAE16, write_demo_dit
-from precast.runtime.dit_pipeline import pack
+from precast.runtime.families.flux import pack
 
 T5_TOKENS = 32
 
@@ -110,7 +110,7 @@ def _flux_pipeline(bundle, ckpt, demo):
 
 @pytest.mark.parametrize("demo, steps, guidance", [("tiny-flux-dev", 6, 3.5), ("tiny-flux-schnell", 4, 0.0)])
 def test_flux_pipeline_matches_diffusers(bundles, demo, steps, guidance):
-    from precast.runtime.dit_pipeline import FluxTxt2Img
+    from precast.runtime.families.flux import FluxTxt2Img
     bundle, ckpt = bundles[demo]
     noise = np.random.default_rng(3).standard_normal((1, 16, 32, 32)).astype(np.float32)
     prompt = "a photo of an astronaut riding a horse on the moon"
@@ -132,7 +132,7 @@ def test_chroma_pipeline_matches_diffusers(bundles):
     lodestones' reference does (the real text tokens and one padding token are attended)."""
     from diffusers import ChromaPipeline, FlowMatchEulerDiscreteScheduler
     from transformers import T5TokenizerFast
-    from precast.runtime.dit_pipeline import FluxTxt2Img
+    from precast.runtime.families.flux import FluxTxt2Img
     bundle, ckpt = bundles["tiny-chroma"]
     noise = np.random.default_rng(4).standard_normal((1, 16, 32, 32)).astype(np.float32)
     prompt, negative, steps, guidance = "a lighthouse at dusk, oil painting", "blurry, low quality", 5, 4.0
@@ -159,7 +159,7 @@ def test_the_dit_runtime_stays_thin(bundles):
     import subprocess
     import sys
     bundle, _ = bundles["tiny-flux-dev"]
-    code = ("import sys\nfrom precast.runtime.dit_pipeline import FluxTxt2Img\n"
+    code = ("import sys\nfrom precast.runtime.families.flux import FluxTxt2Img\n"
             f"FluxTxt2Img({str(bundle)!r}, width=64, height=64)('a cat', steps=1, progress=False)\n"
             "print(sorted(m for m in ('precast.compiler', 'onnx', 'ml_dtypes', 'torch', 'transformers', 'tokenizers',"
             " 'sentencepiece', 'safetensors') if m in sys.modules))")
@@ -193,7 +193,7 @@ def test_a_hand_edited_manifest_is_one_line(bundles, tmp_path, edit, words):
 def test_a_bundle_built_for_several_t5_lengths_runs_its_engines(tmp_path):
     """Static profiles for 16 and 32 T5 tokens (neither the model's 512): the runtime runs the longest
     one its engines were built for instead of falling back to compiling the ONNX."""
-    from precast.runtime.dit_pipeline import FluxTxt2Img
+    from precast.runtime.families.flux import FluxTxt2Img
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model: {source: 'demo:tiny-flux-dev'}\nprecision: fp32\n"
                       "profiles: {static: [{height: 64, width: 64, t5_tokens: 16}, {height: 64, width: 64, t5_tokens: 32}]}\n"

@@ -308,7 +308,7 @@ def test_build_from_real_optimum_export_matches_optimum(real_optimum, tmp_path):
     from test_interop import GUIDANCE, PROMPT, STEPS, psnr, run_side
     from precast.compiler.interop import scheduler_config
     from precast.runtime.manifest import verify_bundle
-    from precast.runtime.sd_pipeline import Txt2Img
+    from precast.runtime.families.sd import Txt2Img
     folder, _, cache = real_optimum
     bundle, env = tmp_path / "bundle", {"PRECAST_CACHE": cache}
     proc = precast("build", _recipe(tmp_path, folder), "--out", bundle, "--json", env=env)
@@ -371,7 +371,7 @@ def test_build_from_foreign_folder_matches_precasts_own_bundle(folders, tiny_bun
     weights.pb, no configs or tokenizer) exported from the demo checkpoint tiny_bundle is built from: `precast build`
     of the folder gives the image precast's own bundle gives from the same noise (PSNR >= 40 dB, fp32)."""
     from test_interop import GUIDANCE, PROMPT, STEPS, psnr
-    from precast.runtime.sd_pipeline import Txt2Img
+    from precast.runtime.families.sd import Txt2Img
     bundle = tmp_path / "bundle"
     proc = precast("build", _recipe(tmp_path, folders[layout], "components: [text_encoder, unet, vae_decoder]\n"),
                    "--out", bundle, env={"PRECAST_CACHE": str(tmp_path / "cache")})

@@ -19,7 +19,7 @@ from precast.compiler.demo_model import TINY, TINY_SDXL, random_tensor, unet_lay
 from precast.compiler.demo_sd3 import TINY_SD3, sd3_layout
 from precast.compiler.errors import BadInput
 from precast.compiler.sources.checkpoint import DIT, T5, UNET, open_checkpoint
-from precast.compiler.sources.detect import detect_family
+from precast.compiler.families import detect_family
 from precast.compiler.sources.gguf_file import GGUFFile
 
 gguf = pytest.importorskip("gguf")

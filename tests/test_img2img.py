@@ -107,7 +107,7 @@ CASES = {  # id: (bundle, mask?, scheduler, strength)
 
 @pytest.fixture(scope="module")
 def runtime_pipes(tiny):
-    from precast.runtime.sd_pipeline import Txt2Img
+    from precast.runtime.families.sd import Txt2Img
     return {name: Txt2Img(path, width=SIZE, height=SIZE, image_input=True) for name, (path, _, _) in tiny.items()}
 
 
@@ -162,7 +162,7 @@ def test_sdxl_matches_diffusers(sdxl, with_mask, strength, monkeypatch):
     from diffusers.pipelines.stable_diffusion_xl import pipeline_stable_diffusion_xl_inpaint as m_inp
     from PIL import Image
     from transformers import CLIPTokenizer
-    from precast.runtime.sd_pipeline import Txt2Img
+    from precast.runtime.families.sd import Txt2Img
     bundle, models = sdxl
     noise = np.random.default_rng(3).standard_normal((1, 4, 8, 8)).astype(np.float32)
     for mod in (m_i2i, m_inp):
@@ -414,7 +414,7 @@ def test_bundle_without_vae_encoder_and_other_families_are_refused(tiny_bundle, 
     """Checked from the manifest before anything loads (check_image_mode)."""
     from types import SimpleNamespace
     from precast.runtime.api import open_bundle
-    from precast.runtime.pipeline import check_image_mode
+    from precast.runtime.generate import check_image_mode
     with pytest.raises(UserError, match="rebuild it with vae_encoder in the recipe's components"):
         open_bundle(tiny_bundle[0]).img2img("x", picture())
     flux = SimpleNamespace(root="b", model={"family": "flux"}, components={"transformer": {}, "vae_encoder": {}})

@@ -51,7 +51,7 @@ def folders(tiny_bundle, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def noise_and_ours(tiny_bundle):
-    from precast.runtime.sd_pipeline import Txt2Img
+    from precast.runtime.families.sd import Txt2Img
     noise = np.random.default_rng(7).standard_normal((1, 4, 8, 8)).astype(np.float32)
     ours = Txt2Img(tiny_bundle[0], None, width=64, height=64)(PROMPT, "", STEPS, 0, GUIDANCE, "dpm++2m",
                                                                latents=noise, progress=False)
@@ -168,7 +168,7 @@ def flux(tmp_path_factory):
     from fixed unpacked noise [1, 16, 32, 32] (the tiny VAE's factor is 2)."""
     from conftest import precast
     from precast.compiler.demo_dit import DEMO_AXES
-    from precast.runtime.dit_pipeline import FluxTxt2Img
+    from precast.runtime.families.flux import FluxTxt2Img
     tmp = tmp_path_factory.mktemp("interop-flux")
     recipe = tmp / "flux.yaml"
     recipe.write_text("model: {source: 'demo:tiny-flux-dev'}\ncomponents: [" + ", ".join(FLUX_COMPONENTS) + "]\n"
@@ -218,7 +218,7 @@ def sdxl(tmp_path_factory):
     an empty negative prompt is zeros, as the folder's force_zeros_for_empty_prompt says)."""
     from conftest import precast
     from precast.compiler.demo_model import TINY_SDXL, write_demo_model
-    from precast.runtime.sd_pipeline import Txt2Img
+    from precast.runtime.families.sd import Txt2Img
     tmp = tmp_path_factory.mktemp("interop-sdxl")
     ckpt = tmp / "xl.safetensors"
     write_demo_model(str(ckpt), TINY_SDXL)
@@ -259,7 +259,7 @@ def sd3(tmp_path_factory):
     export of the checkpoint that build wrote, and precast's image from the bundle (SD3Txt2Img is `precast
     generate`) from fixed noise [1, 16, 32, 32] with a negative prompt (CFG 4.5, 4 steps)."""
     from conftest import precast
-    from precast.runtime.sd3_pipeline import SD3Txt2Img
+    from precast.runtime.families.sd3 import SD3Txt2Img
     tmp = tmp_path_factory.mktemp("interop-sd3")
     recipe = tmp / "sd3.yaml"
     recipe.write_text("model: {source: 'demo:tiny-sd35-medium'}\ncomponents: [" + ", ".join(SD3_COMPONENTS) + "]\n"
@@ -294,13 +294,13 @@ def test_optimum_sd3_pipeline_matches(sd3, tool, which, tmp_path):
 
 def test_precast_reads_its_state_by_name_not_position(tmp_path):
     """With every hidden state an output, precast's runtime picks the one the export recorded
-    (runtime/pipeline.py text_state_name), never the first hidden_states.* output: the penultimate by
+    (runtime/loading.py text_state_name), never the first hidden_states.* output: the penultimate by
     default, the clip_skip layer when asked (SDXL CLIP-G, 3 layers: clip_skip 2 reads hidden_states.1);
     an export without the record (an older precast one, a foreign optimum one) falls back to the only
     hidden state, or hidden_states.{layers - 1}."""
     import onnxruntime as ort
     from precast.compiler.demo_model import TINY_SDXL, write_demo_model
-    from precast.runtime.pipeline import text_state_name
+    from precast.runtime.loading import text_state_name
     ckpt = tmp_path / "xl.safetensors"
     write_demo_model(str(ckpt), TINY_SDXL)
     comps = ["text_encoder", "text_encoder_2"]

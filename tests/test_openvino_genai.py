@@ -68,7 +68,7 @@ def _genai_and_ours(folder, bundle, negative):
     """GenAI's image and precast's (Txt2Img is `precast generate`) from the same noise, Euler, 64x64."""
     ov_genai = _need("openvino_genai")
     import openvino as ov
-    from precast.runtime.sd_pipeline import Txt2Img
+    from precast.runtime.families.sd import Txt2Img
     noise = np.random.default_rng(7).standard_normal((1, 4, 8, 8)).astype(np.float32)
 
     class FixedNoise(ov_genai.Generator):

@@ -151,8 +151,8 @@ class _Noise:
 @pytest.mark.parametrize("case", list(CASES))
 def test_text2image_pipeline_matches_precast_generate(made, case):
     ov_genai = _need("openvino_genai")
-    from precast.runtime.dit_pipeline import FluxTxt2Img
-    from precast.runtime.sd3_pipeline import SD3Txt2Img
+    from precast.runtime.families.flux import FluxTxt2Img
+    from precast.runtime.families.sd3 import SD3Txt2Img
     folder, bundle, _ = made(case)
     demo, _, t5, steps, guidance, negative = CASES[case]
     noise = np.random.default_rng(7).standard_normal((1, 16, 32, 32)).astype(np.float32)

@@ -29,7 +29,7 @@ def psnr(a, b):
 def test_txt2img_matches_diffusers(bundle, scheduler, backend):
     from diffusers import DPMSolverMultistepScheduler, EulerDiscreteScheduler, StableDiffusionPipeline
     from transformers import CLIPTokenizer
-    from precast.runtime.sd_pipeline import Txt2Img
+    from precast.runtime.families.sd import Txt2Img
     path, ckpt = bundle
     prompt, negative, steps, guidance = "a photo of a cat, (masterpiece:1.2)", "blurry", 8, 7.5
     noise = np.random.default_rng(7).standard_normal((1, 4, 8, 8)).astype(np.float32)
@@ -168,9 +168,9 @@ def test_a_changed_tokenizer_fails_before_any_engine_is_verified_or_loaded(bundl
     """The tokenizer was checked after every engine was loaded (GBs for SDXL); now first."""
     import shutil
     from conftest import flip_byte
-    from precast.runtime import pipeline
+    from precast.runtime import loading as pipeline
     from precast.runtime.errors import UserError
-    from precast.runtime.sd_pipeline import Txt2Img
+    from precast.runtime.families.sd import Txt2Img
     copy = tmp_path / "copy"
     shutil.copytree(bundle[0], copy)
     flip_byte(copy / "tokenizer/vocab.json", 100, mask=1)
@@ -188,7 +188,7 @@ def test_sdxl_embedding_files_are_checked_and_read_once_for_both_encoders(monkey
     registered with both encoders' tokenizers."""
     from pathlib import Path
     from types import SimpleNamespace
-    from precast.runtime import embeddings, pipeline
+    from precast.runtime import embeddings, loading as pipeline
 
     class Tok:
         def __init__(self):

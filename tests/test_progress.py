@@ -66,7 +66,7 @@ def test_bar_lines_and_the_end_line(monkeypatch, capsys):
 
 
 def test_denoise_loop_progress_without_tqdm_on_a_pipe(monkeypatch, capsys):
-    from precast.runtime.pipeline import _progress
+    from precast.runtime.loading import _progress
     monkeypatch.setenv("PRECAST_PROGRESS_INTERVAL", "0.05")
     b = _progress(4, True)
     for _ in range(4):

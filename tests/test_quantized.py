@@ -26,7 +26,8 @@ from precast.runtime.assign import assign_modules, parse_size
 from precast.runtime.devices import discover_devices
 from precast.runtime.fingerprint import Fingerprint
 from precast.runtime.manifest import Manifest
-from precast.runtime.select import _share_budgets, select_component
+from precast.runtime.budgets import share_budgets as _share_budgets
+from precast.runtime.select import select_component
 from precast.runtime.sessions import open_artifact
 from precast.runtime.trt_header import read_header
 
@@ -337,7 +338,7 @@ def test_components_load_one_at_a_time_under_a_budget(tmp_path):
     """A CPU budget that each component fits but not all together (--params-backend cpu:SIZE): generate
     says so per component, loads each on first use and releases the others first (the text encoders
     are gone when the transformer runs, the transformer when the VAE decodes), same image as without."""
-    from precast.runtime.dit_pipeline import FluxTxt2Img
+    from precast.runtime.families.flux import FluxTxt2Img
     build_recipe(tmp_path, "model: {source: demo:tiny-flux-schnell}\ncomponents: [text_encoder, text_encoder_2, "
                            "transformer, vae_decoder]\nprofiles: {batch: 1, height: 64, width: 64, t5_tokens: 32}\n"
                            "targets:\n  - onnxruntime\n", "b")

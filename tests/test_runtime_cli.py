@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import precast
-from precast.runtime.run_commands import _write_image, parse_size
+from precast.runtime.checks import write_image as _write_image
+from precast.runtime.image_size import parse_size
 from precast.runtime.errors import UserError
 from precast.runtime.manifest import read_manifest
 

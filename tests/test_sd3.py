@@ -240,7 +240,7 @@ def _diffusers_pipeline(bundle, src, t5: bool):
 
 @pytest.mark.parametrize("name, steps, guidance", [("t5", 5, 4.5), ("no-t5", 4, 7.0)])
 def test_pipeline_matches_diffusers(files, bundles, name, steps, guidance):
-    from precast.runtime.sd3_pipeline import SD3Txt2Img
+    from precast.runtime.families.sd3 import SD3Txt2Img
     bundle = bundles[name]
     noise = np.random.default_rng(3).standard_normal((1, 16, 32, 32)).astype(np.float32)
     pipe = SD3Txt2Img(bundle, "cpu", width=64, height=64)

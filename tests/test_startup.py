@@ -104,7 +104,7 @@ def test_a_vae_decoder_that_cannot_load_is_one_error_not_a_traceback(bundle, tmp
 
 
 def test_lazy_and_eager_open_give_the_same_image_and_report(bundle):
-    from precast.runtime.sd_pipeline import Txt2Img
+    from precast.runtime.families.sd import Txt2Img
     lazy = Txt2Img(bundle, width=64, height=64)
     eager = Txt2Img(bundle, width=64, height=64, lazy=False)
     assert eager.stages["open"] is not None and set(eager.loaded) == set(NEEDED)

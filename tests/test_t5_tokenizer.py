@@ -16,7 +16,8 @@ from precast.compiler.sources.t5_tokenizer_files import (SHIPPED_TOKENIZER_JSON,
                                                          spiece_model_from_tokenizer_json,
                                                          write_t5_tokenizer_folder)
 from precast.runtime.errors import UserError
-from precast.runtime.t5_tokenizer import DATA, SHIPPED_MODEL, T5Tokenizer, graphemes
+from precast.runtime.sentencepiece_model import graphemes
+from precast.runtime.t5_tokenizer import DATA, SHIPPED_MODEL, T5Tokenizer
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")

@@ -8,15 +8,16 @@ import pytest
 
 from conftest import flip_byte
 from precast.compiler.cache import Cache
-from precast.runtime import manifest
-from precast.runtime.manifest import file_record, piece_digests, verify_file
+from precast.runtime import digests, manifest_schema
+from precast.runtime.digests import file_record, piece_digests, verify_file
 
 PIECE = 4096
 
 
 @pytest.fixture(autouse=True)
 def small_pieces(monkeypatch):
-    monkeypatch.setattr(manifest, "PIECE", PIECE)
+    monkeypatch.setattr(digests, "PIECE", PIECE)
+    monkeypatch.setattr(manifest_schema, "PIECE", PIECE)
 
 
 def test_record_has_the_whole_digest_and_one_digest_per_piece(tmp_path):

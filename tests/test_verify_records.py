@@ -14,7 +14,7 @@ import pytest
 from conftest import flip_byte, precast
 from precast.runtime.errors import UserError
 from precast.runtime.manifest import bytes_hashed, read_manifest, verify_bundle
-from precast.runtime.sd_pipeline import Txt2Img
+from precast.runtime.families.sd import Txt2Img
 from precast.runtime.verified import RACY_NS, RECORD_FILE
 
 
@@ -166,7 +166,7 @@ def test_two_processes_opening_a_fresh_bundle_agree(copy):
 OPEN_TWICE = """
 import json, sys
 from precast.runtime.manifest import bytes_hashed
-from precast.runtime.sd_pipeline import Txt2Img
+from precast.runtime.families.sd import Txt2Img
 counts = []
 for _ in range(2):
     before = bytes_hashed()

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import precast
 from precast.compiler import bundle_archive
-from precast.compiler.bundle import commit_bundle
+from precast.compiler.bundle_writer import commit_bundle
 from precast.compiler.bundle_archive import _write_archive, pack_bundle, unpack_bundle
 from precast.compiler.cache import Cache
 from precast.compiler.errors import BadInput

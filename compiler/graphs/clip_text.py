@@ -1,10 +1,11 @@
 """CLIP text encoders: HF layout (`embeddings.*`, `encoder.layers.N.*`) and OpenCLIP layout
 (`token_embedding`, `transformer.resblocks.N.*` with fused `attn.in_proj_weight`).
 
-Owns: the text-encoder graph for every family, its config inferred from tensor shapes, and
-which hidden state each family uses (SD 1.x: last layer + final LayerNorm; SD 2.x: penultimate
-+ final LayerNorm; SDXL: penultimate without it, plus bigG's projected pooled output; SD3: the
-penultimate of CLIP-L and CLIP-G, both with projected pooled outputs). SDXL's and SD3's encoders
+Owns: the text-encoder graph for every family, its config inferred from tensor shapes, and the
+hidden state and pooled output each `use` reads (a family's choice, compiler/families/; SD 1.x: last
+layer + final LayerNorm; SD 2.x: penultimate + final LayerNorm; SDXL: penultimate without it, plus
+bigG's projected pooled output; SD3: the penultimate of CLIP-L and CLIP-G, both with projected pooled
+outputs). SDXL's and SD3's encoders
 output what transformers' CLIPTextModel(WithProjection) returns with output_hidden_states=True, in
 optimum's ONNX order: [text_embeds,] last_hidden_state[, pooler_output], hidden_states.0 .. hidden_states.N
 (N + 1 of them: the embeddings, then each layer's output), so optimum's and optimum-intel's SDXL / SD3
@@ -69,8 +70,13 @@ def detect_layout(g: Graph) -> str:
                    "(looked for embeddings.token_embedding.weight and token_embedding.weight)")
 
 
-def clip_text_config(g: Graph, config_json: dict, overrides: dict, role: str = "sd1") -> ClipTextConfig:
-    """role: sd1 | sd2 | sdxl-l (SDXL's CLIP-L) | sdxl-g (SDXL's / the refiner's bigG) | sd3-l | sd3-g."""
+def clip_text_config(g: Graph, config_json: dict, overrides: dict, use: str = "last",
+                     openai: bool = True) -> ClipTextConfig:
+    """`use` (the family's, compiler/families/): "last" -- the last layer + final LayerNorm, pooler_output
+    (SD 1.x, Flux); "penultimate" -- the penultimate layer + final LayerNorm (SD 2.x); "states" -- every
+    hidden state, the penultimate un-normalised read, no pooled output (SDXL's CLIP-L); "states+pooled" --
+    the same plus the projected text_embeds (SDXL's bigG, SD3's CLIP-L and CLIP-G). `openai`: OpenAI's CLIP
+    (quick_gelu where the config does not say), else OpenCLIP's (gelu)."""
     layout = detect_layout(g)
     L = LAYOUTS[layout]
     vocab, hidden = g.shape(L["tok"])
@@ -84,15 +90,15 @@ def clip_text_config(g: Graph, config_json: dict, overrides: dict, role: str = "
     heads = overrides.get("num_heads") or field(config_json, "num_attention_heads", "count", max(1, hidden // 64), where)
     if hidden % int(heads):
         raise BadInput(f"text_encoder.num_heads={heads} does not divide the hidden size {hidden}")
-    default_act = "quick_gelu" if layout == "hf" and role in ("sd1", "sdxl-l", "sd3-l") else "gelu"
+    default_act = "quick_gelu" if layout == "hf" and openai else "gelu"
     # SD 2.x single files hold all 24 OpenCLIP layers and use the penultimate; diffusers folders
     # already dropped the last one. SDXL reads the penultimate of both encoders, un-normalised.
-    if role == "sd2":
+    if use == "penultimate":
         hidden_layer, norm, name, pooled = (layers - 1 if layout == "openclip" else layers), True, \
             "last_hidden_state", "pooler_output"
-    elif role in ("sdxl-l", "sdxl-g", "sd3-l", "sd3-g"):
+    elif use in ("states", "states+pooled"):
         hidden_layer, norm, name = layers - 1, False, f"hidden_states.{layers - 1}"
-        pooled = "none" if role == "sdxl-l" else "text_embeds"
+        pooled = "text_embeds" if use == "states+pooled" else "none"
         every = True
     else:
         hidden_layer, norm, name, pooled = layers, True, "last_hidden_state", "pooler_output"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 from ..errors import BadInput
 from ..sources.config_fields import field
@@ -29,7 +30,7 @@ MATCHED = ("family", "model_channels", "context_dim", "adm_in_channels", "levels
 
 @dataclass(frozen=True)
 class ControlNetConfig(UNetConfig):
-    family: str = ""                   # sd1 | sd2 | sdxl: from the shapes
+    family: str = ""                   # the family it was made for, from the shapes (the family's controlnet_family)
     hint_channels: tuple[int, ...] = ()  # output channels of each hint conv (the last = model_channels)
     hint_factor: int = 8               # image pixels per latent the hint embedding expects
     bgr: bool = False                  # diffusers controlnet_conditioning_channel_order "bgr": channels flipped first
@@ -43,14 +44,6 @@ class ControlNetConfig(UNetConfig):
         return d
 
 
-def family_of(cfg: dict) -> str:
-    """sd1 / sd2 / sdxl of an encoder config: label_emb is SDXL's, linear projections or a 1024-wide
-    context SD 2.x's (detect.py's rules, on the encoder half alone)."""
-    if cfg["adm_in_channels"]:
-        return "sdxl"
-    return "sd2" if cfg["use_linear_projection"] or cfg["context_dim"] == 1024 else "sd1"
-
-
 def _hint_convs(g: Graph) -> list[int]:
     idx = sorted({int(m.group(1)) for k in g.ckpt.refs
                   if (m := re.match(re.escape(g.prefix) + r"input_hint_block\.(\d+)\.weight$", k))})
@@ -59,7 +52,10 @@ def _hint_convs(g: Graph) -> list[int]:
     return idx
 
 
-def controlnet_config(g: Graph, config_json: dict, overrides: dict) -> ControlNetConfig:
+def controlnet_config(g: Graph, config_json: dict, overrides: dict,
+                      family_of: Callable[[dict], str] | None = None) -> ControlNetConfig:
+    """`family_of`: the model family's rule naming the family an encoder config was made for
+    (compiler/families/: Family.controlnet_family)."""
     fields = ldm_unet.encoder_fields(g, config_json, overrides, CONTROL_FIXED, CONTROL_BLOCKS)
     where = f"{g.ckpt.path} config.json"
     order = field(config_json, "controlnet_conditioning_channel_order", "", "rgb", where, ("rgb", "bgr"))
@@ -73,7 +69,8 @@ def controlnet_config(g: Graph, config_json: dict, overrides: dict) -> ControlNe
     if n_res != len(fields["channels"]):
         raise BadInput(f"{g.ckpt.path}: {n_res} zero_convs for {len(fields['channels'])} input blocks; the ControlNet is damaged")
     strided = sum(1 for k in range(len(convs) - 2) if k % 2 == 1)     # diffusers: blocks 1, 3, 5 have stride 2
-    return ControlNetConfig(**fields, out_channels=0, control_residuals=n_res, family=family_of(fields),
+    return ControlNetConfig(**fields, out_channels=0, control_residuals=n_res,
+                            family=family_of(fields) if family_of else "",
                             hint_channels=hint, hint_factor=2 ** strided, bgr=order == "bgr",
                             global_pool=field(config_json, "global_pool_conditions", "bool", False, where))
 

@@ -3,18 +3,34 @@
 
 Owns: recognising the ControlNet layouts (LDM single files with `control_model.` or bare keys,
 diffusers folders with config.json + diffusion_pytorch_model.safetensors or a parent holding
-`controlnet/`, diffusers-named single files) and refusing what is not a ControlNet by name.
+`controlnet/`, diffusers-named single files) and refusing what is not a ControlNet by name; and the
+name of the `controlnet_<name>` component a ControlNet becomes (controlnet_name).
 """
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from ..errors import BadInput
-from .checkpoint import Checkpoint, _component_weights, _read_json, is_weight_key, open_weights_file, tensor_ref
+from .diffusers_folder import _component_weights, _read_json
+from .tensor_refs import Checkpoint, is_weight_key, open_weights_file, tensor_ref
 from .controlnet_names import LDM_TOP, MARKER, controlnet_names, is_diffusers_controlnet
 
 CONTROL = "control_model."
+CONTROLNET_PREFIX = "controlnet_"      # a ControlNet's component is controlnet_<name>
+
+
+def controlnet_name(path, name: str | None = None) -> str:
+    """`name` if given (letters, digits, _), else the file's stem (a diffusers folder's name)
+    lower-cased with every other character run replaced by _."""
+    if name:
+        if not re.fullmatch(r"[A-Za-z0-9_]+", name):
+            raise BadInput(f"--controlnet {path}:{name}: a name is letters, digits and _")
+        return name
+    p = Path(path)
+    stem = p.parent.name if p.name == "controlnet" and p.is_dir() else (p.stem if p.is_file() else p.name)
+    return re.sub(r"[^a-z0-9_]+", "_", stem.lower()).strip("_") or "net"
 
 
 def _canonical(keys: list[str], where: str) -> dict[str, str]:

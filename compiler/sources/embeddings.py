@@ -20,7 +20,10 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import save_file
 
+from ...runtime.embeddings import MAX_EXTRA_ROWS
+from ...runtime.manifest import sha256_file
 from ..errors import BadInput
 from .safetensors_file import SafetensorsFile
 
@@ -248,11 +251,11 @@ def assign_encoders(path: str | Path, vectors: dict[str, np.ndarray], encoders: 
     return out
 
 
-def encoder_widths(ckpt, family: str) -> dict[str, int]:
-    """{text-encoder component: hidden width} of a checkpoint, from its token-embedding tables."""
-    from ..families import FAMILIES
+def encoder_widths(ckpt, components: dict) -> dict[str, int]:
+    """{text-encoder component: hidden width} of a checkpoint, from its token-embedding tables
+    (`components`: its family's, compiler/families/)."""
     out = {}
-    for name, comp in FAMILIES.get(family, {}).items():
+    for name, comp in components.items():
         if not name.startswith("text_encoder"):
             continue
         prefix = comp.prefix_in(ckpt.refs)
@@ -266,10 +269,7 @@ def encoder_widths(ckpt, family: str) -> dict[str, int]:
 def write_bundle_embeddings(paths, encoders: dict[str, int], root: Path) -> tuple[list[dict], dict[str, dict]]:
     """Each embedding file -> `embeddings/<stem>.safetensors` under root, one tensor per text-encoder
     component; returns (manifest entries, {bundle path: {size, sha256}})."""
-    from safetensors.numpy import save_file
 
-    from ...runtime.manifest import sha256_file
-    from ...runtime.embeddings import MAX_EXTRA_ROWS
     entries, files, seen, rows = [], {}, {}, 0
     for path in paths:
         p = Path(path)

@@ -28,6 +28,7 @@ import os
 import stat
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from ..errors import BadInput
@@ -202,7 +203,6 @@ class GGUFFile:
             if info.dtype in STORED_FLOATS or info.dtype in INT_TYPES:
                 arr = np.array(data)                # copied out of the mapping
                 if info.dtype == "BF16":
-                    import ml_dtypes
                     arr = arr.view(ml_dtypes.bfloat16)
                 if not raw and info.dtype in STORED_FLOATS:
                     arr = arr.astype(np.float32)

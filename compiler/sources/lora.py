@@ -20,9 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ...runtime.manifest import sha256_file
 from ..errors import BadInput
 from . import flux_names, sd3_names
-from .checkpoint import CLIP_G, CLIP_L, CONVERT_HINT, DIT, T5, UNET, open_weights_file
+from .tensor_refs import CLIP_G, CLIP_L, CONVERT_HINT, DIT, T5, UNET, open_weights_file
 from .diffusers_names import RES_NAMES, UNET_TOP
 from .peft_metadata import pattern_matches, peft_config
 from .safetensors_file import FLOAT_DTYPES, SafetensorsFile
@@ -376,6 +377,5 @@ def read_lora(path: str | Path, sha256: str | None = None) -> LoraFile:
                        f"hada_*, lokr_*, diff; e.g. it has {stray[0]}): this looks like a model checkpoint, not a "
                        "LoRA; export it as the model instead")
     if sha256 is None:
-        from ...runtime.manifest import sha256_file
         sha256 = sha256_file(p)
     return LoraFile(str(p), sha256, f, modules, dict(f.metadata), peft_cfg, stray)

@@ -14,6 +14,7 @@ import stat
 import struct
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 from ..errors import BadInput
@@ -200,7 +201,6 @@ class SafetensorsFile:
             raise _bad(self.path, f"tensor '{key}' could not be read in full (file changed while reading?)")
         arr = np.frombuffer(data, dtype=DTYPES[info.dtype][1]).reshape(info.shape)
         if info.dtype == "BF16" or info.dtype.startswith("F8"):
-            import ml_dtypes
             kind = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn,
                     "F8_E5M2": ml_dtypes.float8_e5m2}[info.dtype]
             if raw:

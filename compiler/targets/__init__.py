@@ -14,6 +14,7 @@ from .directml import DirectMLTarget
 from .migraphx import MigraphxTarget
 from .onnxruntime import OnnxRuntimeTarget
 from .openvino import OpenVinoTarget
+from .quantize import weights_problem
 from .tensorrt_rtx import TensorRtRtxTarget, normalize_ccs
 
 TARGETS: dict[str, Target] = {t.name: t for t in (OnnxRuntimeTarget(), OpenVinoTarget(), TensorRtRtxTarget(),
@@ -114,7 +115,6 @@ def _normalized(backend: str, opts: dict) -> dict:
 def _check_weights(backend: str, opts: dict) -> None:
     """Weight-only quantization (option `weights`, quantize.py): a format the backend cannot build, FP8
     for a GPU without FP8 tensor cores, or a group/block size without weights, refused in one line."""
-    from .quantize import weights_problem
     weights = opts.get("weights")
     sized = next((k for k in ("group_size", "block_size") if k in opts), None)
     if sized and weights is None:

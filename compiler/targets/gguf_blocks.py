@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BadInput
+from .onnx_weights import Initializers
 
 BLOCK = 32
 TYPE_SIZE = {"Q8_0": 2 + 32, "Q4_0": 2 + 16}
@@ -163,7 +164,6 @@ def into_openvino(model, blocks: GgufBlocks, parts: dict, export: Path) -> dict[
     import openvino as ov
     import openvino.opset13 as ops
 
-    from .onnx_weights import Initializers
     reader = Initializers(onnx.load(str(export), load_external_data=False), Path(export).parent)
     kept: dict[str, int] = {}
     for op in list(model.get_ordered_ops()):

@@ -9,7 +9,11 @@ a model's weights at once: quantize.py's rewrites of a 12 B transformer run in a
 """
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
+
+import numpy as np
 
 
 def row_part(w, index, name: str):
@@ -31,7 +35,6 @@ def row_part(w, index, name: str):
 
 
 def nbytes(t) -> int:
-    import numpy as np
     import onnx
     size = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
     return int(np.prod(t.dims)) * size if t.dims else size
@@ -40,8 +43,6 @@ def nbytes(t) -> int:
 def link(src: Path, dst: Path) -> None:
     """`dst` with `src`'s bytes: a hard link, else (another volume, a filesystem without hard links) a
     copy -- not a symbolic link, which OpenVINO refuses when it points out of the model's folder."""
-    import os
-    import shutil
     try:
         os.link(src, dst)
     except OSError:
@@ -113,7 +114,6 @@ class Initializers:
 
 def tensor_array(t, folder: Path):
     """An initializer's values: inline ones decoded, external ones memory-mapped from `folder`."""
-    import numpy as np
     import onnx
     from onnx import numpy_helper
     if t.data_location != onnx.TensorProto.EXTERNAL:
@@ -142,7 +142,6 @@ class DataWriter:
         self._f.close()
 
     def tensor(self, name: str, dtype: int, arr):
-        import numpy as np
         import onnx
         shape = np.shape(arr)                 # ascontiguousarray makes a 0-d array 1-d
         arr = np.ascontiguousarray(arr)

@@ -14,8 +14,12 @@ and one ONNX Runtime release (`optimize: false` gives the plain graph, which ser
 """
 from __future__ import annotations
 
+import heapq
+import importlib.metadata
+import re
 import shutil
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 from ...runtime.cpu import cpu_flags, isa_level
@@ -40,7 +44,6 @@ class OnnxRuntimeTarget:
         except ImportError:
             raise BadInput("target onnxruntime: the onnxruntime package is not installed "
                            "(pip install 'precast[onnxruntime]')") from None
-        import importlib.metadata
         out = {"onnxruntime": onnxruntime.__version__, "precast_onnxruntime_rewrites": REWRITES}
         try:  # the version from metadata: importing onnxsim costs seconds on every cache hit
             out["onnxsim"] = importlib.metadata.version("onnxsim")
@@ -171,9 +174,6 @@ def sort_nodes(graph) -> bool:
     tensor names being stable) and renumber the names ONNX Runtime generates (`..._token_N` from
     a counter that varies, or a bare op type), so equal graphs serialize to equal bytes. False (graph untouched) when
     a node holds a subgraph, whose implicit inputs this order does not see."""
-    import heapq
-    import re
-    from collections import Counter
     nodes = list(graph.node)
     if any(a.type in (a.GRAPH, a.GRAPHS) for n in nodes for a in n.attribute):
         return False

@@ -20,10 +20,14 @@ from pathlib import Path
 
 from ...runtime.cpu import cpu_flags, default_precision, isa_level
 from ...runtime.fingerprint import Fingerprint
+from ...runtime.openvino_attention import rewrite_attention
+from ...runtime.sessions import restore_input_defaults
 from ..errors import BadInput
 from .base import BuildJob, TargetSpec
 from . import gguf_blocks
-from .quantize import compress_openvino, quantized, transposes_into_matmuls, weights_as_parts
+from .openvino_winograd import rewrite_convolutions
+from .quantize import quantized, weights_as_parts
+from .quantize_openvino import compress_openvino, transposes_into_matmuls
 
 IR_OVER = 4 << 30      # store: auto keeps exports over 4 GiB as IR (see the module docstring)
 REWRITES = "winograd-f4x4-1,attention-f32-1"   # bump when a model rewrite changes: it is part of the cache key
@@ -98,7 +102,6 @@ class OpenVinoTarget:
         folded = transposes_into_matmuls(model) if weights else 0     # before reshape could fold a copy
         carried = gguf_blocks.of(job.extra.get("gguf_blocks")) if weights == "gguf" else None
         kept = gguf_blocks.into_openvino(model, carried, parts or {}, job.onnx_path) if carried else {}
-        from ...runtime.sessions import restore_input_defaults
         restore_input_defaults(model, ov)    # token_embeddings_extra: read as a constant, made an input again
         if job.static:
             model.reshape({name: ov.PartialShape(list(opt)) for name, (_, opt, _) in job.shapes.items()})
@@ -111,12 +114,10 @@ class OpenVinoTarget:
         config = self.compile_config(spec, job.component)
         rewrites = {}
         if device == "CPU":    # a half export's attention fused (openvino_attention.py)
-            from ...runtime.openvino_attention import rewrite_attention
             if count := rewrite_attention(model):
                 rewrites["attention_f32"] = count
         if device == "CPU" and job.static and config["INFERENCE_PRECISION_HINT"] == "f32" \
                 and spec.get("winograd", True) and weights is None:    # quantized weights: convolutions as NNCF left them
-            from .openvino_winograd import rewrite_convolutions
             rewrites["winograd"] = rewrite_convolutions(model)
         compression = None
         if weights:        # weight-only int8 / int4 (quantize.py): NNCF on the ov.Model, before compiling

@@ -3,7 +3,9 @@
 Owns: which weight formats each backend takes (WEIGHTS), what is refused before any build
 (`weights_problem`: a format the backend cannot run, FP8 for a GPU without FP8 tensor cores), which
 components are quantized (QUANTIZED: every component but the VAEs, which are small and whose
-convolutions decide image quality), and the graph rewrites themselves:
+convolutions decide image quality), the Linear matching every rewrite shares, and the graph rewrites
+themselves (the ONNX ones here; OpenVINO's on the ov.Model in quantize_openvino.py, TensorRT-RTX's in
+quantize_tensorrt.py):
 - OpenVINO: NNCF's weight compression on the ov.Model (int8: INT8_ASYM per output channel; int4:
   INT4_SYM in groups of `group_size`, default 64, a layer whose width the group does not divide
   adjusted to a smaller group; the first/last layers and convolutions NNCF keeps at int8), read from
@@ -29,10 +31,14 @@ stderr, and in the artifact's metadata (`linears`, `unquantized`), when it quant
 """
 from __future__ import annotations
 
-import contextlib
+import importlib.metadata
+import logging
 import sys
 from pathlib import Path
 
+import numpy as np
+
+from ..errors import BadInput
 from . import gguf_blocks
 from .onnx_weights import DataWriter, Initializers, link, nbytes, retype, row_part, slice_index, tensor_array
 
@@ -67,7 +73,7 @@ def weights_problem(backend: str, weights: str | None, ccs: tuple[str, ...] = ()
     return None
 
 
-# --- OpenVINO ----------------------------------------------------------------------------------
+# --- OpenVINO: the export's ONNX as NNCF reads it (the compression: quantize_openvino.py) -----------------
 
 def weights_as_parts(source: Path, out_dir: Path, parts: dict | None = None) -> Path:
     """`source` rewritten into `out_dir` for NNCF, which compresses only a constant a MatMul reads
@@ -79,7 +85,6 @@ def weights_as_parts(source: Path, out_dir: Path, parts: dict | None = None) -> 
     - a bf16 / fp16 graph computes in fp32: its weights of 1 MiB or more stay half precision behind a
       Cast to fp32 (OpenVINO's decompression pattern), smaller initializers are widened.
     `parts`, where given, is filled with each part's name -> (the weight's name, its numpy index)."""
-    import numpy as np
     import onnx
     model = onnx.load(str(source), load_external_data=False)
     reader = Initializers(model, Path(source).parent)
@@ -126,119 +131,6 @@ def weights_as_parts(source: Path, out_dir: Path, parts: dict | None = None) -> 
     return out
 
 
-def transposes_into_matmuls(model) -> int:
-    """MatMul(x, Transpose(W)) with W a 2-D constant (or a Convert of one) -> MatMul(x, W,
-    transpose_b): how NNCF finds a Linear's weight, and no transposed copy of W is ever made
-    (OpenVINO's reshape would fold one in memory)."""
-    import numpy as np
-    import openvino.opset13 as ops
-    done = 0
-    for op in list(model.get_ordered_ops()):
-        if op.get_type_name() != "MatMul":
-            continue
-        t = op.input_value(1).get_node()
-        if t.get_type_name() != "Transpose" or len(t.output(0).get_target_inputs()) != 1:
-            continue
-        w, perm = t.input_value(0).get_node(), t.input_value(1).get_node()
-        source = w.input_value(0).get_node() if w.get_type_name() == "Convert" else w
-        if source.get_type_name() != "Constant" or perm.get_type_name() != "Constant" \
-                or len(w.get_output_partial_shape(0)) != 2 or list(np.asarray(perm.get_data())) != [1, 0]:
-            continue
-        attrs = op.get_attributes()
-        new = ops.matmul(op.input_value(0), w.output(0), attrs["transpose_a"], not attrs["transpose_b"])
-        new.set_friendly_name(op.get_friendly_name())
-        op.output(0).replace(new.output(0))
-        done += 1
-    return done
-
-
-def compress_openvino(model, weights: str, group_size: int | None = None, what: str = "openvino"):
-    """NNCF weight compression of an ov.Model (read from weights_as_parts' ONNX, its Linear weights
-    made transpose_b by transposes_into_matmuls) in place of it; returns (model, summary). Fewer
-    Linears compressed than the model has is said on stderr as `what` and recorded (`shortfall`)."""
-    import logging
-    import os
-    # NNCF reports usage to OpenVINO's telemetry (a forked sender process per event) unless NNCF_CI is set,
-    # read when nncf is imported: a precast build sends nothing anywhere
-    os.environ.setdefault("NNCF_CI", "1")
-    try:
-        import nncf
-    except ImportError:
-        from ..errors import BadInput
-        raise BadInput("target openvino weights=...: the nncf package is not installed "
-                       "(pip install 'precast[quantize]')") from None
-    logging.getLogger("nncf").setLevel(logging.ERROR)
-    with contextlib.redirect_stdout(sys.stderr):    # NNCF's progress bar: stdout is `--json`'s
-        out, summary = _nncf_compress(nncf, model, weights, group_size)
-    linears, done = _ov_linears(out)
-    return out, shortfall({**summary, "matmuls": done}, linears, f"{what} weights={weights}")
-
-
-def _nncf_compress(nncf, model, weights: str, group_size: int | None):
-    tables = nncf.IgnoredScope(names=_tables(model), validate=False)
-    if weights in ("int8", "gguf"):       # gguf: the weights not kept as GGUF blocks (gguf_blocks.into_openvino)
-        out = nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM, ignored_scope=tables)
-        summary = {"mode": "int8_asym", "granularity": "per-channel"}
-    else:
-        group = group_size or DEFAULT_GROUP["openvino"]
-        out = nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT4_SYM, group_size=group, ratio=1.0,
-                                    ignored_scope=tables, advanced_parameters=nncf.AdvancedCompressionParameters(
-                                        group_size_fallback_mode=nncf.GroupSizeFallbackMode.ADJUST))
-        summary = {"mode": "int4_sym", "group_size": group, "backup": "int8_asym"}
-    counts: dict[str, int] = {}
-    for op in out.get_ordered_ops():
-        if op.get_type_name() == "Constant" and op.get_element_type().get_type_name() in ("u8", "i8", "u4", "i4"):
-            t = op.get_element_type().get_type_name()
-            counts[t] = counts.get(t, 0) + 1
-    summary["constants"] = counts
-    summary["nncf"] = nncf.__version__
-    return out, summary
-
-
-def _ov_linears(model) -> tuple[int, int]:
-    """(Linears, Linears with a compressed weight) of an ov.Model: MatMuls whose B is computed from
-    constants only, 2-D, reducing over K >= MIN_K values; compressed when one of those constants is a
-    u8 / i8 / u4 / i4 one (NNCF's weight, scale and zero-point pattern)."""
-    linears = done = 0
-    for op in model.get_ordered_ops():
-        if op.get_type_name() != "MatMul":
-            continue
-        shape = op.get_input_partial_shape(1)
-        if len(shape) != 2 or not shape.is_static:
-            continue
-        k = shape[1].get_length() if op.get_attributes()["transpose_b"] else shape[0].get_length()
-        stack, types, constant = [op.input_value(1).get_node()], set(), True
-        while stack and constant:
-            node = stack.pop()
-            if node.get_type_name() == "Constant":
-                types.add(node.get_element_type().get_type_name())
-            elif node.get_type_name() == "Parameter" or node.get_input_size() == 0:
-                constant = False
-            else:
-                stack.extend(v.get_node() for v in node.input_values())
-        if constant and k >= MIN_K:
-            linears += 1
-            done += bool(types & {"u8", "i8", "u4", "i4"})
-    return linears, done
-
-
-def _tables(model) -> list[str]:
-    """MatMuls of an ov.Model whose constant operand reduces over fewer than MIN_K values (a table such
-    as Flux's RoPE frequencies, not a Linear): kept float."""
-    names = []
-    for op in model.get_ordered_ops():
-        if op.get_type_name() != "MatMul":
-            continue
-        w = op.input_value(1).get_node()
-        source = w.input_value(0).get_node() if w.get_type_name() == "Convert" else w
-        shape = w.get_output_partial_shape(0)
-        if source.get_type_name() == "Constant" and len(shape) == 2 and shape.is_static:
-            k = shape[1].get_length() if op.get_attributes()["transpose_b"] else shape[0].get_length()
-            if k < MIN_K:
-                names.append(op.get_friendly_name())
-    return names
-
-
 # --- ONNX Runtime ------------------------------------------------------------------------------
 
 def quantize_onnxruntime(source: Path, out: Path, weights: str, block_size: int | None = None,
@@ -253,14 +145,11 @@ def quantize_onnxruntime(source: Path, out: Path, weights: str, block_size: int 
     A Gemm (onnxsim's MatMul + Add on a 2-D input) becomes MatMulNBits with its C as the bias input (one
     kernel, the bias added as the output is written) -- or an Add after it where C is not one value per output.
     Fewer Linears quantized than the graph has (`linear_count`) is said on stderr as `what` and recorded."""
-    import logging
 
-    import numpy as np
     import onnx
     try:
         from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
     except ImportError as e:
-        from ..errors import BadInput
         raise BadInput(f"target onnxruntime weights={weights}: onnxruntime's quantizer cannot load ({e}); "
                        "pip install 'precast[quantize]'") from None
     logging.getLogger("onnxruntime").setLevel(logging.WARNING)
@@ -345,7 +234,6 @@ def quantize_onnxruntime(source: Path, out: Path, weights: str, block_size: int 
 def _nbits(w, bits: int, block: int, kernel):
     """ONNX Runtime's own block quantizer (the kernel MatMulNBitsQuantizer calls) on one weight w[N, K]:
     (packed uint8 [N, K/block, block*bits/8], scales [N, K/block]), symmetric, K zero-padded to the block."""
-    import numpy as np
     n_out, k = w.shape
     blocks = -(-k // block)
     kw = np.zeros((blocks * block, n_out), np.float32)     # the kernel reads W as [K, N], row-major
@@ -463,7 +351,6 @@ def quantizer_versions(spec) -> dict:
     """What made a quantized artifact, for its cache key: precast's quantizer revision and the
     quantizing package's version (NNCF for OpenVINO; ONNX Runtime's own quantizer is covered by the
     onnxruntime version already in the toolchain)."""
-    import importlib.metadata
     out = {"precast": REVISION}
     if spec.backend == "openvino":
         try:

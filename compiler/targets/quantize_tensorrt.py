@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import ml_dtypes
+import numpy as np
+
 from .onnx_weights import DataWriter, Initializers
 from .quantize import _matmul_weight_sources, linear_count, shortfall
 
@@ -95,8 +98,6 @@ def _quantize(w, transposed: bool, weights: str, dtype: int):
     """One weight as the MatMul reads it -- w.T ([N, K] stored) when `transposed`, else w ([K, N]) --
     quantized: (q [K, N] in fp8 e4m3 / int8, scale [N] in `dtype`'s numpy type). Converted to fp32
     CHUNK elements at a time; q is the only full-size array made (1 byte an element)."""
-    import ml_dtypes
-    import numpy as np
     import onnx
     top = TOP[weights]
     sdtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(dtype))

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes.util
+import dataclasses
 import importlib.metadata
 import signal
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -224,8 +226,6 @@ class TensorRtRtxTarget:
                 return {**self._build(job, spec, folder), "weights": None}
             # weight-only fp8 / int8 (quantize_tensorrt.py): DequantizeLinear on each MatMul weight, the
             # parts of fused weights too, in the ONNX parsed (streamed: about one weight in host memory)
-            import dataclasses
-            import tempfile
             with tempfile.TemporaryDirectory(dir=folder, prefix=".qdq-") as tmp:
                 path = Path(tmp) / "model.onnx"
                 info = qdq_weights(job.onnx_path, path, weights)

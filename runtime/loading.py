@@ -1,18 +1,17 @@
-"""What every reference pipeline over a bundle shares (SD: sd_pipeline.py; Flux / Chroma:
-dit_pipeline.py; SD3: sd3_pipeline.py).
+"""Opening a bundle to generate, whatever its family: what every pipeline (runtime/families/) is built on.
 
 Owns: BundleModel (a bundle opened to generate: devices, assignment, selection, verified loading in
 loader threads or one at a time under a memory budget, the denoising loop's progress / hooks / timings,
-VAE decoding, the report of what ran where), the request shapes each SD component sees, SD's image-mode
-checks, the tokenizers a bundle carries, the image conversion and the text report.
-Imports numpy, the runtime's own modules, and lazily the backends in use; never the compiler.
+VAE decoding, the report of what ran where), the tokenizers a bundle carries, the text state a denoiser
+reads and the pixels' conversion (the image size is runtime/image_size.py's).
+Imports numpy, the runtime's own modules, and lazily the backends in use; never the compiler, never a
+family module (they import this).
 """
 from __future__ import annotations
 
 import dataclasses
 import gc
 import os
-import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -21,156 +20,25 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .assign import assign_modules, module_of
-from .checks import check_steps, check_strength, shown  # noqa: F401 (check_steps: for the pipelines)
+from .budgets import keep_shared_plan
 from .devices import apply_device_override, discover_devices
+from .embeddings import read_bundle_embeddings, register_embeddings
 from .errors import UserError
-from .manifest import Manifest
-from .schedulers import start_index
-from .select import (component_report, installed_backends, keep_shared_plan, load_component, passed_text,
-                     select_all, select_component)
+from .manifest import Manifest, read_manifest
+from .progress import bar
+from .select import component_report, installed_backends, load_component, select_all, select_component
+from .t5_tokenizer import FOLDER_FILES as T5_FILES, T5Tokenizer
+from .tokenizer import FOLDER_FILES as CLIP_FILES, ClipTokenizer
 from .verified import verify_mode
 
-LATENT_SCALE = {"sd1": 0.18215, "sd2": 0.18215, "sdxl": 0.13025, "sdxl-refiner": 0.13025}
-NEEDED = {"sd1": ("text_encoder", "unet", "vae_decoder"), "sd2": ("text_encoder", "unet", "vae_decoder"),
-          "sdxl": ("text_encoder", "text_encoder_2", "unet", "vae_decoder"),
-          "sdxl-refiner": ("text_encoder_2", "unet", "vae_decoder")}
 TOKENIZER_FOLDER = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2", "text_encoder_3": "tokenizer_3"}
-
-
-def latent_factor(manifest) -> int:
-    cfg = manifest.components.get("vae_decoder", {}).get("config", {})
-    return 2 ** (int(cfg.get("decoder_levels", 4)) - 1)
-
-
-DENOISERS = ("unet", "transformer")
-
-
-def unet_in_channels(manifest) -> int:
-    """The UNet's input channels: 4 latents, or 9 for an inpainting UNet (latents | mask | masked image)."""
-    for i in manifest.components.get("unet", {}).get("inputs", []):
-        if i["name"] == "sample" and len(i.get("shape") or []) > 1 and isinstance(i["shape"][1], int):
-            return i["shape"][1]
-    return 4
-
-
-DEFAULT_STRENGTH = {"img2img": 0.8, "inpaint": 1.0}      # as precast generate and the Python API default them
-OPTION_NAMES = {"cli": {"init": "--init-image", "mask": "--mask", "strength": "--strength", "steps": "--steps"},
-                "api": {"init": "init_image=", "mask": "mask=", "strength": "strength=", "steps": "steps="}}
-
-
-def check_image_mode(manifest, init: bool, mask: bool, strength: float | None, steps: int,
-                     names: str = "cli") -> tuple[str, float | None]:
-    """(mode, strength) for a run with or without an init image and mask, checked against the bundle
-    before anything loads: txt2img | img2img | inpaint, and the strength (default 0.8 img2img, 1.0
-    inpainting) in (0, 1] leaving at least one step. One-line UserErrors otherwise."""
-    n = OPTION_NAMES[names]
-    family = manifest.model.get("family")
-    channels = unet_in_channels(manifest) if family in LATENT_SCALE else 4
-    if channels not in (4, 9):      # e.g. 8: InstructPix2Pix, whose image conditioning is not run here
-        raise UserError(f"{manifest.root}: its UNet takes {channels} input channels; precast runs 4 (plain) "
-                        "and 9 (inpainting) channel UNets")
-    inpaint_unet = channels == 9
-    if mask and not init:
-        raise UserError(f"{n['mask']}: inpainting needs the image the mask applies to: give {n['init']} too")
-    if not init:
-        if strength is not None:
-            raise UserError(f"{n['strength']}: applies to img2img and inpainting; give {n['init']} too")
-        if inpaint_unet:
-            raise UserError(f"{manifest.root}: has an inpainting UNet (9 input channels: latents, mask, masked "
-                            f"image): give {n['init']} and {n['mask']} (white = repaint)")
-        return "txt2img", None
-    if family not in LATENT_SCALE:
-        raise UserError(f"{n['init']}: img2img and inpainting are for SD 1.x/2.x/XL bundles now; this one is {family}")
-    if inpaint_unet and not mask:
-        raise UserError(f"{manifest.root}: has an inpainting UNet (9 input channels): give {n['mask']} too "
-                        "(white = repaint), or use a bundle with a plain UNet for img2img")
-    if "vae_encoder" not in manifest.components:
-        raise UserError(f"{manifest.root}: img2img and inpainting encode the image with the VAE encoder, which this "
-                        "bundle lacks: rebuild it with vae_encoder in the recipe's components")
-    mode = "inpaint" if mask else "img2img"
-    strength = check_strength(DEFAULT_STRENGTH[mode] if strength is None else strength, n["strength"])
-    if start_index(steps, strength) >= steps:
-        raise UserError(f"{shown(n['strength'], strength)} with {steps} steps runs no step (int(steps x strength) = 0): "
-                        f"raise {n['strength']} or {n['steps']}")
-    return mode, strength
-
-
-def optimal_size(manifest) -> tuple[int, int]:
-    """(width, height) in pixels when none is given: the 'opt' of the denoiser's first shape profile,
-    the size its engines were built for (64x64 for the tiny demo bundle). `generate` and `doctor`
-    both default to it."""
-    comp = next((manifest.components[c] for c in DENOISERS if c in manifest.components),
-                next(iter(manifest.components.values())))
-    prof = comp["profiles"][0]
-    return int(prof["width"][1]), int(prof["height"][1])
 
 
 def open_manifest(bundle) -> tuple:
     """(the bundle's manifest -- read and checked by read_manifest unless already read --, seconds it took)."""
-    from .manifest import Manifest, read_manifest
     t0 = time.perf_counter()
     manifest = bundle if isinstance(bundle, Manifest) else read_manifest(bundle)
     return manifest, round(time.perf_counter() - t0, 3)
-
-
-def image_size(manifest, width: int | None, height: int | None, factor: int, why: str = "") -> tuple[int, int]:
-    """(width, height): as given, else the bundle's optimal size; refused unless multiples of `factor`."""
-    opt_w, opt_h = optimal_size(manifest)
-    width, height = width or opt_w, height or opt_h
-    if width % factor or height % factor:
-        raise UserError(f"--size {width}x{height}: width and height must be multiples of {factor}"
-                        + (f" ({why})" if why else ""))
-    return width, height
-
-
-def size_warning(manifest, width: int, height: int) -> str | None:
-    """One line when width x height lies outside every shape profile the denoiser's engines were built
-    for: no prebuilt engine takes it, so the ONNX is compiled at run time, on every run (seconds to
-    minutes); it names the profiles and a recipe profile that would cover the size."""
-    name = next((c for c in DENOISERS if c in manifest.components), None)
-    profiles = manifest.components[name].get("profiles") or [] if name else []
-    if not profiles or not manifest.artifacts(name) or any(
-            p["width"][0] <= width <= p["width"][2] and p["height"][0] <= height <= p["height"][2] for p in profiles):
-        return None
-
-    def size(p, i):
-        return f"{p['width'][i]}x{p['height'][i]}"
-
-    def widened(key, want):
-        lo, opt, hi = profiles[0][key]
-        lo, hi = min(lo, want), max(hi, want)
-        return str(lo) if lo == hi else f"{{min: {lo}, opt: {opt}, max: {hi}}}"
-    have = ", ".join(size(p, 1) if size(p, 0) == size(p, 2) else f"{size(p, 0)}..{size(p, 2)}" for p in profiles)
-    return (f"size {width}x{height} is outside every shape profile of this bundle's {name} engines ({have}): its "
-            "ONNX is compiled at run time instead, on every run (slow); to avoid that, rebuild with a recipe profile "
-            f"covering it, e.g. profiles: {{height: {widened('height', height)}, width: {widened('width', width)}}}")
-
-
-def requests(manifest, batch: int, height: int, width: int, tokens: int = 77, cfg: bool = True) -> dict:
-    """The input shapes each component will be called with."""
-    if manifest.model.get("family") == "sd3":
-        from .sd3_pipeline import sd3_requests
-        return sd3_requests(manifest, batch, height, width)
-    if "transformer" in manifest.components:
-        from .dit_pipeline import dit_requests
-        return dit_requests(manifest, batch, height, width)
-    f = latent_factor(manifest)
-    lat = (batch, 4, height // f, width // f)
-    sample = (batch, unet_in_channels(manifest), height // f, width // f)
-    unet_inputs = {i["name"]: i["shape"] for i in manifest.components.get("unet", {}).get("inputs", [])}
-    ctx = (unet_inputs.get("encoder_hidden_states") or [0, 0, 768])[-1]
-    ub = 2 * batch if cfg else batch
-    steps = () if unet_inputs.get("timestep") == [] else (ub,)     # an optimum export's 0-d timestep
-    unet = {"sample": (ub,) + sample[1:], "timestep": steps, "encoder_hidden_states": (ub, tokens, ctx)}
-    for name in ("text_embeds", "time_ids"):
-        if name in unet_inputs:
-            unet[name] = (ub, unet_inputs[name][-1])
-    out = {"text_encoder": {"input_ids": (batch, tokens)}, "text_encoder_2": {"input_ids": (batch, tokens)},
-           "unet": unet, "vae_decoder": {"latent_sample": lat}, "vae_encoder": {"sample": (batch, 3, height, width)}}
-    for comp in (c for c in manifest.components if c.startswith("controlnet_")):   # the UNet's batch and inputs
-        out[comp] = {**{k: v for k, v in unet.items() if k != "sample"}, "sample": (ub,) + lat[1:],
-                     "controlnet_cond": (ub, 3, height, width)}
-    return out
 
 
 def text_state_name(outputs, config: dict, penultimate: bool) -> str:
@@ -199,8 +67,7 @@ def text_state_name(outputs, config: dict, penultimate: bool) -> str:
 def load_tokenizer(manifest, folder: str):
     """The bundle's tokenizer in `folder`, every file it reads checked against the manifest first
     (vocab.json and merges.txt must be listed: a missing one would silently mean other ids)."""
-    from .tokenizer import FOLDER_FILES, ClipTokenizer
-    for name in FOLDER_FILES:
+    for name in CLIP_FILES:
         manifest.check_file(f"{folder}/{name}", required=name in ("vocab.json", "merges.txt"))
     try:
         return ClipTokenizer.from_folder(manifest.root / folder)
@@ -215,8 +82,7 @@ def is_t5(manifest, comp: str) -> bool:
 
 def load_t5_tokenizer(manifest, folder: str):
     """The bundle's T5 tokenizer (sentencepiece model), checked against the manifest first."""
-    from .t5_tokenizer import FOLDER_FILES, T5Tokenizer
-    for name in FOLDER_FILES:
+    for name in T5_FILES:
         manifest.check_file(f"{folder}/{name}", required=name == "spiece.model")
     return T5Tokenizer.from_folder(manifest.root / folder)
 
@@ -225,7 +91,6 @@ def bundle_tokenizers(manifest, needed) -> tuple[dict, dict]:
     """({text encoder: tokenizer}, {text encoder: Embeddings}) for the text encoders in `needed`; each
     embedding file is checked and read once, then registered with every CLIP encoder's tokenizer
     (T5 encoders take no textual-inversion vectors)."""
-    from .embeddings import read_bundle_embeddings, register_embeddings
     tokenizers, embeddings, items = {}, {}, None
     for comp in (c for c in needed if c.startswith("text_encoder")):
         if is_t5(manifest, comp):
@@ -242,7 +107,6 @@ def bundle_tokenizers(manifest, needed) -> tuple[dict, dict]:
 def _progress(total: int, enabled: bool):
     """The denoise loop's progress on stderr (runtime/progress.py: a tqdm bar on a terminal when
     tqdm is installed, else a plain line every PRECAST_PROGRESS_INTERVAL seconds)."""
-    from .progress import bar
     return bar(total, "denoise", unit="steps", enabled=enabled)
 
 
@@ -276,7 +140,7 @@ class BundleModel:
     `report()` for all. A load error is raised as the component's own UserError (one line), the
     first in `needed` order; `check_loading()` raises a background one as soon as it is known.
     When the memory plan loads components one at a time (their weights together exceed the device's
-    budget: select._share_budgets), nothing is loaded up front: `component()` loads one on first use
+    budget: budgets.share_budgets), nothing is loaded up front: `component()` loads one on first use
     and releases the others under that plan first, so the text encoders are gone before the denoiser
     loads, and the denoiser before the VAE decoder.
     `stages` records the seconds of each stage (see README, "JSON output"): discover, assign,
@@ -463,15 +327,3 @@ class BundleModel:
 
 def to_uint8(image: np.ndarray) -> np.ndarray:
     return (image * 255).round().astype(np.uint8)
-
-
-def describe_where(report: dict, stream=sys.stderr) -> None:
-    """The components of a report (generate's or doctor's) as text: where each runs, what was passed over."""
-    for comp, w in report["components"].items():
-        if w["device"] is None:
-            print(f"{comp:<13} -> NOTHING CAN RUN", file=stream)
-        else:
-            print(f"{comp:<13} -> {w['device']} ({w['device_name']}) via {w['backend']}: {w['artifact']}"
-                  + (f"  [{w['note']}]" if w.get("note") else ""), file=stream)
-        for r in w["passed_over"]:
-            print(f"{'':16}passed over: {passed_text(r)}", file=stream)

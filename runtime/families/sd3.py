@@ -1,7 +1,8 @@
-"""Text-to-image over an SD3 / SD3.5 bundle: CLIP-L | CLIP-G | T5 conditioning, flow-matching Euler
-with shift 3.0, classifier-free guidance, the VAE's scale and shift.
+"""SD3 and SD3.5: the family facts and text-to-image over such a bundle -- CLIP-L | CLIP-G | T5 conditioning
+on the shared flow-matching loop (flow_matching.py: Euler with shift 3.0, classifier-free guidance).
 
-Owns: SD3's conditioning as StableDiffusion3Pipeline builds it -- each CLIP's penultimate hidden
+Owns: the SD3 record (FAMILIES: components, latent scale and shift, each released variant's schedule,
+steps, guidance and T5 length), SD3's conditioning as StableDiffusion3Pipeline builds it -- each CLIP's penultimate hidden
 states side by side (768 + 1280), zero-padded to the T5 width and followed along the sequence by
 T5's `last_hidden_state` (zeros when the bundle has no T5, as diffusers runs without one); the
 pooled vector is the two CLIPs' projected `text_embeds` side by side -- the timestep the MMDiT is fed
@@ -11,29 +12,21 @@ runtime's own modules; never the compiler.
 """
 from __future__ import annotations
 
-import os
-import time
-from pathlib import Path
-
 import numpy as np
 
-from .errors import UserError
-from .flow import FlowEuler, FlowSchedule
-from .manifest import Manifest
-from .pipeline import BundleModel, check_steps, image_size, latent_factor, open_manifest, text_state_name
+from ..errors import UserError
+from ..image_size import latent_factor
+from ..loading import text_state_name
+from ..manifest import Manifest
+from .family import Family, Flow
+from .flow_matching import SCHEDULER, FlowPipeline, t5_length, txt2img_only
+from ..embeddings import encoder_feeds
 
 CLIPS = ("text_encoder", "text_encoder_2")
 T5 = "text_encoder_3"
 NEEDED = CLIPS + ("transformer", "vae_decoder")
-LATENT = (1.5305, 0.0609)          # scale, shift (SAI SD3LatentFormat)
 CLIP_TOKENS = 77
 REQUIRED = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep")
-
-
-def t5_length(manifest: Manifest) -> int:
-    """The T5 length the transformer was built for: its text sequence less CLIP's 77 tokens."""
-    from .dit_pipeline import t5_length as dit_t5_length
-    return dit_t5_length(manifest)
 
 
 def transformer_inputs(manifest: Manifest) -> dict[str, list]:
@@ -71,36 +64,20 @@ def sd3_requests(manifest: Manifest, batch: int, height: int, width: int) -> dic
     return out
 
 
-class SD3Txt2Img(BundleModel):
+class SD3Txt2Img(FlowPipeline):
     """Text-to-image over an SD3 / SD3.5 bundle (with or without its T5)."""
+    refusal = "the SD3 pipeline runs SD3 / SD3.5 bundles"
+    size_why = "SD3 reads 2x2 patches of the VAE's 1/{f} scale latents"
+    default_schedule = {"shift": 3.0, "spacing": "training"}
 
-    def __init__(self, bundle: str | Path | Manifest, backend: str | None = None, params_backend: str | None = None,
-                 width: int | None = None, height: int | None = None, sysroot: str = "/", env=None,
-                 verify: bool | str = True, strict: bool = False, lazy: bool = True):
-        """As FluxTxt2Img: `width`/`height` default to the bundle's optimal size; `strict`: no fallback;
-        `lazy`: the VAE decoder goes on loading while the prompt is encoded and denoised."""
-        env = os.environ if env is None else env
-        manifest, manifest_s = open_manifest(bundle)
-        self.family = manifest.model.get("family")
-        if self.family != "sd3":
-            raise UserError(f"{manifest.root}: the SD3 pipeline runs SD3 / SD3.5 bundles; this one is {self.family}")
-        f = 2 * latent_factor(manifest)
-        width, height = image_size(manifest, width, height, f,
-                                   f"SD3 reads 2x2 patches of the VAE's 1/{f // 2} scale latents")
-        inputs = transformer_inputs(manifest)
-        self.width, self.height = width, height
-        self.t5_tokens = t5_length(manifest)
-        needed = NEEDED[:2] + ((T5,) if T5 in manifest.components else ()) + NEEDED[2:]
-        super().__init__(manifest, needed, sd3_requests(manifest, 1, height, width), backend, params_backend,
-                         sysroot, env, verify, strict, later=("vae_decoder",) if lazy else ())
-        self.stages = {"manifest": manifest_s, **self.stages}
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        inputs = transformer_inputs(self.manifest)
         self.channels = int(inputs["hidden_states"][1])
         self.context_width = int(inputs["encoder_hidden_states"][-1])
-        self.latent_scale = float(manifest.model.get("latent_scale") or LATENT[0])
-        self.latent_shift = float(manifest.model.get("latent_shift", LATENT[1]))
-        self.schedule = FlowSchedule.from_config(manifest.model.get("scheduler") or {"shift": 3.0, "spacing": "training"})
-        self.defaults = {"steps": int(manifest.model.get("steps") or 28),
-                         "guidance": float(manifest.model.get("guidance", 7.0))}
+
+    def check_io(self, manifest: Manifest) -> None:
+        transformer_inputs(manifest)
 
     def text_limits(self) -> dict[str, int]:
         limits = super().text_limits()
@@ -111,7 +88,6 @@ class SD3Txt2Img(BundleModel):
     # ---- conditioning ---------------------------------------------------------------------------
     def _clip(self, comp: str, prompt: str) -> tuple[np.ndarray, np.ndarray]:
         """(penultimate hidden states [1, 77, width], projected pooled [1, projection])."""
-        from .embeddings import encoder_feeds
         ids = self.tokenizers[comp](prompt)[None, :].astype(np.int32)
         session = self.component(comp).session
         config = self.manifest.components[comp].get("config", {})
@@ -137,36 +113,25 @@ class SD3Txt2Img(BundleModel):
         return {"encoder_hidden_states": np.concatenate([clip, self._t5(prompt)], axis=1),
                 "pooled_projections": np.concatenate([l_pooled, g_pooled], axis=-1)}
 
-    # ---- generation --------------------------------------------------------------------------------
+    # ---- how the transformer is fed --------------------------------------------------------------
     def noise(self, seed: int) -> np.ndarray:
         f = latent_factor(self.manifest)
         shape = (1, self.channels, self.height // f, self.width // f)
         return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
-    def __call__(self, prompt: str, negative: str = "", steps: int | None = None, seed: int = 0,
-                 guidance: float | None = None, latents: np.ndarray | None = None, progress: bool = True) -> np.ndarray:
-        """Returns the decoded image as float32 [H, W, 3] in [0, 1]. `latents`: [1, C, h, w] starting
-        noise instead of the seed's. Guidance above 1 runs the negative prompt too (CFG)."""
-        steps = self.defaults["steps"] if steps is None else steps
-        guidance = self.defaults["guidance"] if guidance is None else guidance
-        check_steps(steps)
-        x = (self.noise(seed) if latents is None else latents).astype(np.float32)
-        sampler = FlowEuler(self.schedule, steps, (x.shape[2] // 2) * (x.shape[3] // 2))
-        run = self.run_stages = {}
-        t0 = time.perf_counter()
-        cond = self.encode(prompt)
-        cfg = guidance > 1.0
-        uncond = self.encode(negative) if cfg else None
-        transformer = self.component("transformer").session
-        run["encode"] = round(time.perf_counter() - t0, 3)
-        for i, _ in self.denoising(sampler.timesteps, progress):
-            step = {"hidden_states": x, "timestep": np.full((1,), np.float32(sampler.sigmas[i]) * np.float32(1000),
-                                                            np.float32)}
-            v = transformer.run({**step, **cond})["out_hidden_states"].astype(np.float32)
-            if cfg:
-                v_neg = transformer.run({**step, **uncond})["out_hidden_states"].astype(np.float32)
-                v = v_neg + np.float32(guidance) * (v - v_neg)
-            x = sampler.step(v, i, x)
-        del transformer          # one at a time: the VAE decoder may load only once the denoiser is released
-        image = self.decode(x / np.float32(self.latent_scale) + np.float32(self.latent_shift))
-        return np.clip(image / 2 + 0.5, 0.0, 1.0)
+    def timestep(self, sampler, i: int, t) -> np.ndarray:
+        return np.full((1,), np.float32(sampler.sigmas[i]) * np.float32(1000), np.float32)
+
+
+# SAI SD3LatentFormat: latent = 1.5305 * (z - 0.0609). StableDiffusion3Pipeline / SAI sd3_infer.py: static shift
+# 3.0 over the scheduler's own spacing (down to the training schedule's last sigma); 3-medium 28 steps / CFG
+# 7.0, 3.5-large and 3.5-medium 40 / 4.5 (3.5-medium's skip-layer guidance is not run), large-turbo 4 steps
+# without CFG; T5 run for 256 tokens.
+SD3_FLOW = {"use_dynamic_shifting": False, "shift": 3.0, "spacing": "training"}
+FAMILIES = (
+    Family("sd3", "SD3", NEEDED, "transformer", 1.5305, SD3Txt2Img, sd3_requests, latent_shift=0.0609, patch=2,
+           optional=(T5,), steps=28, guidance=7.0, samplers=(SCHEDULER,), check_mode=txt2img_only,
+           variants={"3-medium": Flow(SD3_FLOW, 28, 7.0, 256), "3.5-medium": Flow(SD3_FLOW, 40, 4.5, 256),
+                     "3.5-large": Flow(SD3_FLOW, 40, 4.5, 256), "3.5-large-turbo": Flow(SD3_FLOW, 4, 1.0, 256)}),
+)
+SD3Txt2Img.families = {f.name: f for f in FAMILIES}

@@ -1,12 +1,15 @@
-"""Reference pipeline over an SD 1.x / 2.x / SDXL (base and refiner) bundle: tokenize, encode, denoise
-with classifier-free guidance, decode; txt2img, img2img and inpainting (an init image encoded by the VAE
-encoder and noised to the strength's first step; inpainting with a 9-channel inpainting UNet, or a plain
-UNet by latent blending), ControlNets, as diffusers' StableDiffusion(Img2Img|Inpaint|ControlNet)Pipeline.
+"""SD 1.x / 2.x / SDXL (base and refiner): the family facts and the reference pipeline over such a bundle --
+tokenize, encode, denoise with classifier-free guidance, decode; txt2img, img2img and inpainting (an init
+image encoded by the VAE encoder and noised to the strength's first step; inpainting with a 9-channel
+inpainting UNet, or a plain UNet by latent blending), ControlNets, as diffusers'
+StableDiffusion(Img2Img|Inpaint|ControlNet)Pipeline.
 
-Owns: each family's conditioning (SD 2.x v-prediction; SDXL's two encoders, pooled embeds and
-micro-conditioning time ids: original size, crop, target size, or the refiner's aesthetic score), the
-guidance loop and latent scaling. The loading, selection and reporting are BundleModel's (pipeline.py).
-Imports numpy, the runtime's own modules, and lazily the backends in use; never the compiler.
+Owns: each SD family's record (FAMILIES: components, latent scale, defaults, samplers), the shapes each
+component is called with, the image-mode checks (img2img / inpainting against the UNet's channels), each
+family's conditioning (SD 2.x v-prediction; SDXL's two encoders, pooled embeds and micro-conditioning time
+ids: original size, crop, target size, or the refiner's aesthetic score), the guidance loop and latent
+scaling. Loading, selection and reporting are BundleModel's (runtime/loading.py). Imports numpy, the
+runtime's own modules, and lazily the backends in use; never the compiler.
 """
 from __future__ import annotations
 
@@ -16,11 +19,85 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import UserError
-from .manifest import Manifest
-from .pipeline import (LATENT_SCALE, NEEDED, BundleModel, check_image_mode, check_steps, image_size, latent_factor,
-                       open_manifest, requests, text_state_name, unet_in_channels)
-from .schedulers import NoiseSchedule, make_sampler, start_index
+from ..checks import check_steps, check_strength, shown
+from ..errors import UserError
+from ..image_size import image_size, latent_factor
+from ..loading import BundleModel, open_manifest, text_state_name
+from ..manifest import Manifest
+from ..schedulers import SAMPLERS, NoiseSchedule, make_sampler, start_index
+from .family import Family
+from ..embeddings import encoder_feeds
+from ..images import image_tensor, mask_tensor
+from ..control import ControlNets, zero_residuals
+
+def unet_in_channels(manifest) -> int:
+    """The UNet's input channels: 4 latents, or 9 for an inpainting UNet (latents | mask | masked image)."""
+    for i in manifest.components.get("unet", {}).get("inputs", []):
+        if i["name"] == "sample" and len(i.get("shape") or []) > 1 and isinstance(i["shape"][1], int):
+            return i["shape"][1]
+    return 4
+
+
+DEFAULT_STRENGTH = {"img2img": 0.8, "inpaint": 1.0}      # as precast generate and the Python API default them
+OPTION_NAMES = {"cli": {"init": "--init-image", "mask": "--mask", "strength": "--strength", "steps": "--steps"},
+                "api": {"init": "init_image=", "mask": "mask=", "strength": "strength=", "steps": "steps="}}
+
+
+def check_image_mode(manifest, init: bool, mask: bool, strength: float | None, steps: int,
+                     names: str = "cli") -> tuple[str, float | None]:
+    """(mode, strength) for a run with or without an init image and mask, checked against the bundle
+    before anything loads: txt2img | img2img | inpaint, and the strength (default 0.8 img2img, 1.0
+    inpainting) in (0, 1] leaving at least one step. One-line UserErrors otherwise."""
+    n = OPTION_NAMES[names]
+    channels = unet_in_channels(manifest)
+    if channels not in (4, 9):      # e.g. 8: InstructPix2Pix, whose image conditioning is not run here
+        raise UserError(f"{manifest.root}: its UNet takes {channels} input channels; precast runs 4 (plain) "
+                        "and 9 (inpainting) channel UNets")
+    inpaint_unet = channels == 9
+    if mask and not init:
+        raise UserError(f"{n['mask']}: inpainting needs the image the mask applies to: give {n['init']} too")
+    if not init:
+        if strength is not None:
+            raise UserError(f"{n['strength']}: applies to img2img and inpainting; give {n['init']} too")
+        if inpaint_unet:
+            raise UserError(f"{manifest.root}: has an inpainting UNet (9 input channels: latents, mask, masked "
+                            f"image): give {n['init']} and {n['mask']} (white = repaint)")
+        return "txt2img", None
+    if inpaint_unet and not mask:
+        raise UserError(f"{manifest.root}: has an inpainting UNet (9 input channels): give {n['mask']} too "
+                        "(white = repaint), or use a bundle with a plain UNet for img2img")
+    if "vae_encoder" not in manifest.components:
+        raise UserError(f"{manifest.root}: img2img and inpainting encode the image with the VAE encoder, which this "
+                        "bundle lacks: rebuild it with vae_encoder in the recipe's components")
+    mode = "inpaint" if mask else "img2img"
+    strength = check_strength(DEFAULT_STRENGTH[mode] if strength is None else strength, n["strength"])
+    if start_index(steps, strength) >= steps:
+        raise UserError(f"{shown(n['strength'], strength)} with {steps} steps runs no step (int(steps x strength) = 0): "
+                        f"raise {n['strength']} or {n['steps']}")
+    return mode, strength
+
+
+
+
+def requests(manifest, batch: int, height: int, width: int, tokens: int = 77, cfg: bool = True) -> dict:
+    """The input shapes each component of an SD bundle will be called with."""
+    f = latent_factor(manifest)
+    lat = (batch, 4, height // f, width // f)
+    sample = (batch, unet_in_channels(manifest), height // f, width // f)
+    unet_inputs = {i["name"]: i["shape"] for i in manifest.components.get("unet", {}).get("inputs", [])}
+    ctx = (unet_inputs.get("encoder_hidden_states") or [0, 0, 768])[-1]
+    ub = 2 * batch if cfg else batch
+    steps = () if unet_inputs.get("timestep") == [] else (ub,)     # an optimum export's 0-d timestep
+    unet = {"sample": (ub,) + sample[1:], "timestep": steps, "encoder_hidden_states": (ub, tokens, ctx)}
+    for name in ("text_embeds", "time_ids"):
+        if name in unet_inputs:
+            unet[name] = (ub, unet_inputs[name][-1])
+    out = {"text_encoder": {"input_ids": (batch, tokens)}, "text_encoder_2": {"input_ids": (batch, tokens)},
+           "unet": unet, "vae_decoder": {"latent_sample": lat}, "vae_encoder": {"sample": (batch, 3, height, width)}}
+    for comp in (c for c in manifest.components if c.startswith("controlnet_")):   # the UNet's batch and inputs
+        out[comp] = {**{k: v for k, v in unet.items() if k != "sample"}, "sample": (ub,) + lat[1:],
+                     "controlnet_cond": (ub, 3, height, width)}
+    return out
 
 
 class Txt2Img(BundleModel):
@@ -38,8 +115,8 @@ class Txt2Img(BundleModel):
         `controlnets`: the bundle's ControlNet components (controlnet_<name>) to load for `controls`."""
         env = os.environ if env is None else env
         manifest, manifest_s = open_manifest(bundle)
-        family = self.family = manifest.model.get("family")
-        if family not in LATENT_SCALE:
+        family = self.family = manifest.info.family
+        if family not in NEEDED:
             raise UserError(f"{manifest.root}: the SD pipeline runs SD 1.x/2.x/XL bundles; this one is {family}")
         self.width, self.height = width, height = image_size(manifest, width, height, latent_factor(manifest))
         needed = NEEDED[family] + (("vae_encoder",) if image_input else ()) + tuple(controlnets)
@@ -48,15 +125,16 @@ class Txt2Img(BundleModel):
                          sysroot, env, verify, strict, later=("vae_decoder",) if lazy else ())
         self.stages = {"manifest": manifest_s, **self.stages}
         self.tokenizer = self.tokenizers.get("text_encoder") or self.tokenizers["text_encoder_2"]
-        self.latent_scale = float(manifest.model.get("latent_scale") or LATENT_SCALE[family])
-        self.prediction = manifest.model.get("prediction") or "epsilon"
+        spec = BY_NAME[family]
+        self.latent_scale = float(manifest.info.latent_scale or spec.latent_scale)
+        self.defaults = {"steps": spec.steps, "guidance": spec.guidance}
+        self.prediction = manifest.info.prediction
         self.unet_channels = unet_in_channels(manifest)
         self.unet_inputs = manifest.components["unet"]["inputs"]
         ts = next((i.get("shape") for i in self.unet_inputs if i["name"] == "timestep"), None)
         self.timestep_shape = () if ts == [] else (2,)       # optimum's UNet export: one 0-d timestep
 
     def _encoder(self, comp: str, prompt: str) -> dict[str, np.ndarray]:
-        from .embeddings import encoder_feeds
         ids = self.tokenizers[comp](prompt)[None, :].astype(np.int32)
         session = self.component(comp).session
         hidden = int(self.manifest.components[comp].get("config", {}).get("hidden", 768))
@@ -64,7 +142,7 @@ class Txt2Img(BundleModel):
         return {k: v.astype(np.float32) for k, v in out.items()}
 
     def _hidden(self, comp: str, out: dict[str, np.ndarray]) -> np.ndarray:
-        """The hidden state the UNet reads, by name (runtime/pipeline.py text_state_name): last_hidden_state
+        """The hidden state the UNet reads, by name (runtime/loading.py text_state_name): last_hidden_state
         (SD 1.x/2.x) or the penultimate hidden_states.N-1 (SDXL) among every layer's output."""
         config = self.manifest.components[comp].get("config", {})
         return out[text_state_name(out, config, penultimate=self.family.startswith("sdxl"))]
@@ -123,7 +201,6 @@ class Txt2Img(BundleModel):
         if mode == "txt2img":
             x = noise * np.float32(sampler.init_noise_sigma)
         else:
-            from .images import image_tensor, mask_tensor
             first = start_index(steps, strength)
             pixels = image_tensor(init_image, self.width, self.height)
             m = mask_tensor(mask, self.width, self.height) if mask is not None else None
@@ -148,7 +225,6 @@ class Txt2Img(BundleModel):
                                                 self.time_ids(aesthetic_score, original_size, crop)], axis=0)
         context = np.concatenate([neg_ctx, ctx], axis=0)
         unet = self.component("unet").session
-        from .control import ControlNets, zero_residuals
         nets = ControlNets(self, controls, self.width, self.height, guess_mode) if controls else None
         zeros = zero_residuals(self.unet_inputs, 2, shape[2], shape[3])
         run["encode"] = round(time.perf_counter() - t0, 3)
@@ -171,3 +247,16 @@ class Txt2Img(BundleModel):
         del unet                 # one at a time: the VAE decoder may load only once the denoiser is released
         image = self.decode(x / np.float32(self.latent_scale))
         return np.clip(image / 2 + 0.5, 0.0, 1.0)
+
+
+def _family(name: str, title: str, needs: tuple[str, ...], latent_scale: float) -> Family:
+    return Family(name, title, needs, "unet", latent_scale, Txt2Img, requests, steps=20, guidance=7.5,
+                  samplers=tuple(SAMPLERS), image_modes=True, controlnets=True, check_mode=check_image_mode)
+
+
+FAMILIES = (_family("sd1", "SD 1.x", ("text_encoder", "unet", "vae_decoder"), 0.18215),
+            _family("sd2", "SD 2.x", ("text_encoder", "unet", "vae_decoder"), 0.18215),
+            _family("sdxl", "SDXL", ("text_encoder", "text_encoder_2", "unet", "vae_decoder"), 0.13025),
+            _family("sdxl-refiner", "SDXL refiner", ("text_encoder_2", "unet", "vae_decoder"), 0.13025))
+BY_NAME = {f.name: f for f in FAMILIES}
+NEEDED = {f.name: f.needs for f in FAMILIES}

@@ -1,7 +1,8 @@
-"""Text-to-image over a Flux (dev, schnell) or Chroma bundle: T5 (+ CLIP-L) conditioning, 2x2 latent
-packing with position ids, flow-matching Euler, the VAE's scale and shift, PNG-ready pixels.
+"""Flux.1 (dev, schnell) and Chroma: the family facts and text-to-image over such a bundle -- T5 (+ CLIP-L)
+conditioning, 2x2 latent packing with position ids, on the shared flow-matching loop (flow_matching.py).
 
-Owns: each DiT family's conditioning -- Flux: T5 `last_hidden_state` (run without a mask, padding
+Owns: the Flux and Chroma records (FAMILIES: components, latent scale and shift, the released models'
+schedules, steps, guidance and T5 lengths), each one's conditioning -- Flux: T5 `last_hidden_state` (run without a mask, padding
 to the bundle's T5 length) + CLIP-L `pooler_output`, dev's distilled guidance fed as its raw scale;
 Chroma: T5 run with its mask, the transformer attending to the real tokens plus one padding token,
 real classifier-free guidance with a negative prompt -- the packing (b c (h 2) (w 2) -> b (h w)
@@ -10,34 +11,16 @@ is called with (for selection). Imports numpy and the runtime's own modules; nev
 """
 from __future__ import annotations
 
-import os
-import time
-from pathlib import Path
-
 import numpy as np
 
-from .errors import UserError
-from .flow import FlowEuler, FlowSchedule
-from .manifest import Manifest
-from .pipeline import BundleModel, check_steps, image_size, latent_factor, open_manifest
+from ..errors import UserError
+from ..image_size import latent_factor
+from ..manifest import Manifest
+from .family import Family, Flow
+from .flow_matching import SCHEDULER, FlowPipeline, t5_length, txt2img_only
+from ..embeddings import encoder_feeds
 
-FAMILIES = {"flux": ("text_encoder", "text_encoder_2", "transformer", "vae_decoder"),
-            "chroma": ("text_encoder", "transformer", "vae_decoder")}
 T5_OF = {"flux": "text_encoder_2", "chroma": "text_encoder"}
-SCHEDULER = "flow-euler"      # the only sampler Flux / Chroma run (flow-matching Euler, flow.py)
-LATENT = {"flux": (0.3611, 0.1159), "chroma": (0.3611, 0.1159)}   # scale, shift (BFL AutoEncoderParams)
-
-
-def t5_length(manifest: Manifest) -> int:
-    """The T5 length to run with: the model's own (dev 512, schnell 256) where a profile of the
-    transformer covers it, else the longest its profiles were built for (padding to more tokens
-    never loses any; a shorter length cuts the prompt)."""
-    default = int(manifest.model.get("t5_tokens") or 512)
-    ranges = [p["t5_tokens"] for p in manifest.components["transformer"].get("profiles") or []
-              if isinstance(p.get("t5_tokens"), list)]
-    if not ranges or any(lo <= default <= hi for lo, _, hi in ranges):
-        return default
-    return int(max(opt for _, opt, _ in ranges))
 
 
 def packed_grid(manifest: Manifest, height: int, width: int) -> tuple[int, int]:
@@ -74,7 +57,7 @@ def check_transformer_io(manifest: Manifest, family: str) -> None:
 
 def dit_requests(manifest: Manifest, batch: int, height: int, width: int) -> dict:
     """The input shapes each component of a Flux/Chroma bundle is called with."""
-    family = manifest.model.get("family")
+    family = manifest.info.family
     check_transformer_io(manifest, family if family in REQUIRED else "flux")
     rows, cols = packed_grid(manifest, height, width)
     tokens, t5 = rows * cols, t5_length(manifest)
@@ -120,38 +103,19 @@ def image_ids(rows: int, cols: int) -> np.ndarray:
     return ids.reshape(rows * cols, 3)
 
 
-class FluxTxt2Img(BundleModel):
+class FluxTxt2Img(FlowPipeline):
     """Text-to-image over a Flux or Chroma bundle."""
+    refusal = "the DiT pipeline runs Flux and Chroma bundles"
+    size_why = "{family} packs 2x2 latents of the VAE's 1/{f} scale"
 
-    def __init__(self, bundle: str | Path | Manifest, backend: str | None = None, params_backend: str | None = None,
-                 width: int | None = None, height: int | None = None, sysroot: str = "/", env=None,
-                 verify: bool | str = True, strict: bool = False, lazy: bool = True):
-        """`width`/`height` default to the bundle's optimal size (its transformer profile's opt);
-        `strict`: every module runs where `backend` assigns it, or a UserError (no fallback);
-        `lazy`: the VAE decoder goes on loading while the prompt is encoded and denoised."""
-        env = os.environ if env is None else env
-        manifest, manifest_s = open_manifest(bundle)
-        family = self.family = manifest.model.get("family")
-        if family not in FAMILIES:
-            raise UserError(f"{manifest.root}: the DiT pipeline runs Flux and Chroma bundles; this one is {family}")
-        f = 2 * latent_factor(manifest)
-        width, height = image_size(manifest, width, height, f,
-                                   f"{family} packs 2x2 latents of the VAE's 1/{f // 2} scale")
-        check_transformer_io(manifest, family)
-        self.width, self.height = width, height
-        self.rows, self.cols = packed_grid(manifest, height, width)
-        self.t5_tokens = t5_length(manifest)
-        super().__init__(manifest, FAMILIES[family], dit_requests(manifest, 1, height, width), backend,
-                         params_backend, sysroot, env, verify, strict, later=("vae_decoder",) if lazy else ())
-        self.stages = {"manifest": manifest_s, **self.stages}
-        inputs = {i["name"]: i["shape"] for i in manifest.components["transformer"]["inputs"]}
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        inputs = {i["name"]: i["shape"] for i in self.manifest.components["transformer"]["inputs"]}
         self.channels = int(inputs["hidden_states"][-1]) // 4
-        scale, shift = LATENT[family]
-        self.latent_scale = float(manifest.model.get("latent_scale") or scale)
-        self.latent_shift = float(manifest.model.get("latent_shift", shift))
-        self.schedule = FlowSchedule.from_config(manifest.model.get("scheduler") or {})
-        self.defaults = {"steps": int(manifest.model.get("steps") or 28),
-                         "guidance": float(manifest.model.get("guidance", 3.5))}
+        self.rows, self.cols = packed_grid(self.manifest, self.height, self.width)
+
+    def check_io(self, manifest: Manifest) -> None:
+        check_transformer_io(manifest, self.family)
 
     def text_limits(self) -> dict[str, int]:
         return {**super().text_limits(), T5_OF[self.family]: self.t5_tokens - 1}   # T5: less `</s>`
@@ -168,7 +132,6 @@ class FluxTxt2Img(BundleModel):
         return states, mask.astype(np.int32)
 
     def _clip_pooled(self, prompt: str) -> np.ndarray:
-        from .embeddings import encoder_feeds
         ids = self.tokenizers["text_encoder"](prompt)[None, :].astype(np.int32)
         session = self.component("text_encoder").session
         hidden = int(self.manifest.components["text_encoder"].get("config", {}).get("hidden", 768))
@@ -187,38 +150,39 @@ class FluxTxt2Img(BundleModel):
             feeds["pooled_projections"] = self._clip_pooled(prompt)
         return feeds
 
-    # ---- generation --------------------------------------------------------------------------------
+    # ---- how the transformer is fed --------------------------------------------------------------
     def noise(self, seed: int) -> np.ndarray:
         shape = (1, self.channels, 2 * self.rows, 2 * self.cols)
         return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
-    def __call__(self, prompt: str, negative: str = "", steps: int | None = None, seed: int = 0,
-                 guidance: float | None = None, latents: np.ndarray | None = None, progress: bool = True) -> np.ndarray:
-        """Returns the decoded image as float32 [H, W, 3] in [0, 1]. `latents`: [1, 16, h, w] noise
-        (unpacked), instead of the seed's."""
-        steps = self.defaults["steps"] if steps is None else steps
-        guidance = self.defaults["guidance"] if guidance is None else guidance
-        check_steps(steps)
-        x = pack(self.noise(seed) if latents is None else latents.astype(np.float32))
-        sampler = FlowEuler(self.schedule, steps, x.shape[1])
-        run = self.run_stages = {}
-        t0 = time.perf_counter()
-        cond = self.encode(prompt)
-        cfg = self.family == "chroma" and guidance > 1.0
-        uncond = self.encode(negative) if cfg else None
+    def to_transformer(self, latents: np.ndarray) -> np.ndarray:
+        return pack(latents)
+
+    def from_transformer(self, x: np.ndarray) -> np.ndarray:
+        return unpack(x, self.rows, self.cols)
+
+    def image_tokens(self, x: np.ndarray) -> int:
+        return x.shape[1]
+
+    def fixed_feeds(self, transformer, guidance: float) -> dict[str, np.ndarray]:
         fixed = {"img_ids": image_ids(self.rows, self.cols)}
-        transformer = self.component("transformer").session
-        if "guidance" in transformer.input_names:
+        if "guidance" in transformer.input_names:     # dev's distilled guidance, fed as its raw scale
             fixed["guidance"] = np.full((1,), guidance, np.float32)
-        run["encode"] = round(time.perf_counter() - t0, 3)
-        for i, t in self.denoising(sampler.timesteps, progress):
-            step = {"hidden_states": x, "timestep": np.full((1,), t, np.float32), **fixed}
-            v = transformer.run({**step, **cond})["out_hidden_states"].astype(np.float32)
-            if cfg:
-                v_neg = transformer.run({**step, **uncond})["out_hidden_states"].astype(np.float32)
-                v = v_neg + np.float32(guidance) * (v - v_neg)
-            x = sampler.step(v, i, x)
-        del transformer          # one at a time: the VAE decoder may load only once the denoiser is released
-        z = unpack(x, self.rows, self.cols) / np.float32(self.latent_scale) + np.float32(self.latent_shift)
-        image = self.decode(z)
-        return np.clip(image / 2 + 0.5, 0.0, 1.0)
+        return fixed
+
+
+DYNAMIC = {"use_dynamic_shifting": True, "shift": 3.0, "base_shift": 0.5, "max_shift": 1.15,
+           "base_image_seq_len": 256, "max_image_seq_len": 4096}
+# BFL AutoEncoderParams: latent = 0.3611 * (z - 0.1159); dev 28 steps / 3.5 (distilled guidance), schnell 4 /
+# none, Chroma 35 / 5.0 (real classifier-free guidance with a negative prompt)
+FAMILIES = (
+    Family("flux", "Flux", ("text_encoder", "text_encoder_2", "transformer", "vae_decoder"), "transformer", 0.3611,
+           FluxTxt2Img, dit_requests, latent_shift=0.1159, patch=2, steps=28, guidance=3.5, samplers=(SCHEDULER,),
+           negative=False, check_mode=txt2img_only,
+           variants={"dev": Flow(DYNAMIC, 28, 3.5, 512),
+                     "schnell": Flow({"use_dynamic_shifting": False, "shift": 1.0}, 4, 0.0, 256)}),
+    Family("chroma", "Chroma", ("text_encoder", "transformer", "vae_decoder"), "transformer", 0.3611, FluxTxt2Img,
+           dit_requests, latent_shift=0.1159, patch=2, steps=28, guidance=3.5, samplers=(SCHEDULER,),
+           check_mode=txt2img_only, variants={"": Flow(DYNAMIC, 35, 5.0, 512)}),
+)
+FluxTxt2Img.families = {f.name: f for f in FAMILIES}

@@ -1,0 +1,123 @@
+"""`precast bundle`: merge, pack, unpack, verify and inspect engine bundles.
+
+Owns: the bundle subcommands' output (a line, a table, or JSON with --json); the work is
+compiler/bundle_merge.py's, bundle_archive.py's and runtime/manifest.py's, imported when a command runs.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from ..runtime.cli_support import run_cli as _run
+from ..runtime.manifest import read_manifest, verify_bundle
+from .cache_cli import _count
+
+
+def _profile_words(p: dict) -> str:
+    """'512x512 (min 256x256, max 768x768), batch 1, 77 tokens' from a component's shape profile."""
+    def size(i):
+        return f"{p['width'][i]}x{p['height'][i]}"
+    def span(key):
+        lo, opt, hi = p[key]
+        return str(opt) if lo == hi else f"{lo}..{hi} (opt {opt})"
+    fixed = size(0) == size(2)
+    words = [size(1) if fixed else f"{size(1)} (min {size(0)}, max {size(2)})", f"batch {span('batch')}",
+             f"{span('tokens')} tokens"]
+    if p.get("t5_tokens"):
+        words.append(f"{span('t5_tokens')} T5 tokens")
+    return ", ".join(words)
+
+
+@click.group("bundle")
+def bundle_group():
+    """Merge, pack, unpack, verify and inspect engine bundles."""
+
+
+@bundle_group.command("merge")
+@click.argument("bundles", nargs=-1, required=True, type=click.Path())
+@click.option("--out", required=True, type=click.Path())
+@click.option("--json", "as_json", is_flag=True)
+def bundle_merge(bundles, out, as_json):
+    """Join shard bundles of one recipe into one bundle."""
+    def go():
+        from .bundle_merge import merge_bundles
+        r = merge_bundles(list(bundles), out)
+        click.echo(json.dumps(r) if as_json else f"merged {_count(len(bundles), 'bundle')} -> {out} ({_count(r['artifacts'], 'artifact')})")
+    _run(go)
+
+
+@bundle_group.command("pack")
+@click.argument("bundle", type=click.Path())
+@click.option("--out", required=True, type=click.Path(), help="FILE.tar, FILE.tar.gz or FILE.tar.zst")
+@click.option("--json", "as_json", is_flag=True)
+def bundle_pack(bundle, out, as_json):
+    """Verify BUNDLE and pack it into one archive."""
+    def go():
+        from .bundle_archive import count_words, pack_bundle
+        r = pack_bundle(bundle, out)
+        click.echo(json.dumps(r) if as_json else f"packed {count_words(r)} -> {out} ({r['size'] / 1e6:.1f} MB)")
+    _run(go)
+
+
+@bundle_group.command("unpack")
+@click.argument("archive", type=click.Path())
+@click.option("--out", required=True, type=click.Path())
+@click.option("--json", "as_json", is_flag=True)
+def bundle_unpack(archive, out, as_json):
+    """Unpack ARCHIVE safely (no absolute paths, '..', links or devices) and verify it."""
+    def go():
+        from .bundle_archive import count_words, unpack_bundle
+        r = unpack_bundle(archive, out)
+        click.echo(json.dumps(r) if as_json else f"unpacked {count_words(r)} -> {out}; verified")
+    _run(go)
+
+
+@bundle_group.command("verify")
+@click.argument("bundle", type=click.Path())
+@click.option("--json", "as_json", is_flag=True)
+def bundle_verify(bundle, as_json):
+    """Check every file of BUNDLE against its manifest (size and sha256). Exit 1 when any differs."""
+    def go():
+        problems = verify_bundle(bundle)          # a ManifestError is a UserError: one line, exit 2
+        if as_json:
+            click.echo(json.dumps({"bundle": bundle, "ok": not problems, "problems": problems}, indent=2))
+        else:
+            for p in problems:
+                click.echo(f"FAIL {p}", err=True)
+            click.echo(f"{bundle}: {'ok' if not problems else f'{len(problems)} problem(s)'}")
+        if problems:
+            sys.exit(1)
+    _run(go)
+
+
+@bundle_group.command("inspect")
+@click.argument("bundle", type=click.Path())
+@click.option("--json", "as_json", is_flag=True)
+def bundle_inspect(bundle, as_json):
+    """Show what BUNDLE holds: model, components, artifacts with their fingerprints."""
+    def go():
+        m = read_manifest(bundle)
+        if as_json:
+            click.echo(json.dumps(m.data, indent=2))
+            return
+        model = m.model
+        click.echo(f"model      {model['family']} {model['variant']}  source {model['source']}  "
+                   f"sha256 {model['source_sha256'][:16]}")
+        for lora in model.get("loras") or []:
+            click.echo(f"lora       {lora.get('name')}  strength {lora.get('strength')}  sha256 {str(lora.get('sha256'))[:16]}")
+        for emb in model.get("embeddings") or []:
+            click.echo(f"embedding  {emb.get('name') or emb.get('token')}")
+        for name, c in sorted(m.components.items()):
+            click.echo(f"component  {name:<13} {c['dtype']}  " +
+                       ", ".join(i['name'] for i in c['inputs']) + " -> " + ", ".join(o['name'] for o in c['outputs']))
+            for p in c.get("profiles") or []:
+                click.echo(f"  profile  {_profile_words(p)}")
+        for a in m.artifacts():
+            size = sum(m.files[f]["size"] for f in a.files) / 1e6
+            click.echo(f"artifact   {a.component:<13} {a.backend:<13} {size:8.1f} MB  {a.fingerprint}")
+        from .bundle_archive import bundle_counts, count_words
+        click.echo(f"total      {count_words(bundle_counts(m.files))}, "
+                   f"{sum(f['size'] for f in m.files.values()) / 1e6:.1f} MB")
+    _run(go)

@@ -1,0 +1,51 @@
+"""Parts several families share: the LDM VAE's two components, CLIP and T5 text-encoder components, the
+latent factor of a checkpoint's VAE, and the diffusers / transformers class names their folders name.
+"""
+from __future__ import annotations
+
+import re
+from functools import partial
+
+from ..graphs import clip_text, ldm_vae, t5_encoder
+from ..sources.tensor_refs import T5, VAE
+from .family import Component
+
+VAE_ENC = Component("vae_encoder", (VAE,), "vae", ldm_vae.vae_config, ldm_vae.build_vae_encoder,
+                    (VAE + "encoder.", VAE + "quant_conv."))
+VAE_DEC = Component("vae_decoder", (VAE,), "vae", ldm_vae.vae_config, ldm_vae.build_vae_decoder,
+                    (VAE + "decoder.", VAE + "post_quant_conv."))
+VAES = {"vae_encoder": VAE_ENC, "vae_decoder": VAE_DEC}
+
+# diffusers / transformers classes, as model_index.json names them
+CLIP_TOKENIZER = ["transformers", "CLIPTokenizer"]
+T5_TOKENIZER = ["transformers", "T5TokenizerFast"]
+CLIP_MODEL = ["transformers", "CLIPTextModel"]
+CLIP_PROJECTED = ["transformers", "CLIPTextModelWithProjection"]
+T5_MODEL = ["transformers", "T5EncoderModel"]
+UNET_MODEL = ["diffusers", "UNet2DConditionModel"]
+VAE_MODEL = ["diffusers", "AutoencoderKL"]
+EULER = ["diffusers", "EulerDiscreteScheduler"]
+FLOW_EULER = ["diffusers", "FlowMatchEulerDiscreteScheduler"]
+DPM_SOLVER = "DPMSolverMultistepScheduler"
+FLOW_SCHEDULER = "FlowMatchEulerDiscreteScheduler"
+
+
+def clip(name: str, prefixes: tuple[str, ...], use: str, tokenizer: str = "clip", config_file: str = "",
+         missing_hint: str = "") -> Component:
+    """A CLIP text encoder (compiler/graphs/clip_text.py: `use` picks its hidden state and pooled output);
+    tokenizer "clip": OpenAI's CLIP-L, "openclip": an OpenCLIP encoder (H, bigG)."""
+    return Component(name, prefixes, name, partial(clip_text.clip_text_config, use=use, openai=tokenizer == "clip"),
+                     clip_text.build_clip_text, config_file=config_file, missing_hint=missing_hint, tokenizer=tokenizer)
+
+
+def t5(name: str, mask_input: bool, hint: str) -> Component:
+    """A T5-XXL encoder (compiler/graphs/t5_encoder.py), with an attention-mask input where the family feeds one."""
+    return Component(name, (T5,), name, partial(t5_encoder.t5_config, mask_input=mask_input),
+                     t5_encoder.build_t5_encoder, config_file="t5", missing_hint=hint, tokenizer="t5")
+
+
+def latent_factor_of(refs) -> int:
+    """Pixels per latent of the model's VAE: 2 ** (levels - 1) (8 for every released SD / Flux VAE);
+    8 when the checkpoint has no VAE."""
+    levels = {int(m.group(1)) for k in refs if (m := re.match(re.escape(VAE) + r"(?:decoder\.up|encoder\.down)\.(\d+)\.", k))}
+    return 2 ** (max(levels)) if levels else 8

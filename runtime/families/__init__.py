@@ -1,0 +1,32 @@
+"""The model families the runtime runs, one module each, found by the manifest's `model.family`:
+sd.py (SD 1.x, 2.x, XL and the XL refiner), flux.py (Flux.1 dev / schnell and Chroma), sd3.py (SD3 and
+SD3.5). Nothing else in the runtime branches on a family's name: it asks the family's record
+(family.py) through `family_of` / `FAMILIES`. Facts the compiler needs too (latent scale and shift, the
+released models' flow schedules and T5 lengths, the denoiser, the patch size) are read from here, so
+they are written once. A new family is a module here, listed in MODULES.
+"""
+from __future__ import annotations
+
+from ..errors import UserError
+from . import flux, sd, sd3
+from .family import Family, Flow
+
+MODULES = (sd, flux, sd3)
+FAMILIES: dict[str, Family] = {f.name: f for m in MODULES for f in m.FAMILIES}
+
+__all__ = ["FAMILIES", "Family", "Flow", "family_of", "missing_for_generate"]
+
+
+def family_of(manifest) -> Family:
+    """The family of a bundle's manifest, or one UserError naming it and the families this precast runs."""
+    name = manifest.model.get("family")
+    if name not in FAMILIES:
+        raise UserError(f"{manifest.root}: model.family {name!r} is not one this precast runs "
+                        f"({', '.join(FAMILIES)}); a newer precast may: upgrade, or rebuild the bundle")
+    return FAMILIES[name]
+
+
+def missing_for_generate(manifest) -> list[str]:
+    """The components `generate` needs for this bundle's family that the bundle does not have."""
+    family = FAMILIES.get(manifest.model.get("family"))
+    return [c for c in family.needs if c not in manifest.components] if family else []

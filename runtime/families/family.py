@@ -1,0 +1,44 @@
+"""What a model family is to precast: the facts its runtime module declares, read through the registry
+(runtime/families/__init__.py) by the runtime and, for the facts both sides need, by the compiler.
+
+Owns the `Family` and `Flow` records. Plain data: no family's code is here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Flow:
+    """A released flow-matching model's schedule (diffusers FlowMatchEulerDiscreteScheduler fields) and the
+    defaults its pipeline generates with; the T5 length its transformer is built and run for."""
+    scheduler: dict
+    steps: int
+    guidance: float
+    t5_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class Family:
+    """One value of a manifest's `model.family` and everything generic code asks of it."""
+    name: str                         # the manifest's model.family (and the compiler's family name)
+    title: str                        # as messages name it: "SD 1.x", "Flux"
+    needs: tuple[str, ...]            # the components `generate` loads, in order
+    denoiser: str                     # "unet" or "transformer": its profile's opt is the default size
+    latent_scale: float               # decoder input = latents / scale + shift
+    pipeline: type                    # the txt2img pipeline (a loading.BundleModel)
+    requests: Callable                # (manifest, batch, height, width) -> {component: {input: shape}}
+    latent_shift: float = 0.0
+    patch: int = 1                    # latents per denoiser token side: 2 where a DiT reads 2x2 patches
+    optional: tuple[str, ...] = ()    # components loaded when the bundle has them (SD3's T5)
+    steps: int = 20                   # generate's defaults where the bundle records none
+    guidance: float = 7.5
+    samplers: tuple[str, ...] = ()    # the --scheduler names it takes; the first is the default
+    negative: bool = True             # whether a negative prompt is used (Flux: distilled guidance, none)
+    image_modes: bool = False         # img2img and inpainting
+    controlnets: bool = False
+    variants: dict[str, Flow] = field(default_factory=dict)    # flow-matching: the released models' defaults
+    # (manifest, init: bool, mask: bool, strength, steps, names "cli" | "api") -> (mode, strength), checked
+    check_mode: Callable | None = None
+
