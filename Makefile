@@ -21,10 +21,12 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[compiler,onnxruntime,openvino,tensorrt-rtx]'
 	touch $(STAMP)
 
-# The tests add their references: torch (CPU build, on local disk), diffusers, transformers, pytest.
+# The tests add their references: torch (CPU build, on local disk), diffusers, transformers, pytest; and the
+# registry tests/test_registry.py pushes to and pulls from (Debian's docker-registry, CNCF distribution).
 $(TEST_STAMP): $(STAMP)
+	test -x /usr/bin/docker-registry || (apt-get update && apt-get install -y docker-registry)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[compiler,onnxruntime,openvino,tensorrt-rtx,quantize,test]'
+	$(BIN)/pip install -q -e '.[compiler,onnxruntime,openvino,tensorrt-rtx,quantize,test,remote]'
 	touch $(TEST_STAMP)
 
 # The side environment the optimum / optimum-intel interop tests run in (nothing of precast is installed there).

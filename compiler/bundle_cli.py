@@ -1,6 +1,7 @@
 """`precast bundle`: merge, pack, unpack, verify and inspect engine bundles.
 
-Owns: the bundle subcommands' output (a line, a table, or JSON with --json); the work is
+Owns: the bundle subcommands' output (a line, a table, or JSON with --json), and merge's registry
+references (shards pulled whole, the merged bundle pushed: runtime/oci/); the work is
 compiler/bundle_merge.py's, bundle_archive.py's and runtime/manifest.py's, imported when a command runs.
 """
 from __future__ import annotations
@@ -36,16 +37,50 @@ def bundle_group():
 
 
 @bundle_group.command("merge")
-@click.argument("bundles", nargs=-1, required=True, type=click.Path())
-@click.option("--out", required=True, type=click.Path())
+@click.argument("bundles", nargs=-1, required=True)
+@click.option("--out", required=True, help="Folder for the merged bundle, or oci://HOST/REPO:TAG to push it to.")
+@click.option("--ca", default=None, type=click.Path(), help="CA certificate (PEM) for registries (also PRECAST_REGISTRY_CA).")
+@click.option("--plain-http", is_flag=True, help="Talk plain HTTP to the registries.")
 @click.option("--json", "as_json", is_flag=True)
-def bundle_merge(bundles, out, as_json):
-    """Join shard bundles of one recipe into one bundle."""
+def bundle_merge(bundles, out, ca, plain_http, as_json):
+    """Join shard bundles of one recipe into one bundle. Shards and --out may be folders or registry
+    references (oci://...): a shard pushed by `precast push` is pulled whole first (into a temporary
+    folder), and a merged bundle for a registry is pushed (blobs the registry has are skipped)."""
     def go():
         from .bundle_merge import merge_bundles
-        r = merge_bundles(list(bundles), out)
+        from ..runtime.oci.ref import is_ref
+        if not any(map(is_ref, (*bundles, out))):
+            r = merge_bundles(list(bundles), out)
+        else:
+            r = _merge_refs(merge_bundles, list(bundles), out, ca, plain_http, as_json)
         click.echo(json.dumps(r) if as_json else f"merged {_count(len(bundles), 'bundle')} -> {out} ({_count(r['artifacts'], 'artifact')})")
     _run(go)
+
+
+def _merge_refs(merge_bundles, bundles: list[str], out: str, ca, plain_http, as_json) -> dict:
+    """merge_bundles with shards pulled from registries (--all) and the result pushed when --out is one."""
+    import tempfile
+    from pathlib import Path
+    from ..runtime.oci.client import Registry
+    from ..runtime.oci.pull import pull_bundle
+    from ..runtime.oci.push import push_bundle
+    from ..runtime.oci.ref import is_ref, parse_ref
+    with tempfile.TemporaryDirectory(prefix="precast-merge-") as tmp:
+        local = []
+        for i, b in enumerate(bundles):
+            if is_ref(b):
+                ref = parse_ref(b)
+                pull_bundle(ref, Path(tmp) / f"shard-{i}", Registry.for_ref(ref, ca=ca, plain_http=plain_http),
+                            everything=True, progress=not as_json)
+                b = Path(tmp) / f"shard-{i}"
+            local.append(b)
+        if not is_ref(out):
+            return merge_bundles(local, out)
+        ref = parse_ref(out)
+        r = merge_bundles(local, Path(tmp) / "merged")
+        pushed = push_bundle(Path(tmp) / "merged", ref, Registry.for_ref(ref, ca=ca, plain_http=plain_http),
+                             progress=not as_json)
+        return {**r, "bundle": out, "digest": pushed.digest, "bytes_uploaded": pushed.bytes_uploaded}
 
 
 @bundle_group.command("pack")

@@ -1,7 +1,7 @@
 """The `precast` command: the group, its dispatch and its exit codes.
 
 Owns: the top-level command group (`doctor`, `generate` -- runtime/run_commands.py -- need only the
-runtime's dependencies; `export`, `build`, `bundle`, ... are imported from precast.compiler.cli only
+runtime's dependencies; `push`, `pull` -- runtime/remote_commands.py -- the remote extra, imported when run; `export`, `build`, `bundle`, ... are imported from precast.compiler.cli only
 when invoked, and a build command on a runtime-only install is one line naming the extra to
 install), usage errors as one line, the exit codes: 0 ok, 1 failure, 2 bad input (one line, no
 traceback), and errors as {"error", "exit"} on stdout under --json (run_cli, shared with the
@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import signal
 
 import click
 
 from .cli_support import EXTRA_OF, command_path, fail, missing_dependency, run_cli, wants_json  # noqa: F401 (run_cli: the compiler's commands)
 from .errors import Terminated
+from .remote_commands import pull_cmd, push_cmd
 from .run_commands import doctor_cmd, generate_cmd
 
 BUILD_COMMANDS = ("bundle", "build", "cache", "compile", "demo-model", "export", "export-openvino-genai", "plan")
@@ -81,19 +83,31 @@ def main() -> None:
     clean_up_on_termination()
 
 
+_fork_hooked = False
+
+
 def clean_up_on_termination() -> None:
     """SIGTERM and SIGHUP raise Terminated (a KeyboardInterrupt), so they clean up as Ctrl+C does; a second
     one while that runs is ignored (SIGKILL still ends the process: runtime/staging.py recovers after it)."""
     def handler(signum, frame):
         signal.signal(signum, signal.SIG_IGN)
         raise Terminated(signum)
-    for name in ("SIGTERM", "SIGHUP"):
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), handler)
+    names = [getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n)]
+    for signum in names:
+        signal.signal(signum, handler)
+    global _fork_hooked
+    if hasattr(os, "register_at_fork") and not _fork_hooked:
+        _fork_hooked = True
+        # A forked child (OpenVINO's telemetry sender, forked from a thread when openvino is imported) must die
+        # on SIGTERM: stuck in C -- an OpenSSL lock another thread held at the fork, while a pull's transfers
+        # run -- it would never run this Python handler, and its parent's terminate() and exit would wait forever.
+        os.register_at_fork(after_in_child=lambda: [signal.signal(s, signal.SIG_DFL) for s in names])
 
 
 main.add_command(doctor_cmd)
 main.add_command(generate_cmd)
+main.add_command(push_cmd)
+main.add_command(pull_cmd)
 
 
 if __name__ == "__main__":   # `python -m precast.runtime.cli`: the package's module holds the commands

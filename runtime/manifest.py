@@ -104,6 +104,19 @@ class Manifest:
     def files(self) -> dict[str, dict]:
         return self.data["files"]
 
+    @property
+    def left_out(self) -> dict[str, dict]:
+        """Files a pull left out by design (a pulled bundle's `pulled.left_out`): path -> record."""
+        return (self.data.get("pulled") or {}).get("left_out") or {}
+
+    def onnx_left_out(self, component: str) -> str | None:
+        """Why the component's ONNX is not in this bundle by design (a pull left it out), or None."""
+        comp = self.data["components"].get(component) or {}
+        if any(rel in self.left_out for rel in comp.get("files", ())):
+            return (f"the bundle's ONNX was left out by `precast pull` from {self.data['pulled']['ref']} (an engine "
+                    "served this component on the machine it was pulled for): pull again with --with-onnx to add it")
+        return None
+
     def check_file(self, rel: str, required: bool = True) -> None:
         """Raise a UserError naming `rel` unless it matches its record (size, sha256). A file the
         manifest does not list is an error when required or when it is present anyway."""

@@ -3,8 +3,10 @@
 Owns: `check_manifest` (the type of every field the runtime uses -- schema version, model, components
 with IO and shape profiles, artifacts with fingerprint spec, files with size, sha256 and piece digests --
 so a damaged manifest is one ManifestError naming the field; an artifact's `sha256` and `size` must agree
-with its files' records), `path_problem` (a bundle-relative path that is safe to join), and the limits
-(SCHEMA, PREDICTIONS, MAX_PROFILE_SIDE). Standard library only.
+with its files' records; a pulled bundle's `pulled` record -- the ref and digest it came from, the files
+`precast pull` left out with their records (which a component's file list may name without the bundle
+holding them), the artifacts it left out), `path_problem` (a bundle-relative path that is safe to
+join), and the limits (SCHEMA, PREDICTIONS, MAX_PROFILE_SIDE). Standard library only.
 """
 from __future__ import annotations
 
@@ -68,11 +70,12 @@ def check_manifest(data, where: str) -> dict:
             check.fail(f"{field}.name", f"is {_shown(name)}: a trigger word must be one word, used once")
         names.add(name)
         check.listed(check.of(emb, "file", str, field), files, f"{field}.file")
+    left_out = _check_pulled(check, data, files)
     components = check.of(data, "components", dict)
     if not components:
         check.fail("components", "is empty")
     for name, comp in components.items():
-        _check_component(check, comp, f"components.{name}", files)
+        _check_component(check, comp, f"components.{name}", {**left_out, **files})
     for i, art in enumerate(check.of(data, "artifacts", list)):
         _check_artifact(check, art, f"artifacts[{i}]", files)
     return data
@@ -106,6 +109,25 @@ def check_record(check: "_Checker", rec, field: str) -> None:
     pieces = rec.get("pieces")
     if pieces is not None and len(pieces) != -(-size // PIECE):
         check.fail(f"{field}.pieces", f"has {len(pieces)} digests; a {size}-byte file has {-(-size // PIECE)}")
+
+
+def _check_pulled(check: "_Checker", data: dict, files: dict) -> dict:
+    """A pulled bundle's record (runtime/oci/pull.py): {ref, digest, left_out: {path: file record},
+    artifacts_left_out: [id]}; the files left out, which only a component's file list may name."""
+    pulled = check.of(data, "pulled", dict, optional=True)
+    if pulled is None:
+        return {}
+    check.of(pulled, "ref", str, "pulled")
+    check.of(pulled, "digest", str, "pulled")
+    left_out = check.of(pulled, "left_out", dict, "pulled")
+    for rel, rec in left_out.items():
+        check.path(rel, "pulled.left_out")
+        if rel in files:
+            check.fail(f"pulled.left_out[{rel!r}]", "is also listed in files")
+        check_record(check, rec, f"pulled.left_out[{rel!r}]")
+    if not all(isinstance(a, str) for a in check.of(pulled, "artifacts_left_out", list, "pulled")):
+        check.fail("pulled.artifacts_left_out", "holds a non-string; expected artifact ids")
+    return left_out
 
 
 def _check_component(check: "_Checker", comp, field: str, files: dict) -> None:

@@ -15,7 +15,8 @@ backend, device, reason}, including engines for devices this machine does not ha
 TensorRT-RTX engine without an NVIDIA GPU); `component_report` is the per-component record
 doctor and generate both print. `installed_backends(root)` answers for a recorded machine when its tree
 holds installed_backends.json; the bundle's ONNX through the CoreML EP is compiled once per ONNX content
-into the user's cache (`coreml_cache_dir`).
+into the user's cache (`coreml_cache_dir`). A pulled bundle whose ONNX a pull left out (runtime/oci/pull.py)
+passes over that ONNX with the reason, never as damage.
 """
 from __future__ import annotations
 
@@ -213,7 +214,8 @@ def select_component(manifest: Manifest, component: str, placement: Placement, d
         for backend in offers(dev):
             mine = [a for a in artifacts if a.backend == backend]
             onnx_here = (backend in ONNX_ON_DEVICE and backend in installed and component in manifest.components
-                         and (pin == backend or not any(a.backend == backend for a in artifacts)))
+                         and (pin == backend or not any(a.backend == backend for a in artifacts))
+                         and not manifest.onnx_left_out(component))
             if onnx_here and not mine:   # no prepared artifact: the bundle's ONNX through the EP on this GPU
                 comp = manifest.components[component]
                 sel.viable.append(Candidate(component, dev, backend, None, manifest.root / comp["onnx"],
@@ -252,7 +254,9 @@ def select_component(manifest: Manifest, component: str, placement: Placement, d
         sel.refused.append(passed(why, a.id, a.backend, None))
     cpu = next(d for d in devices if d.kind == "cpu")
     comp = manifest.components.get(component)
-    if comp is not None and (not placement.strict or placement.device.kind == "cpu"):
+    if comp is not None and manifest.onnx_left_out(component):       # a pulled bundle without it, by design
+        sel.refused.append(passed(manifest.onnx_left_out(component), "onnx", None, cpu.id))
+    elif comp is not None and (not placement.strict or placement.device.kind == "cpu"):
         onnx_files = [f for f in comp["files"]]
         # With an engine ahead of it, the fallback ONNX (GBs for a UNet) is hashed only if it gets loaded.
         lazy = verify and bool(sel.viable)

@@ -1,7 +1,7 @@
 """Folders written beside their destination and put in place whole: a kill at any instant loses nothing.
 
 Owns: the staging folder (`.NAME.KIND-PID` beside `NAME`; KIND says who writes it: building, merging,
-unpacking, exporting, genai; or a file: packing), locked on the folder itself while its writer lives (fileops.hold_path: the
+unpacking, exporting, genai, pulling; or a file: packing), locked on the folder itself while its writer lives (fileops.hold_path: the
 kernel drops the lock when the writer dies, kill -9 included); the swap that puts a finished folder at
 `out` -- an atomic exchange where the system has one, so `out` is at every instant the old or the new
 whole folder; elsewhere two renames with the old folder parked as `.NAME.old-PID` between them --; and
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .fileops import path_held, exchange_dirs, hold_path, rename_dir
 
-KINDS = ("building", "merging", "unpacking", "exporting", "genai", "packing", "old")   # packing: a file
+KINDS = ("building", "merging", "unpacking", "exporting", "genai", "pulling", "packing", "old")   # packing: a file
 _LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>" + "|".join(KINDS) + r")-(?P<pid>[0-9]+)")
 
 

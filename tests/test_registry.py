@@ -1,0 +1,332 @@
+"""Bundles in a real OCI registry (Debian's docker-registry, started by tests/registry.py on 127.0.0.1):
+`precast push` then `precast pull` for each recorded machine (only its artifacts cross the wire, the pulled
+bundle verifies and generates the original's PNG), pulls killed and resumed, a blob damaged in the
+registry's storage refused, concurrent pulls, the registry going away, chunked and skipped uploads, and
+auth + TLS against a second registry with htpasswd (bcrypt) and a CA made here."""
+import base64
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, build_recipe, flip_byte, precast
+from registry import BINARY, Registry, Relay, free_port, htpasswd, make_ca
+
+pytestmark = pytest.mark.skipif(not os.path.exists(BINARY), reason=f"{BINARY} is not installed (Debian's "
+                                "docker-registry package: `make test-setup` installs it)")
+MACHINES = Path(ROOT) / "tests/data/machines"
+USER, PASSWORD = "ci", "s3cret-pw"
+
+
+@pytest.fixture(scope="session")
+def registry(tmp_path_factory):
+    reg = Registry.start(tmp_path_factory.mktemp("registry"))
+    yield reg
+    reg.stop()
+
+
+@pytest.fixture(scope="session")
+def secure(tmp_path_factory):
+    """htpasswd (bcrypt) + TLS with a CA made here: (registry, CA file)."""
+    folder = tmp_path_factory.mktemp("secure-registry")
+    tls = make_ca(folder / "tls")
+    reg = Registry.start(folder, auth=htpasswd(folder / "htpasswd", USER, PASSWORD), tls=tls)
+    yield reg, tls["ca"]
+    reg.stop()
+
+
+@pytest.fixture
+def env(tmp_path):
+    """No credentials from this machine's files: an empty Docker config folder, no REGISTRY_AUTH_FILE."""
+    (tmp_path / "docker").mkdir()
+    return {"DOCKER_CONFIG": str(tmp_path / "docker"), "REGISTRY_AUTH_FILE": "", "PRECAST_REGISTRY_USERNAME": "",
+            "PRECAST_REGISTRY_PASSWORD": "", "PRECAST_REGISTRY_CA": ""}
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    """Text encoder, UNet, VAE decoder (64x64) with OpenVINO CPU blobs, TensorRT-RTX sm_86 engines and DirectML
+    artifacts (no ONNX Runtime artifacts: ONNX Runtime runs the bundle's ONNX, as on a pulled ONNX-only bundle)."""
+    return build_recipe(tmp_path_factory.mktemp("registry-bundle"),
+                        "model: {source: demo:tiny-sd15}\ncomponents: [text_encoder, unet, vae_decoder]\n"
+                        "profiles: {batch: 1, height: 64, width: 64}\n"
+                        "targets: [{openvino: {device: CPU}}, {tensorrt-rtx: {compute_capabilities: [sm_86]}}, directml]\n")
+
+
+@pytest.fixture(scope="module")
+def pushed(bundle, registry, tmp_path_factory):
+    ref = f"oci://{registry.host}/tiny/sd15:v1"
+    proc = precast("push", bundle, ref, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return ref
+
+
+def png(bundle, out, *args):
+    """The pixels `precast generate` writes (the PNG's text chunks name the bundle's path, so they differ)."""
+    from precast.runtime.png import read_png
+    proc = precast("generate", bundle, "--prompt", "a red fox", "--steps", "2", "--out", out, *args)
+    assert proc.returncode == 0, proc.stderr
+    return read_png(out).tobytes()
+
+
+def one_line_error(proc) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr
+    return lines[0]
+
+
+def recorded(tmp_path, name):
+    """A recorded machine's tree; Windows ones with the DirectML wheel installed, the Mac with ONNX Runtime's
+    CoreML EP (as tests/test_windows_macos_selection.py declares them)."""
+    from precast.runtime.select import installed_backends
+    here, tree = installed_backends(), tmp_path / name
+    shutil.copytree(MACHINES / name, tree)
+    if name.startswith("win-"):
+        backends = {"onnxruntime": here["onnxruntime"], "onnxruntime-directml": here["onnxruntime"],
+                    "tensorrt-rtx": here["tensorrt-rtx"]}
+        (tree / "installed_backends.json").write_text(json.dumps(backends))
+    elif name == "m2-mac":
+        (tree / "installed_backends.json").write_text(json.dumps({"onnxruntime": here["onnxruntime"],
+                                                                  "onnxruntime-coreml": here["onnxruntime"]}))
+    return tree
+
+
+def tree_digests(folder: Path) -> dict:
+    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".precast-verified.json"}
+
+
+def test_pull_for_each_recorded_machine_downloads_its_artifacts_only(bundle, registry, pushed, tmp_path):
+    """Each recorded machine: the pull keeps what `doctor --sysroot` selects there (the same selection,
+    run on the manifest alone), the bytes the registry sent through a counting relay are those files'
+    and no more, the result verifies, and a pulled bundle this machine can run makes the original's image
+    (ONNX-only pulls through ONNX Runtime, against the original through ONNX Runtime)."""
+    from precast.runtime.api import machine, open_bundle
+    from precast.runtime.assign import COMPONENT_MODULE
+    from precast.runtime.manifest import read_manifest, verify_bundle
+    from precast.runtime.oci.client import Registry as Client
+    from precast.runtime.oci.pull import pull_bundle
+    from precast.runtime.oci.ref import parse_ref
+    relay = Relay(("127.0.0.1", registry.port))
+    ref = parse_ref(pushed.replace(registry.host, relay.host))
+    modules = tuple(dict.fromkeys(("te", "diffusion", "vae", *COMPONENT_MODULE.values())))
+    kinds = {}
+    try:
+        for name in sorted(os.listdir(MACHINES)):
+            tree = recorded(tmp_path, name)
+            plan = open_bundle(bundle, sysroot=str(tree)).plan()
+            expect = {c: p.artifact for c, p in plan.components.items()}
+            before = relay.received
+            res = pull_bundle(ref, tmp_path / f"pulled-{name}", Client.for_ref(ref), progress=False,
+                              machine=machine(str(tree), None, None, False, modules))
+            wire = relay.received - before
+            assert set(res.artifacts) == {a for a in expect.values() if a != "onnx"}, name
+            assert set(res.onnx) == {c for c, a in expect.items() if a == "onnx"}, name
+            m = read_manifest(tmp_path / f"pulled-{name}")
+            blobs = {r["sha256"]: r["size"] for r in m.files.values()}
+            assert res.bytes_downloaded == sum(blobs.values()), name
+            assert sum(blobs.values()) < wire < sum(blobs.values()) + 64 * 1024 + 8192 * len(blobs), (name, wire)
+            assert verify_bundle(m.root) == [], name
+            kinds.setdefault(tuple(sorted(expect.values())), name)
+    finally:
+        relay.close()
+    kind = {k: {"onnx" if a == "onnx" else a.split(".", 1)[1].split("/")[0] for a in k} for k in kinds}
+    assert sorted(map(sorted, kind.values())) == [["onnx"], ["onnxruntime-directml"], ["openvino-CPU"],
+                                                  ["tensorrt-rtx-sm_86"]], kind
+    original = {b: png(bundle, tmp_path / f"orig-{b}.png", *(["--backend", "all=onnxruntime"] if b else []))
+                for b in ("", "ort")}
+    for artifacts, name in kinds.items():
+        folder = tmp_path / f"pulled-{name}"
+        if kind[artifacts] == {"openvino-CPU"}:        # what this machine selects too
+            assert png(folder, tmp_path / f"{name}.png") == original[""], name
+        elif kind[artifacts] == {"onnx"}:              # the ONNX through ONNX Runtime, as the original's
+            assert png(folder, tmp_path / f"{name}.png", "--backend", "all=onnxruntime") == original["ort"], name
+        elif kind[artifacts] == {"tensorrt-rtx-sm_86"}:   # engines for a GPU absent here: their ONNX added
+            res = pull_bundle(parse_ref(pushed), folder, Client.for_ref(parse_ref(pushed)), progress=False,
+                              with_onnx=True, machine=machine(str(tmp_path / name), None, None, False, modules))
+            assert res.onnx == ["text_encoder", "unet", "vae_decoder"] and verify_bundle(folder) == []
+            assert res.reused >= len(res.artifacts) and res.bytes_downloaded < res.bytes_total - 3_000_000
+            assert png(folder, tmp_path / f"{name}.png", "--backend", "all=onnxruntime") == original["ort"], name
+
+
+def test_a_pulled_bundle_says_its_onnx_was_left_out(bundle, pushed, tmp_path, env):
+    out = tmp_path / "rtx"
+    precast("pull", pushed, "--out", out, "--sysroot", recorded(tmp_path, "rtx3060-desktop"), env=env, check=True)
+    proc = precast("generate", out, "--prompt", "x", "--steps", "1", "--out", tmp_path / "x.png", env=env)
+    assert proc.returncode == 2 and "left out by `precast pull`" in proc.stderr and "--with-onnx" in proc.stderr
+    data = json.loads((out / "manifest.json").read_text())
+    assert data["pulled"]["ref"] == pushed and data["pulled"]["digest"].startswith("sha256:")
+    assert "onnx/unet/model.onnx" in data["pulled"]["left_out"] and len(data["pulled"]["artifacts_left_out"]) == 6
+    again = json.loads(precast("pull", pushed, "--out", out, "--with-onnx", "--json", env=env, check=True).stdout)
+    assert again["reused"] >= 3 and again["onnx"] == ["text_encoder", "unet", "vae_decoder"]    # the engines kept
+    data = json.loads((out / "manifest.json").read_text())
+    assert precast("bundle", "verify", out).returncode == 0
+    assert not [r for r in data["pulled"]["left_out"] if r.startswith("onnx/unet/")]
+    data["pulled"]["left_out"]["tokenizer/vocab.json"] = data["files"]["tokenizer/vocab.json"]     # both: refused
+    (out / "manifest.json").write_text(json.dumps(data))
+    line = one_line_error(precast("bundle", "verify", out))
+    assert "pulled.left_out['tokenizer/vocab.json'] is also listed in files" in line
+
+
+def test_push_in_chunks_then_again_uploads_nothing(bundle, registry, tmp_path, env):
+    ref = f"oci://{registry.host}/tiny/chunked:v1"
+    first = json.loads(precast("push", bundle, ref, "--chunk-size", "1M", "--json", env=env, check=True).stdout)
+    assert first["chunked"] >= 6 and first["uploaded"] == first["blobs"] - 1 or first["uploaded"] > 0
+    again = json.loads(precast("push", bundle, ref, "--json", env=env, check=True).stdout)
+    assert again["uploaded"] == 0 and again["bytes_uploaded"] == 0 and again["digest"] == first["digest"]
+    out = tmp_path / "all"
+    res = json.loads(precast("pull", ref, "--out", out, "--all", "--json", env=env, check=True).stdout)
+    assert res["left_out"] == 0 and tree_digests(out).keys() - {"manifest.json"} == tree_digests(bundle).keys() - {"manifest.json"}
+    assert precast("bundle", "verify", out).returncode == 0
+
+
+def test_a_killed_pull_resumes_and_ends_verified(registry, pushed, tmp_path, env):
+    """SIGKILL at random instants of a throttled pull (a real subprocess), each after its partial files
+    grew; every next run goes on from the .partial files (HTTP Range), so all runs together receive
+    little more than the bundle once."""
+    relay = Relay(("127.0.0.1", registry.port), rate=3 << 20)
+    ref, out, work = pushed.replace(registry.host, relay.host), tmp_path / "resumed", tmp_path / ".resumed.pull"
+    rng, killed = random.Random(31), 0
+
+    def partial_bytes():
+        return sum(p.stat().st_size for p in work.glob("*.partial")) if work.exists() else 0
+    try:
+        for _ in range(3):
+            before = partial_bytes()
+            p = subprocess.Popen([sys.executable, "-m", "precast.runtime.cli", "pull", ref, "--out", out, "--json"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **env})
+            deadline = time.time() + 30
+            while p.poll() is None and partial_bytes() <= before and time.time() < deadline:
+                time.sleep(0.02)
+            time.sleep(rng.uniform(0.05, 0.6))
+            killed += p.poll() is None
+            p.kill()
+            p.wait()
+        assert killed == 3 and partial_bytes() > 0
+        res = json.loads(precast("pull", ref, "--out", out, "--json", env=env, check=True).stdout)
+    finally:
+        relay.close()
+    assert precast("bundle", "verify", out).returncode == 0
+    assert relay.received < 1.3 * res["bytes_total"], (relay.received, res)
+    assert not work.exists() and {p.name for p in tmp_path.iterdir()} == {"docker", "resumed"}
+
+
+def test_a_blob_damaged_in_the_registry_is_refused(registry, pushed, bundle, tmp_path, env):
+    m = json.loads((bundle / "manifest.json").read_text())
+    rel = next(r for r in m["files"] if r.startswith("artifacts/unet/openvino"))
+    blob = registry.blob_path(m["files"][rel]["sha256"])
+    flip_byte(blob, 1000)
+    try:
+        proc = precast("pull", pushed, "--out", tmp_path / "bad", env=env)
+    finally:
+        flip_byte(blob, 1000)
+    line = one_line_error(proc)
+    assert rel in line and "sha256" in line and "refused" in line
+    assert not (tmp_path / "bad").exists()
+    assert not [p for p in (tmp_path / ".bad.pull").iterdir() if p.name.startswith(m["files"][rel]["sha256"])]
+
+
+def test_concurrent_pulls_agree_and_share_an_out_safely(pushed, tmp_path, env):
+    def run(*outs):
+        ps = [subprocess.Popen([sys.executable, "-m", "precast.runtime.cli", "pull", pushed, "--out", o, "--json"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **env}) for o in outs]
+        for p in ps:
+            assert p.wait() == 0, p.stderr.read()
+    run(tmp_path / "a", tmp_path / "b")
+    assert tree_digests(tmp_path / "a") == tree_digests(tmp_path / "b")
+    run(tmp_path / "same", tmp_path / "same")
+    assert precast("bundle", "verify", tmp_path / "same").returncode == 0
+    assert tree_digests(tmp_path / "same") == tree_digests(tmp_path / "a")
+
+
+def test_the_registry_going_away_mid_pull_is_one_line_and_a_rerun_resumes(registry, pushed, tmp_path, env):
+    relay = Relay(("127.0.0.1", registry.port), rate=8 << 20)
+    ref, out = pushed.replace(registry.host, relay.host), tmp_path / "gone"
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "precast.runtime.cli", "pull", ref, "--out", out],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, **env, "PRECAST_REGISTRY_RETRIES": "1"})
+        time.sleep(1.5)
+        relay.cut()
+        _, err = p.communicate(timeout=60)
+        line = one_line_error(subprocess.CompletedProcess(p.args, p.returncode, "", err))
+        assert relay.host in line and "went away" in line and "run the same command again" in line
+        assert not out.exists()
+        relay.resume()
+        res = json.loads(precast("pull", ref, "--out", out, "--json", env=env, check=True).stdout)
+    finally:
+        relay.close()
+    assert res["bytes_downloaded"] < res["bytes_total"] and precast("bundle", "verify", out).returncode == 0
+
+
+def test_errors_are_one_line(registry, pushed, tmp_path, env):
+    from precast.runtime.oci.client import Registry as Client
+    from precast.runtime.oci.ref import parse_ref
+    port = free_port()
+    cases = [(f"oci://no-such-registry.invalid/a/b:v1", "unknown host"),
+             (f"oci://127.0.0.1:{port}/a/b:v1", "connection refused"),
+             (pushed.replace(":v1", ":nope"), "no such tag"),
+             ("oci://127.0.0.1/Tiny:v1", "the repository"),
+             (f"oci://{registry.host}/tiny/sd15", "the tag is missing")]
+    other = parse_ref(f"oci://{registry.host}/tiny/other:v1")       # an OCI artifact of another type
+    client = Client.for_ref(other)
+    client.push_blob(other.repository, "sha256:" + hashlib.sha256(b"{}").hexdigest(), 2, b"{}", "config")
+    client.put_manifest(other, json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                                           "artifactType": "application/vnd.example.thing.v1", "layers": [],
+                                           "config": {"mediaType": "application/vnd.oci.empty.v1+json", "size": 2,
+                                                      "digest": "sha256:" + hashlib.sha256(b"{}").hexdigest()}}).encode())
+    cases.append((str(other), "not a precast bundle (artifactType application/vnd.example.thing.v1"))
+    for ref, words in cases:
+        line = one_line_error(precast("pull", ref, "--out", tmp_path / "x", env=env))
+        assert words in line, (ref, line)
+    assert words in one_line_error(precast("pull", str(other), "--out", tmp_path / "x", "--json", env=env))
+    assert not (tmp_path / "x").exists()
+
+
+def test_auth_and_tls(bundle, secure, tmp_path, env):
+    reg, ca = secure
+    ref = f"oci://{reg.host}/team/sd15:v1"
+    line = one_line_error(precast("pull", ref, "--out", tmp_path / "x", env=env))
+    assert reg.host in line and "certificate verify failed" in line and "--ca" in line
+    line = one_line_error(precast("push", bundle, ref, "--ca", ca, env=env))
+    assert reg.host in line and "none were found" in line and f"docker login {reg.host}" in line
+    wrong = {**env, "PRECAST_REGISTRY_USERNAME": USER, "PRECAST_REGISTRY_PASSWORD": "wrong"}
+    line = one_line_error(precast("push", bundle, ref, "--ca", ca, env=wrong))
+    assert "refused the credentials from PRECAST_REGISTRY_USERNAME/PRECAST_REGISTRY_PASSWORD" in line
+    right = {**env, "PRECAST_REGISTRY_USERNAME": USER, "PRECAST_REGISTRY_PASSWORD": PASSWORD}
+    assert precast("push", bundle, ref, "--ca", ca, env=right).returncode == 0
+    # a Docker config file's auths, with the CA from the environment
+    (Path(env["DOCKER_CONFIG"]) / "config.json").write_text(json.dumps(
+        {"auths": {reg.host: {"auth": base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()}}}))
+    assert precast("pull", ref, "--out", tmp_path / "a", env={**env, "PRECAST_REGISTRY_CA": str(ca)}).returncode == 0
+    # a credential helper (Docker's protocol: `docker-credential-NAME get`, the registry on stdin)
+    helper = tmp_path / "bin" / "docker-credential-precasttest"
+    helper.parent.mkdir()
+    helper.write_text(f"#!/bin/sh\nread host\n[ \"$host\" = \"{reg.host}\" ] || exit 1\n"
+                      f"echo '{{\"ServerURL\": \"{reg.host}\", \"Username\": \"{USER}\", \"Secret\": \"{PASSWORD}\"}}'\n")
+    helper.chmod(0o755)
+    (Path(env["DOCKER_CONFIG"]) / "config.json").write_text(json.dumps({"credHelpers": {reg.host: "precasttest"}}))
+    helped = {**env, "PATH": f"{helper.parent}:{os.environ['PATH']}"}
+    proc = precast("pull", ref, "--out", tmp_path / "b", "--ca", ca, env=helped)
+    assert proc.returncode == 0, proc.stderr
+    assert precast("bundle", "verify", tmp_path / "b").returncode == 0
+
+
+def test_bundle_merge_takes_refs_and_pushes_the_merged_bundle(bundle, registry, pushed, tmp_path, env):
+    """A shard in the registry and one on disk merged into a registry tag: the blobs the registry has are
+    not sent again (only manifest.json and onnx/'s pipeline JSON the merge writes anew)."""
+    ref = f"oci://{registry.host}/tiny/sd15:merged"
+    r = json.loads(precast("bundle", "merge", pushed, bundle, "--out", ref, "--json", env=env, check=True).stdout)
+    assert r["artifacts"] == 9 and r["bytes_uploaded"] < 100_000, r
+    res = json.loads(precast("pull", ref, "--out", tmp_path / "m", "--all", "--json", env=env, check=True).stdout)
+    assert res["left_out"] == 0 and precast("bundle", "verify", tmp_path / "m").returncode == 0
+    assert tree_digests(tmp_path / "m").keys() == tree_digests(bundle).keys()
