@@ -154,7 +154,7 @@ def preflight(comp: ExportedComponent, spec: TargetSpec, profile: ShapeProfile) 
     get_target(spec.backend).fingerprint(spec)      # a device that is not here; MIGraphX without a gfx name
     profile.input_shapes(comp.name, comp.inputs)
     reads_tokens = any("sequence" in i["shape"] for i in comp.inputs)
-    if comp.max_positions and reads_tokens and profile.tokens[2] > comp.max_positions:
+    if comp.max_positions and reads_tokens and profile.text_tokens[2] > comp.max_positions:
         raise BadInput(f"{comp.name}: --tokens {':'.join(map(str, profile.tokens))}: this CLIP text encoder has "
                        f"{comp.max_positions} positions; give at most {comp.max_positions} (e.g. --tokens "
                        f"{comp.max_positions})")

@@ -2,9 +2,11 @@
 
 Owns: `ShapeProfile` (min/opt/max per dimension, in pixels and tokens as a user thinks of
 them) and its translation into each component's input shapes (latents are 1/8 of the image,
-the UNet batch doubles for classifier-free guidance; a Flux/Chroma transformer sees one token
-per 16x16 pixels -- 2x2 patches of latents -- and the T5 length, `t5_tokens`; an SD3 transformer
-takes the latents and CLIP's 77 tokens followed by the T5 length, `text_sequence`). A text encoder's
+the UNet batch doubles for classifier-free guidance; the UNet and ControlNets read `tokens` -- several
+77-token prompt chunks past 77 -- where a CLIP text encoder runs at most 77, one chunk at a time; a
+Flux/Chroma transformer sees one token per 16x16 pixels -- 2x2 patches of latents -- and the T5 length,
+`t5_tokens`; an SD3 transformer takes the latents and CLIP's 77 tokens followed by the T5 length,
+`text_sequence`). A text encoder's
 textual-inversion rows (`extra_tokens`) take 1..EXTRA_TOKENS rows, except where the profile fixes
 every other dimension the component reads: then they are fixed at the maximum, so the engine is
 fully static (OpenVINO compiles it with static shapes, ONNX Runtime pins the dims, MIGraphX can build
@@ -15,6 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..runtime.manifest import MAX_PROFILE_SIDE
+from ..runtime.prompts import CLIP_TOKENS
 from .errors import BadInput
 
 Range = tuple[int, int, int]  # min, opt, max
@@ -27,6 +30,7 @@ STATIC_EXTRA_TOKENS: Range = (EXTRA_TOKENS[2],) * 3
 MAX_SIDE = MAX_PROFILE_SIDE   # px per side; the runtime's manifest check refuses larger profiles too
 MAX_BATCH = 64
 MAX_T5_TOKENS = 4096
+MAX_TOKENS = 16 * CLIP_TOKENS    # the UNet's text length: up to 16 prompt chunks of 75 tokens (runtime/prompts.py)
 
 
 def parse_range(text: str | int, what: str) -> Range:
@@ -70,6 +74,15 @@ class ShapeProfile:
                 raise BadInput(f"profile {name} {r}: must be multiples of {self.latent_factor}")
         if self.t5_tokens is not None and not 1 <= self.t5_tokens[0] <= self.t5_tokens[2] <= MAX_T5_TOKENS:
             raise BadInput(f"profile t5_tokens {self.t5_tokens}: 1 to {MAX_T5_TOKENS}")
+        if self.tokens[2] > MAX_TOKENS:
+            raise BadInput(f"profile tokens {self.tokens}: at most {MAX_TOKENS} ({MAX_TOKENS // CLIP_TOKENS} prompt chunks "
+                           f"of {CLIP_TOKENS})")
+
+    @property
+    def text_tokens(self) -> Range:
+        """The tokens a CLIP text encoder reads in one run: `tokens` up to CLIP's 77 positions. A longer prompt
+        is encoded in 77-token chunks, one run each; only the denoiser reads their concatenation (`tokens`)."""
+        return tuple(min(v, CLIP_TOKENS) for v in self.tokens)  # type: ignore[return-value]
 
     def image_tokens(self) -> Range:
         """Packed latent tokens (one per 2x2 latents = 16x16 px at the usual factor 8) at min/opt/max."""
@@ -87,8 +100,9 @@ class ShapeProfile:
         b = tuple(2 * v for v in self.batch) if denoiser and self.cfg_doubling else self.batch
         lh = tuple(v // self.latent_factor for v in self.height)
         lw = tuple(v // self.latent_factor for v in self.width)
-        symbolic = {"batch": b, "steps": b, "sequence": self.tokens, "height": self.height, "width": self.width,
-                    "latent_height": lh, "latent_width": lw, "extra_tokens": EXTRA_TOKENS}
+        symbolic = {"batch": b, "steps": b, "sequence": self.tokens if denoiser else self.text_tokens,
+                    "height": self.height, "width": self.width, "latent_height": lh, "latent_width": lw,
+                    "extra_tokens": EXTRA_TOKENS}
         dims = {d for inp in inputs for d in inp["shape"]}
         if "t5_sequence" in dims:
             if self.t5_tokens is None:
@@ -97,7 +111,7 @@ class ShapeProfile:
         if "text_sequence" in dims:     # SD3: CLIP tokens then T5 tokens, one sequence
             if self.t5_tokens is None:
                 raise BadInput(f"{component}: the profile gives no T5 length (t5_tokens)")
-            symbolic["text_sequence"] = tuple(a + b for a, b in zip(self.tokens, self.t5_tokens))
+            symbolic["text_sequence"] = tuple(a + b for a, b in zip(self.text_tokens, self.t5_tokens))
         if "image_tokens" in dims:
             symbolic["image_tokens"] = self.image_tokens()
         if denoiser:

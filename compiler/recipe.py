@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import BadInput
-from .families import ASSUMED, FAMILIES, SET_FIELDS, TEXT_POSITIONS, detect_family, require_supported, set_problem
+from .families import ASSUMED, FAMILIES, SET_FIELDS, detect_family, require_supported, set_problem
 from .foreign_onnx import is_foreign_folder, read_foreign
-from .profiles import ShapeProfile, parse_range
+from ..runtime.prompts import CLIP_TOKENS
+from .profiles import MAX_TOKENS, ShapeProfile, parse_range
 from .recipe_doc import Doc, check_keys, flag, listed, number, string
 from .sources.checkpoint import open_checkpoint
 from .sources.controlnet import controlnet_name
@@ -125,8 +126,10 @@ def _one_profile(doc, where, value, static=False) -> ShapeProfile:
         p.check()
     except BadInput as e:
         raise doc.error(where, str(e)) from None
-    if p.tokens[2] > TEXT_POSITIONS:
-        raise doc.error(f"{where}.tokens", f"{p.tokens[2]} tokens: the text encoders take at most {TEXT_POSITIONS}")
+    odd = [t for t in p.tokens if t > CLIP_TOKENS and t % CLIP_TOKENS]
+    if odd:
+        raise doc.error(f"{where}.tokens", f"{odd[0]} tokens: past {CLIP_TOKENS}, the UNet reads whole prompt chunks of "
+                        f"{CLIP_TOKENS}: give {2 * CLIP_TOKENS}, {3 * CLIP_TOKENS}, ... up to {MAX_TOKENS}")
     return p
 
 

@@ -13,8 +13,11 @@ value is one UserError line naming the keyword and the fix. Imports numpy and th
     from precast.runtime.api import open_bundle
     bundle = open_bundle("tiny-bundle")
     print(bundle.plan("te=cpu,unet=gpu0"))          # what would run where, and why
-    image = bundle.txt2img("a red fox", steps=4, seed=1, on_step=lambda i, n: print(f"{i}/{n}"))
-    image.save("fox.png")
+    image = bundle.txt2img("a red fox", steps=4, seed=1, on_step=lambda i, n: print(f"{i}/{n}"),
+                           on_preview=lambda i, n, px: show(px))     # uint8 [h, w, 3] each step
+    image.save("fox.png")                           # with A1111's parameters and precast's record
+    for im in bundle.pipeline().images("a red fox", batch=4, count=2, seed=10):   # seeds 10..17
+        im.save(f"fox-{im.seed}.png")
     bundle.img2img("a red fox, oil painting", "fox.png", strength=0.6).save("painted.png")
     bundle.inpaint("a cat", "fox.png", "mask.png").save("cat.png")     # white = repaint
 """
@@ -33,8 +36,8 @@ from .checks import check_strength, is_int, shown
 from .devices import Device, apply_device_override, discover_devices
 from .errors import Cancelled, UserError
 from .families import family_of
-from .generate import (CancelHook, ControlSpec, Image, ImageInput, Pipeline, StepCallback, check_image_mode,
-                       check_settings, control_entries)
+from .generate import (CancelHook, ControlSpec, Image, ImageInput, Pipeline, PreviewCallback, StepCallback,
+                       check_image_mode, check_settings, control_entries, preview_method)
 from .image_size import latent_factor, optimal_size, parse_size
 from .loading import timed
 from .manifest import Manifest, read_manifest
@@ -44,7 +47,7 @@ from .embeddings import encoder_feeds, EXTRA_TOKENS_INPUT
 from .control import check_net
 
 __all__ = ["open_bundle", "Bundle", "Report", "ComponentPlan", "Option", "PassedOver", "Component", "Pipeline",
-           "Image", "Cancelled", "UserError", "Verify", "Size", "CancelHook", "StepCallback"]
+           "Image", "Cancelled", "UserError", "Verify", "Size", "CancelHook", "StepCallback", "PreviewCallback"]
 
 Verify = Literal["auto", "full"]
 Size = Union[str, tuple[int, int], None]           # "WIDTHxHEIGHT", (width, height), or the bundle's optimal
@@ -249,38 +252,47 @@ class Bundle:
                 guidance: float | None = None, scheduler: str | None = None, size: Size = None,
                 backend: str | None = None, params_backend: str | None = None, strict: bool = False,
                 on_step: StepCallback | None = None, cancel: CancelHook = None,
-                show_progress: bool = False, controls: Sequence[ControlSpec] = (), guess_mode: bool = False) -> Image:
+                show_progress: bool = False, controls: Sequence[ControlSpec] = (), guess_mode: bool = False,
+                schedule: str | None = None, on_preview: PreviewCallback | None = None, preview: str = "auto") -> Image:
         """One image in one call: `pipeline(...)` (loaded once per backend/size) then `Pipeline.__call__`.
-        The same image as `precast generate` with the same settings. `controls`: ControlNets, each
-        (name, image[, scale[, start, end]]) as `--controlnet NAME --control IMAGE:SCALE`."""
-        check_settings(self.manifest, prompt, negative, steps, seed, guidance, scheduler, on_step, cancel)
+        The same image as `precast generate` with the same settings. Several (`--batch` / `--count`):
+        `pipeline(...).images(prompt, batch=N, count=M, ...)`, a list. `controls`: ControlNets, each
+        (name, image[, scale[, start, end]]) as `--controlnet NAME --control IMAGE:SCALE`. `scheduler` /
+        `schedule`: the sampler and SD's sigma schedule, as `--scheduler` / `--schedule`
+        (docs/runtime.md#samplers). `on_preview(done, total, image)`: a preview each step, `preview` its method
+        (docs/runtime.md#previews)."""
+        check_settings(self.manifest, prompt, negative, steps, seed, guidance, scheduler, on_step, cancel, schedule)
+        preview_method(self.manifest, on_preview, preview)
         check_image_mode(self.manifest, False, False, None, 1, "api")   # an inpainting UNet needs an image and mask
         controls = control_entries(self.manifest, controls, guess_mode)
         pipe = self.pipeline(backend, params_backend=params_backend, size=size, strict=strict,
                              controlnets=[c[0] for c in controls])
         return pipe(prompt, negative=negative, steps=steps, seed=seed, guidance=guidance, scheduler=scheduler,
-                    on_step=on_step, cancel=cancel, show_progress=show_progress, controls=controls,
-                    guess_mode=guess_mode)
+                    schedule=schedule, on_step=on_step, cancel=cancel, show_progress=show_progress, controls=controls,
+                    guess_mode=guess_mode, on_preview=on_preview, preview=preview)
 
     def img2img(self, prompt: str, image: ImageInput, *, strength: float | None = None, negative: str = "",
                 steps: int | None = None, seed: int = 0, guidance: float | None = None, scheduler: str | None = None,
                 size: Size = None, backend: str | None = None, params_backend: str | None = None,
                 strict: bool = False, on_step: StepCallback | None = None, cancel: CancelHook = None,
-                show_progress: bool = False, controls: Sequence[ControlSpec] = (), guess_mode: bool = False) -> Image:
+                show_progress: bool = False, controls: Sequence[ControlSpec] = (), guess_mode: bool = False,
+                schedule: str | None = None, on_preview: PreviewCallback | None = None, preview: str = "auto") -> Image:
         """img2img in one call (SD 1.x/2.x/XL bundles with a vae_encoder): `image` (a PNG path or a uint8
         array) encoded, noised to the first of the int(steps x strength) steps it runs (strength: more
         than 0, at most 1; default 0.8), then denoised as txt2img. `size`: default the image's own
         (multiples of 8); another size centre-crops the image to its aspect ratio and resizes it.
         `precast generate --init-image` with the same settings writes the same PNG."""
         return self._image_mode(prompt, image, None, strength, negative, steps, seed, guidance, scheduler, size,
-                                backend, params_backend, strict, on_step, cancel, show_progress, controls, guess_mode)
+                                backend, params_backend, strict, on_step, cancel, show_progress, controls, guess_mode,
+                                schedule, on_preview, preview)
 
     def inpaint(self, prompt: str, image: ImageInput, mask: ImageInput, *, strength: float | None = None,
                 negative: str = "", steps: int | None = None, seed: int = 0, guidance: float | None = None,
                 scheduler: str | None = None, size: Size = None, backend: str | None = None,
                 params_backend: str | None = None, strict: bool = False, on_step: StepCallback | None = None,
                 cancel: CancelHook = None, show_progress: bool = False, controls: Sequence[ControlSpec] = (),
-                guess_mode: bool = False) -> Image:
+                guess_mode: bool = False, schedule: str | None = None, on_preview: PreviewCallback | None = None,
+                preview: str = "auto") -> Image:
         """Inpainting in one call: `mask` (the image's size; white = repaint, luma >= 128) says what is
         painted anew. An inpainting UNet (9 input channels) sees the mask and the masked image; a plain
         UNet inpaints by latent blending. `strength` default 1.0 (from pure noise); otherwise as img2img.
@@ -288,13 +300,16 @@ class Bundle:
         if mask is None:
             raise UserError("mask=: inpainting needs a mask (white = repaint); for img2img call bundle.img2img")
         return self._image_mode(prompt, image, mask, strength, negative, steps, seed, guidance, scheduler, size,
-                                backend, params_backend, strict, on_step, cancel, show_progress, controls, guess_mode)
+                                backend, params_backend, strict, on_step, cancel, show_progress, controls, guess_mode,
+                                schedule, on_preview, preview)
 
     def _image_mode(self, prompt, image, mask, strength, negative, steps, seed, guidance, scheduler, size, backend,
-                    params_backend, strict, on_step, cancel, show_progress, controls=(), guess_mode=False) -> Image:
+                    params_backend, strict, on_step, cancel, show_progress, controls=(), guess_mode=False,
+                    schedule=None, on_preview=None, preview="auto") -> Image:
         """Everything checked before any engine loads: settings, the images, the mode against the bundle."""
         from . import images
-        check_settings(self.manifest, prompt, negative, steps, seed, guidance, scheduler, on_step, cancel)
+        check_settings(self.manifest, prompt, negative, steps, seed, guidance, scheduler, on_step, cancel, schedule)
+        preview_method(self.manifest, on_preview, preview)
         if strength is not None:
             check_strength(strength, "strength=")
         init = images.init_image(image, "init_image")
@@ -308,8 +323,9 @@ class Bundle:
         pipe = self.pipeline(backend, params_backend=params_backend, size=size, strict=strict, image_input=True,
                              controlnets=[c[0] for c in controls])
         return pipe(prompt, negative=negative, steps=steps, seed=seed, guidance=guidance, scheduler=scheduler,
-                    on_step=on_step, cancel=cancel, show_progress=show_progress, init_image=init, mask=mask_px,
-                    strength=strength, controls=controls, guess_mode=guess_mode)
+                    schedule=schedule, on_step=on_step, cancel=cancel, show_progress=show_progress, init_image=init,
+                    mask=mask_px,
+                    strength=strength, controls=controls, guess_mode=guess_mode, on_preview=on_preview, preview=preview)
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _size(self, size: Size) -> tuple[int, int]:

@@ -1,6 +1,6 @@
 """The value checks of a generation's settings that `precast generate` (runtime/run_commands.py) and the
-Python API (runtime/api.py, runtime/generate.py) share, run before anything loads: steps, seed, guidance,
-strength, prompt text, the output path, and the PNG write itself (the checks that need the bundle's
+Python API (runtime/api.py, runtime/generate.py) share, run before anything loads: steps, seed, batch,
+count, guidance, strength, prompt text, the output path, and the PNG write itself (the checks that need the bundle's
 family -- scheduler, image mode -- are runtime/generate.py's).
 
 Owns the wording: each mistake is one UserError line naming the setting as its caller spells it --
@@ -54,6 +54,24 @@ def check_seed(seed, name: str = "--seed") -> int:
     return int(seed)
 
 
+MAX_BATCH = 64      # images per run (the compiler's largest profile batch)
+MAX_COUNT = 10000   # runs
+
+
+def check_batch(batch, name: str = "--batch") -> int:
+    """Images generated together (one denoiser call where the bundle's profiles allow it)."""
+    if not is_int(batch) or not 1 <= batch <= MAX_BATCH:
+        raise UserError(f"{shown(name, batch)}: must be a whole number from 1 to {MAX_BATCH} (images per run)")
+    return int(batch)
+
+
+def check_count(count, name: str = "--count") -> int:
+    """Runs, one after another."""
+    if not is_int(count) or not 1 <= count <= MAX_COUNT:
+        raise UserError(f"{shown(name, count)}: must be a whole number from 1 to {MAX_COUNT} (runs, one after another)")
+    return int(count)
+
+
 def check_guidance(guidance, name: str = "--guidance") -> float:
     return check_number(guidance, name, "e.g. 7.5")
 
@@ -100,10 +118,10 @@ def check_out(out, name: str = "--out") -> Path:
     return path
 
 
-def write_image(path: Path, image, name: str = "--out") -> None:
-    """The PNG is written to a temp file beside `path` and renamed into place (write_png removes
-    the temp file on any failure, so a failed write leaves nothing behind)."""
+def write_image(path: Path, image, name: str = "--out", text: dict[str, str] | None = None) -> None:
+    """The PNG (with `text` chunks: runtime/png.py) is written to a temp file beside `path` and renamed
+    into place (write_png removes the temp file on any failure, so a failed write leaves nothing behind)."""
     try:
-        write_png(path, image)
+        write_png(path, image, text)
     except OSError as e:
         raise UserError(f"{shown(name, str(path))}: cannot write ({e.strerror or e})") from None

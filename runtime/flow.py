@@ -1,4 +1,4 @@
-"""Flow-matching Euler sampler (Flux, Chroma, SD3), in numpy.
+"""Flow-matching samplers (Flux, Chroma, SD3), in numpy: Euler, Heun and DPM++ 2M on the model's own schedule.
 
 Owns: the sigma schedule -- linspace(1, 1/steps, steps) (FluxPipeline's own sigmas; spacing
 "1/steps") or linspace(1, the training schedule's last sigma, steps) (the scheduler's default
@@ -8,7 +8,10 @@ shift sigma' = e^mu / (e^mu + 1/sigma - 1), with mu linear in the number of imag
 (base_image_seq_len, base_shift) and (max_image_seq_len, max_shift) -- and the Euler update on the
 predicted velocity, x <- x + (sigma_next - sigma) * v, ending at sigma 0. Arithmetic follows
 diffusers' FlowMatchEulerDiscreteScheduler (float32 sigmas; the transformer is fed
-(sigma * 1000) / 1000 in float32, as FluxPipeline does) so results compare with diffusers.
+(sigma * 1000) / 1000 in float32, as FluxPipeline does) so results compare with diffusers. On the same
+sigmas: Heun (FlowMatchHeunDiscreteScheduler's update: the mean of the velocities at both ends, Euler on
+the last step) and DPM++ 2M (DPMSolverMultistepScheduler with flow_prediction: alpha = 1 - sigma;
+runtime/multistep.py). `step(model, i, x)` calls `model(x, j)`, the velocity at point j of the table.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+
+from .multistep import DpmSolver2M
 
 
 SPACINGS = ("1/steps", "training")
@@ -89,6 +94,34 @@ class FlowEuler:
         self.sigmas = np.concatenate([sigmas, np.zeros(1, np.float32)])
         self.timesteps = ((sigmas * np.float32(1000)).astype(np.float32) / np.float32(1000)).astype(np.float32)
 
-    def step(self, velocity: np.ndarray, i: int, x: np.ndarray) -> np.ndarray:
+    def step(self, model, i: int, x: np.ndarray) -> np.ndarray:
         dt = np.float32(self.sigmas[i + 1] - self.sigmas[i])
-        return (x.astype(np.float32) + dt * velocity.astype(np.float32)).astype(np.float32)
+        return (x.astype(np.float32) + dt * model(x, i).astype(np.float32)).astype(np.float32)
+
+
+class FlowHeun(FlowEuler):
+    """Heun on the flow ODE: Euler to the next point, then the mean of both velocities; Euler on the last step."""
+
+    def step(self, model, i: int, x: np.ndarray) -> np.ndarray:
+        v = model(x, i).astype(np.float32)
+        dt = np.float32(self.sigmas[i + 1] - self.sigmas[i])
+        if self.sigmas[i + 1] == 0:
+            return (x + dt * v).astype(np.float32)
+        v2 = model((x + dt * v).astype(np.float32), i + 1).astype(np.float32)
+        return (x + dt * (np.float32(0.5) * (v + v2))).astype(np.float32)
+
+
+class FlowDpmPP2M(FlowEuler):
+    """DPM++ 2M on the flow ODE: x0 = x - sigma * v, multistep on alpha = 1 - sigma."""
+
+    def __init__(self, schedule: FlowSchedule, steps: int, image_tokens: int):
+        super().__init__(schedule, steps, image_tokens)
+        self.solver = DpmSolver2M()
+
+    def step(self, model, i: int, x: np.ndarray) -> np.ndarray:
+        s, n = float(self.sigmas[i]), float(self.sigmas[i + 1])
+        x0 = x - np.float32(s) * model(x, i).astype(np.float32)
+        return np.asarray(self.solver.step(x, x0, (1 - s, s), (1 - n, n)), dtype=np.float32)
+
+
+SAMPLERS = {"flow-euler": FlowEuler, "flow-heun": FlowHeun, "flow-dpm++2m": FlowDpmPP2M}

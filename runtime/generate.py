@@ -1,11 +1,13 @@
 """One generation, as the Python API and `precast generate` both run it: the settings checked and defaulted
 once, the bundle family's pipeline called, an `Image` back.
 
-Owns: `Pipeline` (a family's pipeline, loaded, called per image: settings -> defaults from the family and
-the bundle -> image mode -> ControlNets -> the per-step hooks -> `Image`), `Image`, the step hooks (a
-progress callback, a cancel hook raising `Cancelled`), and the checks that need the bundle's family:
-`check_scheduler`, `check_image_mode` (the family's own), `check_settings`, `control_entries` (the API's
-`controls=`). Value checks are runtime/checks.py's; the pipelines are runtime/families/'s.
+Owns: `Pipeline` (a family's pipeline, loaded, called per image -- or per batch x count images, seeds
+seed, seed + 1, ... --: settings -> defaults from the family and the bundle -> image mode -> ControlNets ->
+the per-step hooks -> `Image`s), `Image` (its pixels, the settings that made it, and the PNG with them:
+A1111's parameters and precast's record, runtime/metadata.py), the step hooks (a
+progress callback, a preview callback -- runtime/previews.py --, a cancel hook raising `Cancelled`), and the checks that need the bundle's family:
+`check_scheduler` (sampler and sigma schedule), `check_image_mode` (the family's own), `check_settings`,
+`control_entries` (the API's `controls=`). Value checks are runtime/checks.py's; the pipelines are runtime/families/'s.
 Imports numpy and the runtime's own modules; never the compiler.
 """
 from __future__ import annotations
@@ -14,54 +16,75 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
 
 import numpy as np
 
 from .assign import module_of
-from .checks import (check_guidance, check_number, check_out, check_seed, check_steps, check_text, shown,
-                     write_image)
+from .checks import (check_batch, check_count, check_guidance, check_number, check_out, check_seed, check_steps,
+                     check_text, shown, write_image)
 from .errors import Cancelled, UserError
 from .families import FAMILIES, family_of
 from .loading import BundleModel, to_uint8
 from .report import Report, plan_of, report_of
 from .control import check_net, check_range, plan_controls
 from .images import init_image
+from .metadata import PARAMETERS, RECORD, made_with, parameters_text, pixels_digest, record_text
 from .png import png_bytes
+from .previews import check_preview
+from .sampler_names import SCHEDULES, parse_sampler, parse_schedule
 
 ImageInput = Union[str, os.PathLike, np.ndarray]     # a PNG path, or uint8 [H, W] / [H, W, C] (C 1 to 4)
 ControlSpec = tuple                                   # (ControlNet name, image[, scale[, start, end]])
 StepCallback = Callable[[int, int], None]             # (steps done, total steps)
+PreviewCallback = Callable[[int, int, np.ndarray], None]   # (steps done, total steps, uint8 [H, W, 3] preview)
 CancelHook = Union[Callable[[], bool], threading.Event, None]
 
 
 # ---- settings that depend on the family -----------------------------------------------------------
-def check_scheduler(scheduler, manifest, name: str = "--scheduler") -> str | None:
-    """The scheduler asked for, lower case (None: the family's default), checked against the bundle's family:
-    one of the samplers it runs ("euler" also names flow-matching Euler, where that is the only one)."""
-    if scheduler is None:
-        return None
-    groups: dict[tuple, list[str]] = {}
-    for f in FAMILIES.values():
-        groups.setdefault(f.samplers, []).append(f.title)
-    known = [s for samplers in groups for s in samplers]
-    sched = scheduler.lower() if isinstance(scheduler, str) else None
-    if sched not in ("", *known):
-        raise UserError(f"{shown(name, scheduler)}: choose one of " + " or ".join(
-            f"{', '.join(samplers)} ({' / '.join(titles)})" for samplers, titles in groups.items()))
+def check_scheduler(scheduler, manifest, name: str = "--scheduler", schedule=None,
+                    schedule_name: str = "--schedule") -> tuple[str | None, str | None]:
+    """(sampler, sigma schedule) asked for, in precast's names (runtime/sampler_names.py reads A1111's and
+    ComfyUI's too, and A1111's "DPM++ 2M Karras"), checked against the bundle's family; None where the
+    family's default applies. On flow-matching families euler / heun / dpm++2m name their flow-euler /
+    flow-heun / flow-dpm++2m, and the model's own schedule is the only one ("normal" names it)."""
     family = family_of(manifest)
-    if len(family.samplers) == 1 and sched in ("", "euler", family.samplers[0]):
-        return None                          # its one sampler ("euler" names flow-matching Euler too)
-    if sched in ("", *family.samplers):
-        return sched or None
-    if len(family.samplers) == 1:
-        raise UserError(f"{shown(name, scheduler)}: {family.name} samples with {family.samplers[0]} (the scheduler it "
-                        f"was trained for); leave {name.rstrip('=')} out")
-    owners = " / ".join(f.title for f in FAMILIES.values() if sched in f.samplers)
-    raise UserError(f"{shown(name, scheduler)}: is {owners}'s; {family.name} bundles take "
-                    f"{' or '.join(family.samplers)}")
+    sampler = kind = None
+    if scheduler is not None and scheduler != "":
+        parsed = parse_sampler(scheduler)
+        if parsed is None:
+            groups: dict[tuple, list[str]] = {}
+            for f in FAMILIES.values():
+                groups.setdefault(f.samplers, []).append(f.title)
+            raise UserError(f"{shown(name, scheduler)}: choose one of " + " or ".join(
+                f"{', '.join(samplers)} ({' / '.join(titles)})" for samplers, titles in groups.items()) +
+                "; A1111's and ComfyUI's names work too, e.g. 'DPM++ 2M Karras', 'dpmpp_2m_sde'")
+        sampler, kind = parsed
+        if sampler not in family.samplers and f"flow-{sampler}" in family.samplers:
+            sampler = f"flow-{sampler}"
+        if sampler not in family.samplers:
+            owners = " / ".join(f.title for f in FAMILIES.values() if sampler in f.samplers)
+            raise UserError(f"{shown(name, scheduler)}: is {owners}'s; {family.name} bundles take "
+                            f"{', '.join(family.samplers)}")
+    if schedule is not None and schedule != "":
+        asked = parse_schedule(schedule)
+        if asked is None:
+            raise UserError(f"{shown(schedule_name, schedule)}: choose one of {', '.join(SCHEDULES)} (A1111's "
+                            "'Karras', 'SGM Uniform' and ComfyUI's 'sgm_uniform' work too)")
+        if kind not in (None, asked):
+            raise UserError(f"{shown(schedule_name, schedule)}: {shown(name, scheduler)} names the {kind} schedule; "
+                            "give one of them")
+        kind = asked
+    runs = family.schedules.get(sampler or family.samplers[0], ("normal",))
+    if kind is not None and kind not in runs:
+        if not family.schedules:
+            raise UserError(f"{shown(schedule_name, kind)}: {family.title} samples on the model's own schedule (the "
+                            f"shift it was trained with); leave {schedule_name.rstrip('=')} out")
+        raise UserError(f"{shown(schedule_name, kind)}: {sampler or family.samplers[0]} runs "
+                        f"{' or '.join(runs)}")
+    return sampler, (kind if family.schedules else None)
 
 
 def check_image_mode(manifest, init: bool, mask: bool, strength: float | None, steps: int,
@@ -71,9 +94,10 @@ def check_image_mode(manifest, init: bool, mask: bool, strength: float | None, s
     return family_of(manifest).check_mode(manifest, init, mask, strength, steps, names)
 
 
-def check_settings(manifest, prompt, negative, steps, seed, guidance, scheduler, on_step, cancel) -> str | None:
+def check_settings(manifest, prompt, negative, steps, seed, guidance, scheduler, on_step, cancel,
+                   schedule=None) -> tuple[str | None, str | None]:
     """The settings `precast generate` checks before loading anything, in its words (runtime/checks.py)
-    named as keywords (None: the default); returns the scheduler, lower case (None: the default)."""
+    named as keywords (None: the default); returns (sampler, sigma schedule) as check_scheduler does."""
     check_text(prompt, "prompt=")
     check_text(negative, "negative=")
     if steps is not None:
@@ -84,7 +108,7 @@ def check_settings(manifest, prompt, negative, steps, seed, guidance, scheduler,
     if on_step is not None and not callable(on_step):
         raise UserError(f"on_step={on_step!r}: expected a callable taking (steps done, total steps), or None")
     _stop_check(cancel)
-    return check_scheduler(scheduler, manifest, "scheduler=")
+    return check_scheduler(scheduler, manifest, "scheduler=", schedule, "schedule=")
 
 
 def unused_negative(manifest) -> str | None:
@@ -136,6 +160,10 @@ class Image:
     warnings: tuple[str, ...] = ()           # prompt cut off by a text encoder, unused negative prompt
     mode: str = "txt2img"                    # txt2img | img2img | inpaint
     strength: float | None = None            # img2img / inpaint: the share of the schedule run
+    inputs: dict = field(default_factory=dict)     # init_image / mask / controls (by the sha256 of their
+    #                                                pixels, however given), guess_mode
+    made_with: dict = field(default_factory=dict)  # the bundle and what ran where (runtime/metadata.made_with)
+    schedule: str | None = None              # the sigma schedule (SD); None: the model's own (flow matching)
 
     @property
     def size(self) -> tuple[int, int]:
@@ -146,17 +174,40 @@ class Image:
         """[H, W, 3] uint8, rounded as `precast generate` writes it."""
         return to_uint8(self.pixels)
 
+    @property
+    def settings(self) -> dict:
+        """The exact settings that made it: what `precast generate --from-png` reruns."""
+        return {"prompt": self.prompt, "negative": self.negative, "steps": self.steps, "seed": self.seed,
+                "guidance": self.guidance, "scheduler": self.scheduler, "schedule": self.schedule,
+                "size": "{}x{}".format(*self.size),
+                "mode": self.mode, "strength": self.strength, **self.inputs}
+
+    @property
+    def parameters(self) -> str:
+        """A1111's infotext ("prompt\\nNegative prompt: ...\\nSteps: 20, Sampler: Euler, ..."), as its PNG carries."""
+        return parameters_text(self.settings, self.made_with)
+
+    @property
+    def record(self) -> dict:
+        """precast's record, as its PNG carries it: the bundle, what ran where, precast's version, `settings`."""
+        return {**self.made_with, "settings": self.settings}
+
     def png(self) -> bytes:
-        """The PNG file's bytes: the same bytes `precast generate --out` writes for this image."""
-        return png_bytes(self.to_uint8())
+        """The PNG file's bytes: the same bytes `precast generate --out` writes for this image, with A1111's
+        `parameters` and precast's `precast` text chunks (nothing time-dependent: the same image, the same bytes)."""
+        return png_bytes(self.to_uint8(), self.text_chunks())
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Writes the PNG as `precast generate --out` does: `path` checked first (a .png file in a folder
-        that exists; UserError, one line, otherwise), then a temp file renamed into place, so a failed
-        write leaves nothing behind."""
+        """Writes the PNG as `precast generate --out` does (the bytes of png()): `path` checked first (a .png
+        file in a folder that exists; UserError, one line, otherwise), then a temp file renamed into place,
+        so a failed write leaves nothing behind."""
         out = check_out(path, "path=")
-        write_image(out, self.to_uint8(), "path=")
+        write_image(out, self.to_uint8(), "path=", self.text_chunks())
         return out
+
+    def text_chunks(self) -> dict[str, str]:
+        """The PNG's text chunks: `parameters` (A1111's infotext) and `precast` (the record, JSON)."""
+        return {PARAMETERS: self.parameters, RECORD: record_text(self.record)}
 
 
 # ---- the per-step hooks --------------------------------------------------------------------------
@@ -170,27 +221,45 @@ def _stop_check(cancel: CancelHook) -> Callable[[], bool] | None:
     raise UserError(f"cancel={cancel!r}: expected a callable returning True to stop, or a threading.Event")
 
 
+def preview_method(manifest, on_preview, preview="auto") -> str:
+    """`on_preview` (a callable or None) and `preview` (runtime/previews.py METHODS) checked before anything
+    loads; the method a run with previews uses, "taesd" or "latent2rgb"."""
+    if on_preview is not None and not callable(on_preview):
+        raise UserError(f"on_preview={on_preview!r}: expected a callable taking (steps done, total steps, uint8 "
+                        "image [H, W, 3]), or None")
+    return check_preview(preview, manifest.components, family_of(manifest).latent_rgb, "preview=")
+
+
 @dataclass
 class _StepHook:
     """BundleModel.step_hook for one call: `stop` asked before each step and before decoding
-    (Cancelled if it says stop), `on_step(done, total)` called after each step."""
+    (Cancelled if it says stop), `on_step(done, total)` called after each step, then `on_preview(done,
+    total, image)` with the step's preview (`preview`: latents -> image) where the loop gives its estimate."""
     stop: Callable[[], bool] | None
     on_step: StepCallback | None
+    on_preview: PreviewCallback | None = None
+    preview: Callable[[np.ndarray], np.ndarray] | None = None
 
     def before(self, i: int, total: int) -> None:
         if self.stop is not None and self.stop():
             raise Cancelled(i, total)
 
-    def after(self, done: int, total: int) -> None:
+    def after(self, done: int, total: int, latents: Callable[[], np.ndarray] | None = None) -> None:
         if self.on_step is not None:
             self.on_step(done, total)
+        if self.on_preview is not None and latents is not None:
+            self.on_preview(done, total, self.preview(latents()))
 
 
 @contextmanager
-def _step_hooks(pipe: BundleModel, on_step: StepCallback | None, cancel: CancelHook) -> Iterator[None]:
+def _step_hooks(pipe: BundleModel, on_step: StepCallback | None, cancel: CancelHook,
+                on_preview: PreviewCallback | None = None, method: str = "latent2rgb") -> Iterator[None]:
     """The pipeline's step_hook set for one call (none when there is nothing to call)."""
     stop = _stop_check(cancel)
-    pipe.step_hook = _StepHook(stop, on_step) if on_step is not None or stop is not None else None
+    rgb = family_of(pipe.manifest).latent_rgb
+    make = (lambda x0: pipe.preview(x0, method, rgb)) if on_preview is not None else None    # noqa: E731
+    pipe.step_hook = _StepHook(stop, on_step, on_preview, make) \
+        if on_step is not None or stop is not None or on_preview is not None else None
     try:
         yield
     finally:
@@ -207,6 +276,7 @@ class Pipeline:
         self.family: str = pipe.family
         self.size: tuple[int, int] = (pipe.width, pipe.height)
         self.defaults: dict = dict(pipe.defaults)
+        self._made: dict | None = None
 
     @property
     def report(self) -> Report:
@@ -216,29 +286,60 @@ class Pipeline:
                          self.pipe.installed, self.pipe.placements, plans)
 
     def __call__(self, prompt: str, *, negative: str = "", steps: int | None = None, seed: int = 0,
-                 guidance: float | None = None, scheduler: str | None = None,
+                 guidance: float | None = None, scheduler: str | None = None, schedule: str | None = None,
                  on_step: StepCallback | None = None, cancel: CancelHook = None,
                  show_progress: bool = False, init_image: ImageInput | None = None, mask: ImageInput | None = None,
-                 strength: float | None = None, controls: Sequence[ControlSpec] = (), guess_mode: bool = False) -> Image:
+                 strength: float | None = None, controls: Sequence[ControlSpec] = (), guess_mode: bool = False,
+                 on_preview: PreviewCallback | None = None, preview: str = "auto") -> Image:
         """One image. `steps`/`guidance` default as `precast generate`'s (the bundle's where it records them
         -- Flux, Chroma, SD3 --, else its family's: SD 20 / 7.5); `scheduler`: one of the family's samplers
-        (SD: euler, the default, or dpm++2m; Flux/Chroma/SD3: flow-euler only). `on_step(done, total)` after
-        each denoising step; `cancel` (a callable returning True, or a threading.Event) is checked before
-        each step and before decoding: Cancelled when set. `show_progress`: the CLI's progress bar on
+        (SD: euler, the default, euler-a, heun, dpm2, dpm2-a, dpm++2m, dpm++2m-sde, dpm++sde, ddim, unipc, lcm;
+        Flux/Chroma/SD3: flow-euler, the default, flow-heun, flow-dpm++2m), in precast's, A1111's or ComfyUI's
+        names, A1111's "DPM++ 2M Karras" included; `schedule`: SD's sigma schedule, normal (the default),
+        karras, exponential or sgm-uniform (docs/runtime.md#samplers). `on_step(done, total)` after
+        each denoising step; `on_preview(done, total, image)` after it, with a preview of the image so far
+        (uint8 [H, W, 3]; `preview`: "auto", "latent2rgb" or "taesd", docs/runtime.md#previews); `cancel` (a
+        callable returning True, or a threading.Event) is checked before each step and before decoding:
+        Cancelled when set. `show_progress`: the CLI's progress bar on
         stderr. `init_image` (img2img) and `mask` (inpainting, white = repaint): a PNG path or a uint8
         array, fitted to the pipeline's size (runtime/images.py); they need a pipeline opened with
         image_input=True (Bundle.img2img / inpaint do that). `controls`: (ControlNet name, control
         image[, scale[, start, end]]) each, the nets loaded by bundle.pipeline(..., controlnets=names);
-        `guess_mode` as `--guess-mode`."""
+        `guess_mode` as `--guess-mode`. Several images: `images`."""
+        return self.images(prompt, negative=negative, steps=steps, seed=seed, guidance=guidance, scheduler=scheduler,
+                           schedule=schedule, on_step=on_step, cancel=cancel, show_progress=show_progress,
+                           init_image=init_image, mask=mask, strength=strength, controls=controls,
+                           guess_mode=guess_mode, on_preview=on_preview, preview=preview)[0]
+
+    def images(self, prompt: str, *, batch: int = 1, count: int = 1, negative: str = "", steps: int | None = None,
+               seed: int = 0, guidance: float | None = None, scheduler: str | None = None,
+               schedule: str | None = None,
+               on_step: StepCallback | None = None, cancel: CancelHook = None, show_progress: bool = False,
+               init_image: ImageInput | None = None, mask: ImageInput | None = None, strength: float | None = None,
+               controls: Sequence[ControlSpec] = (), guess_mode: bool = False,
+               on_preview: PreviewCallback | None = None, preview: str = "auto") -> list[Image]:
+        """`count` runs of `batch` images, one run after another: batch x count `Image`s, in order, with seeds
+        seed, seed + 1, ... (as A1111 numbers a batch); each image's noise is drawn from its own seed, so
+        image i is the image `pipeline(..., seed=seed + i)` makes, pixel for pixel (and its PNG byte for
+        byte). A run's batch goes through the denoiser in one call where the engines' shape profiles take
+        it (recipe `profiles.batch`), else in as many calls as they need; the prompts are encoded once per
+        run. `on_step(done, total)` counts each denoising loop's steps (one loop per call); `on_preview` shows
+        the first image of each call. The other settings as `__call__`."""
         manifest = self.pipe.manifest
-        sched = check_settings(manifest, prompt, negative, steps, seed, guidance, scheduler, on_step, cancel)
+        sched, kind = check_settings(manifest, prompt, negative, steps, seed, guidance, scheduler, on_step, cancel,
+                                     schedule)
+        batch, count = check_batch(batch, "batch="), check_count(count, "count=")
+        method = preview_method(manifest, on_preview, preview)
         steps = self.defaults["steps"] if steps is None else int(steps)
         guidance = self.defaults["guidance"] if guidance is None else float(guidance)
         seed = int(seed)
         mode, strength = check_image_mode(manifest, init_image is not None, mask is not None, strength, steps, "api")
-        used = sched or family_of(manifest).samplers[0]
-        kwargs = {"negative": negative, "steps": steps, "seed": seed, "guidance": guidance, "scheduler": used,
-                  "progress": show_progress}
+        family = family_of(manifest)
+        used = sched or family.samplers[0]
+        kind = kind or (family.schedules[used][0] if family.schedules else None)
+        kwargs = {"negative": negative, "steps": steps, "guidance": guidance, "scheduler": used,
+                  "progress": show_progress, **({"schedule": kind} if kind else {})}
+        inputs: dict = {}
         if mode != "txt2img":
             from . import images
             if not getattr(self.pipe, "image_input", False):
@@ -247,20 +348,38 @@ class Pipeline:
             init = kwargs["init_image"] = images.init_image(init_image, "init_image")
             kwargs["mask"] = images.mask_image(mask, init, "mask") if mask is not None else None
             kwargs["strength"] = strength
+            inputs["init_image"] = {"sha256": pixels_digest(init)}
+            if mask is not None:
+                inputs["mask"] = {"sha256": pixels_digest(kwargs["mask"])}
         if controls or guess_mode:
-            kwargs["controls"] = self._controls(controls, guess_mode)
+            entries = control_entries(self.pipe.manifest, controls, guess_mode)
+            kwargs["controls"] = self._controls(entries)
             kwargs["guess_mode"] = guess_mode
+            inputs["controls"] = [{"controlnet": e[0], "image": {"sha256": pixels_digest(e[1])}, "scale": e[2],
+                                   "start": e[3], "end": e[4]} for e in entries]
+            inputs["guess_mode"] = guess_mode
         unused = unused_negative(manifest) if negative else None
         warnings = [f"the negative prompt {unused}"] if unused else []
-        with _step_hooks(self.pipe, on_step, cancel):
-            pixels = self.pipe(prompt, **kwargs)
+        pixels = []
+        with _step_hooks(self.pipe, on_step, cancel, on_preview, method):
+            for run in range(count):
+                first = seed + run * batch
+                pixels += list(self.pipe(prompt, seeds=list(range(first, first + batch)), **kwargs))
         warnings += self.pipe.prompt_warnings(prompt, negative)
-        return Image(pixels, prompt, negative, seed, steps, float(guidance), used, tuple(warnings), mode, strength)
+        made = self.made_with()
+        return [Image(px, prompt, negative, seed + i, steps, float(guidance), used, tuple(warnings), mode, strength,
+                      inputs, made, kind) for i, px in enumerate(pixels)]
 
-    def _controls(self, controls: Sequence[ControlSpec], guess_mode: bool) -> list:
+    def made_with(self) -> dict:
+        """The bundle and what ran where (runtime/metadata.made_with), as the images' PNGs record it."""
+        if self._made is None:
+            family = family_of(self.pipe.manifest)
+            self._made = made_with(self.pipe.manifest, self.pipe.report()["components"], not family.negative)
+        return self._made
+
+    def _controls(self, entries: list[tuple]) -> list:
         """runtime/control.py's plan of the checked `controls=` entries, every net loaded in this pipeline;
         UserError (one line) otherwise."""
-        entries = control_entries(self.pipe.manifest, controls, guess_mode)
         plan = plan_controls(self.pipe.manifest, [(e[1], e[2]) for e in entries], [e[0] for e in entries],
                              [e[3] for e in entries], [e[4] for e in entries])
         missing = [c.component for c in plan if c.component not in self.pipe.needed]

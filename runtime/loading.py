@@ -2,8 +2,10 @@
 
 Owns: BundleModel (a bundle opened to generate: devices, assignment, selection, verified loading in
 loader threads or one at a time under a memory budget, the denoising loop's progress / hooks / timings,
-VAE decoding, the report of what ran where), the tokenizers a bundle carries, the text state a denoiser
-reads and the pixels' conversion (the image size is runtime/image_size.py's).
+VAE decoding, step previews (the preview decoder loaded on first use, or runtime/previews.py's projection),
+the report of what ran where, the sizes a chosen engine's profile takes, the prompt truncation warnings), the
+tokenizers a bundle carries, the text state a denoiser reads and the pixels' conversion (the image size is
+runtime/image_size.py's).
 Imports numpy, the runtime's own modules, and lazily the backends in use; never the compiler, never a
 family module (they import this).
 """
@@ -25,7 +27,9 @@ from .devices import apply_device_override, discover_devices
 from .embeddings import read_bundle_embeddings, register_embeddings
 from .errors import UserError
 from .manifest import Manifest, read_manifest
+from .previews import PREVIEW_DECODER, project, to_pixels
 from .progress import bar
+from .prompts import weighted_ids
 from .select import component_report, installed_backends, load_component, select_all, select_component
 from .t5_tokenizer import FOLDER_FILES as T5_FILES, T5Tokenizer
 from .tokenizer import FOLDER_FILES as CLIP_FILES, ClipTokenizer
@@ -160,6 +164,7 @@ class BundleModel:
             raise UserError(f"{manifest.root}: {what} needs {', '.join(needed)}; the bundle lacks {', '.join(missing)}")
         self.stages: dict = {}
         self.run_stages: dict = {}      # the last call's: encode, first_step, denoise, wait_vae, decode
+        self.batches: list[int] = []    # the last call's images per denoiser call
         with timed(self.stages, "discover"):
             devices = discover_devices(sysroot, env)
             self.devices, self.device_warning = apply_device_override(devices, env)
@@ -181,6 +186,7 @@ class BundleModel:
         self._ended: dict[str, float] = {}
         self._opened = time.perf_counter()
         checks = verify_mode(verify) != "off"    # "full" made the manifest hash everything again, above
+        self.verify_files = checks
         self.one_at_a_time = {c for c, s in self.selections.items()
                               if c in needed and s.choice is not None and (s.choice.memory or {}).get("plan") == "one-at-a-time"}
         if self.one_at_a_time:      # loaded on first use, the others under the plan released first
@@ -271,24 +277,46 @@ class BundleModel:
         return {comp: 75 for comp in self.tokenizers}
 
     def prompt_warnings(self, *prompts: str | None) -> list[str]:
-        """What a text encoder will cut off, as diffusers warns: one line per prompt and encoder."""
+        """What a text encoder will cut off, as diffusers warns: one line per prompt and encoder (its tokens
+        counted without the weighting syntax, runtime/prompts.py)."""
         out = []
         for which, prompt in zip(("prompt", "negative prompt"), prompts):
             for comp, limit in self.text_limits().items() if prompt else ():
-                n = len(self.tokenizers[comp].encode(prompt))
+                n = len(weighted_ids(self.tokenizers[comp], prompt)[0])
                 if n > limit:
                     out.append(f"the {which} is {n} tokens for {comp}, which reads the first {limit}; "
                                "the rest is ignored")
         return out
 
-    step_hook = None     # an object with before(i, total) / after(done, total): the Python API's callbacks
+    def input_range(self, comp: str, name: str, axis: int) -> tuple[int, int] | None:
+        """(min, max) along `axis` of input `name` that `comp`'s engine takes: the shape profile of the
+        artifact loaded (before it loads: the one selection chose first); None for the bundle's ONNX,
+        compiled at run time, which takes any size."""
+        loaded = self.loaded.get(comp)
+        if loaded is not None:
+            artifact = next((a for a in self.manifest.artifacts(comp) if a.id == loaded.where.get("artifact")), None)
+        else:
+            choice = self.selections[comp].choice if comp in self.selections else None
+            artifact = choice.artifact if choice else None
+        shape = artifact.shapes.get(name) if artifact else None
+        return (shape[0][axis], shape[2][axis]) if shape else None
 
-    def denoising(self, timesteps, progress: bool):
+    def batch_limit(self, comp: str, name: str, wanted: int, rows: int = 1) -> int:
+        """Images one call of `comp` takes, at most `wanted` (1 at least): the largest batch of input `name`
+        its engine's profile takes (input_range), over `rows` batch rows per image (2 where the CFG halves
+        run in one call)."""
+        r = self.input_range(comp, name, 0)
+        return max(1, min(wanted, r[1] // rows)) if r else wanted
+
+    step_hook = None     # an object with before(i, total) / after(done, total, latents): the Python API's callbacks
+
+    def denoising(self, timesteps, progress: bool, latents=None):
         """(i, t) for each step of a denoising loop, with what every loop needs around its body: a
         VAE decoder that failed to load in the background stops the run before the step, the
         progress bar (closed on an error too: an exception in the body closes this generator),
-        `step_hook` (before each step and before decoding; after each step) and `run_stages`
-        first_step and denoise."""
+        `step_hook` (before each step and before decoding; after each step, given `latents`: a callable
+        returning the loop's current estimate of the clean latents, [N, C, h, w] in the denoiser's space,
+        for previews -- called only when one is asked for) and `run_stages` first_step and denoise."""
         t0 = time.perf_counter()
         hook, total = self.step_hook, len(timesteps)
         with _progress(total, progress) as bar:
@@ -299,7 +327,7 @@ class BundleModel:
                 yield i, t
                 bar.update(1)
                 if hook is not None:
-                    hook.after(i + 1, total)
+                    hook.after(i + 1, total, latents)
                 if i == 0:
                     self.run_stages["first_step"] = round(time.perf_counter() - t0, 3)
         if hook is not None:
@@ -307,14 +335,41 @@ class BundleModel:
         self.run_stages["denoise"] = round(time.perf_counter() - t0, 3)
 
     def decode(self, latents: np.ndarray) -> np.ndarray:
-        """The VAE decoder's image, [H, W, 3] in its own range: `run_stages` gets the seconds waited
-        for its load (if it was still loading) and the decode's."""
+        """The VAE decoder's images, [N, H, W, 3] in its own range, as many per call as its engine's profile
+        takes: `run_stages` gets the seconds waited for its load (if it was still loading) and the decodes'."""
         t0 = time.perf_counter()
         session = self.component("vae_decoder").session
         t1 = time.perf_counter()
-        decoded = session.run({"latent_sample": latents.astype(np.float32)})
+        per = self.batch_limit("vae_decoder", "latent_sample", len(latents))
+        decoded = [session.run({"latent_sample": latents[i:i + per].astype(np.float32)})["sample"].astype(np.float32)
+                   for i in range(0, len(latents), per)]
         self.run_stages.update(wait_vae=round(t1 - t0, 3), decode=round(time.perf_counter() - t1, 3))
-        return decoded["sample"].astype(np.float32)[0].transpose(1, 2, 0)
+        return np.concatenate(decoded).transpose(0, 2, 3, 1)
+
+    _preview = None      # the preview decoder's session, once loaded
+
+    def preview(self, latents: np.ndarray, method: str, rgb) -> np.ndarray:
+        """A step preview, uint8 [h, w, 3], of the first image of `latents` ([N, C, h, w] in the denoiser's
+        space): method "taesd" runs the bundle's preview decoder (a TAESD-style tiny autoencoder: the image's
+        size), "latent2rgb" projects with the family's LatentRGB `rgb` (runtime/previews.py: the latents'
+        size). `run_stages["preview"]` adds up their seconds."""
+        with timed(self.run_stages, "preview"):
+            x = np.ascontiguousarray(latents[:1], dtype=np.float32)
+            if method == "taesd":
+                return to_pixels(self.preview_decoder(x.shape).run({"latent_sample": x})["sample"][0].astype(np.float32))
+            return project(x[0], rgb.factors, rgb.bias)
+
+    def preview_decoder(self, shape: tuple):
+        """The preview decoder's session, selected for latents of `shape` and loaded (verified as the run's
+        components are, fallbacks in order) on first use, on the VAE's device. It is no part of `needed`: a
+        run without its previews never loads it, and `report` leaves it out."""
+        if self._preview is None:
+            placement = self.placements[module_of(PREVIEW_DECODER)]
+            sel = select_component(self.manifest, PREVIEW_DECODER, placement, self.devices,
+                                   {"latent_sample": tuple(shape)}, self.installed, self.verify_files)
+            outputs = [o["name"] for o in self.manifest.components[PREVIEW_DECODER]["outputs"]]
+            self._preview = load_component(sel, outputs, placement.offload)[0]
+        return self._preview
 
     def report(self) -> dict:
         """What ran where, in the schema `doctor --json` shares (see README, "JSON output")."""

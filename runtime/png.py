@@ -9,7 +9,10 @@ IDAT chunks; it returns uint8 [H, W, C] with the file's own channels (C: 1 grey,
 (v * 255 / 65535, rounded), 1/2/4-bit grey scaled to 0..255. Anything it does not read -- not a PNG,
 truncated, a chunk with a bad CRC, interlaced (Adam7), an unknown colour type or depth, corrupt
 compressed data -- is one UserError line naming the file and what is wrong. Ancillary chunks
-(gAMA, iCCP, text, APNG frames after the first image) are ignored: the pixels are taken as stored.
+(gAMA, iCCP, APNG frames after the first image) are ignored: the pixels are taken as stored.
+Text chunks both ways: `png_bytes` / `write_png` write each (keyword, text) as tEXt (Latin-1 text) or
+iTXt (UTF-8, uncompressed; as Pillow's PngInfo.add_text chooses), before the image data; `png_text` /
+`read_png_text` read tEXt, zTXt and iTXt back.
 """
 from __future__ import annotations
 
@@ -33,21 +36,34 @@ def _chunk(kind: bytes, data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
 
-def png_bytes(image: np.ndarray) -> bytes:
-    """image: [H, W, 3] uint8 -> the PNG file's bytes (what write_png writes)."""
+def _text_chunk(keyword: str, text: str) -> bytes:
+    """tEXt where the text is Latin-1, else iTXt (UTF-8, uncompressed, no language tag)."""
+    key = keyword.encode("latin-1")
+    if not 1 <= len(key) <= 79:
+        raise ValueError(f"PNG text keyword {keyword!r}: 1 to 79 Latin-1 characters")
+    try:
+        return _chunk(b"tEXt", key + b"\0" + text.encode("latin-1"))
+    except UnicodeEncodeError:
+        return _chunk(b"iTXt", key + b"\0\0\0\0\0" + text.encode("utf-8"))
+
+
+def png_bytes(image: np.ndarray, text: dict[str, str] | None = None) -> bytes:
+    """image: [H, W, 3] uint8 -> the PNG file's bytes (what write_png writes); `text`: keyword -> text
+    chunks, in the dict's order, before the image data."""
     img = np.ascontiguousarray(image, dtype=np.uint8)
     if img.ndim != 3 or img.shape[2] != 3:
         raise ValueError(f"expected [H, W, 3] uint8, got {img.shape}")
     h, w, _ = img.shape
     raw = b"".join(b"\x00" + img[y].tobytes() for y in range(h))  # filter type 0 per row
     return (SIGNATURE + _chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)) +
+            b"".join(_text_chunk(k, v) for k, v in (text or {}).items()) +
             _chunk(b"IDAT", zlib.compress(raw, 6)) + _chunk(b"IEND", b""))
 
 
-def write_png(path: str | os.PathLike, image: np.ndarray) -> None:
-    """image: [H, W, 3] uint8. Written to a temp file beside `path`, then renamed; the temp file is
-    removed on any failure, so a failed write leaves nothing behind."""
-    data = png_bytes(image)
+def write_png(path: str | os.PathLike, image: np.ndarray, text: dict[str, str] | None = None) -> None:
+    """image: [H, W, 3] uint8 (`text`: as png_bytes). Written to a temp file beside `path`, then renamed;
+    the temp file is removed on any failure, so a failed write leaves nothing behind."""
+    data = png_bytes(image, text)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -79,6 +95,47 @@ def read_png(path: str | os.PathLike, what: str = "") -> np.ndarray:
         return decode_png(data)
     except PngError as e:
         raise UserError(f"{name}: {e}") from None
+
+
+def read_png_text(path: str | os.PathLike, what: str = "") -> dict[str, str]:
+    """The PNG file's text chunks (keyword -> text; see png_text); UserError (one line) as read_png."""
+    name = f"{what} {path}" if what else str(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise UserError(f"{name}: cannot read ({e.strerror or e})") from None
+    try:
+        return png_text(data)
+    except PngError as e:
+        raise UserError(f"{name}: {e}") from None
+
+
+def png_text(data: bytes) -> dict[str, str]:
+    """keyword -> text of a PNG's tEXt (Latin-1), zTXt (Latin-1, deflated) and iTXt (UTF-8, deflated or
+    not) chunks; the first of a repeated keyword wins. PngError for a damaged file or text chunk."""
+    out: dict[str, str] = {}
+    for kind, body in _chunks(data):
+        if kind not in (b"tEXt", b"zTXt", b"iTXt"):
+            continue
+        key, sep, rest = body.partition(b"\0")
+        what = f"damaged PNG ({kind.decode()} chunk {key[:79].decode('latin-1')!r})"
+        try:
+            if not sep:
+                raise ValueError("no keyword separator")
+            if kind == b"tEXt":
+                text = rest.decode("latin-1")
+            elif kind == b"zTXt":
+                text = zlib.decompress(rest[1:]).decode("latin-1")
+            else:
+                compressed, tail = rest[0], rest[2:]          # then the method (0: zlib), language, keyword
+                _lang, _, tail = tail.partition(b"\0")
+                _translated, _, tail = tail.partition(b"\0")
+                text = (zlib.decompress(tail) if compressed else tail).decode("utf-8")
+        except (ValueError, IndexError, zlib.error) as e:
+            raise PngError(f"{what}: {e}") from None
+        out.setdefault(key.decode("latin-1"), text)
+    return out
 
 
 def _chunks(data: bytes):

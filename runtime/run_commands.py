@@ -1,30 +1,53 @@
 """The runtime's own commands, `precast doctor` and `precast generate` (registered on the group in
 runtime/cli.py), built on the Python API (runtime/api.py: open_bundle, Bundle.plan, Bundle.pipeline):
 every option checked before anything loads, in the options' own words (runtime/checks.py and
-runtime/generate.py, the API's checks); and their text and JSON reports.
+runtime/generate.py, the API's checks); their text and JSON reports; generate's images written one PNG
+each (OUT-0001.png ... for several) with their metadata, and `--from-png` (a PNG's precast record as
+the options, runtime/metadata.py).
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
 import click
+from click.core import ParameterSource
 
 from . import images
-from .assign import parse_assignment
-from .checks import check_guidance, check_out, check_seed, check_steps, check_text, write_image
+from .assign import module_of, parse_assignment
+from .checks import (check_batch, check_count, check_guidance, check_out, check_seed, check_steps, check_text,
+                     write_image)
 from .cli_support import run_cli
 from .control import parse_control, plan_controls
 from .errors import UserError
 from .families import FAMILIES, family_of
 from .generate import check_image_mode, check_scheduler, unused_negative
+from .sampler_names import SCHEDULES, parse_sampler, parse_schedule
 from .image_size import MAX_SIDE, latent_factor, optimal_size, parse_size, size_warning
 from .loading import timed
+from .metadata import manifest_sha256, png_record
+from .previews import METHODS, check_preview, upscale
 from .report import describe_where
 
 # every family's sampler names, for --scheduler's choices (checked against the bundle's family later)
 SCHEDULERS = list(dict.fromkeys(s for f in FAMILIES.values() for s in f.samplers))
+
+
+class NameOf(click.ParamType):
+    """A sampler or sigma schedule as runtime/sampler_names.py reads it (precast's, A1111's or ComfyUI's
+    name), refused as click refuses a choice; kept as typed (the family's check maps it)."""
+    name = "name"
+
+    def __init__(self, parse, names: list[str], example: str):
+        self.parse, self.names, self.example = parse, names, example
+
+    def convert(self, value, param, ctx):
+        if value is None or self.parse(value) is not None:
+            return value
+        self.fail(f"{value!r} is not one of {', '.join(map(repr, self.names))}; A1111's and ComfyUI's names work "
+                  f"too, e.g. {self.example}", param, ctx)
 
 
 BACKEND_HELP = ("Where each module runs: DEVICE, BACKEND or DEVICE:BACKEND, per module or for all, e.g. "
@@ -39,6 +62,77 @@ VERIFY_HELP = ("auto: hash each bundle file once per file state (a recorded matc
 
 def _size(size: str | None, manifest) -> tuple[int, int]:
     return parse_size(size, manifest) if size else optimal_size(manifest)
+
+
+def out_paths(out, n: int) -> list:
+    """Where generate writes n images: --out itself for one, else OUT-0001.png, OUT-0002.png, ... beside it
+    (numbered in seed order), each checked as --out is."""
+    path = check_out(out)
+    if n == 1:
+        return [path]
+    return [check_out(str(path.with_name(f"{path.stem}-{i:04d}{path.suffix}"))) for i in range(1, n + 1)]
+
+
+RERUN = ("bundle", "prompt", "negative", "steps", "seed", "size", "guidance", "scheduler", "schedule", "strength",
+         "controlnet_names", "control_starts", "control_ends", "guess_mode", "backend")
+CONTROL_OPTIONS = {"controls", "controlnet_names", "control_starts", "control_ends", "guess_mode"}
+
+
+def rerun_options(record: dict, given: set[str], png: str) -> dict:
+    """The options a --from-png record sets (runtime/metadata.py png_record): its settings, its bundle's path
+    and where each module ran (--backend MODULE=DEVICE:BACKEND), each unless given on the command line. The
+    record names input images by their pixels only: an img2img / inpainting / ControlNet run needs
+    --init-image, --mask, --control given again (one UserError otherwise; check_recorded compares them)."""
+    s = record["settings"]
+    try:
+        nets = s.get("controls") or []
+        where: dict[str, str] = {}
+        for comp, w in (record.get("components") or {}).items():
+            if w.get("device") and w.get("backend"):
+                where.setdefault(module_of(comp), f"{w['device']}:{w['backend']}")
+        out = {"bundle": record["bundle"].get("path"), "prompt": s["prompt"], "negative": s.get("negative", ""),
+               "steps": s.get("steps"), "seed": s.get("seed", 0), "size": s.get("size"),
+               "guidance": s.get("guidance"), "scheduler": s.get("scheduler"), "schedule": s.get("schedule"),
+               "strength": s.get("strength"), "controlnet_names": tuple(c["controlnet"] for c in nets),
+               "control_starts": tuple(c["start"] for c in nets), "control_ends": tuple(c["end"] for c in nets),
+               "guess_mode": bool(s.get("guess_mode")),
+               "backend": ",".join(f"{m}={v}" for m, v in where.items()) or None}
+        scales = ", ".join(f"{c['controlnet']} at scale {c['scale']:g}" for c in nets)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise UserError(f"--from-png {png}: its precast record is damaged ({type(e).__name__}: {e})") from None
+    if "scheduler" in given:        # a sampler given anew takes its own default schedule (or the one it names)
+        given = given | {"schedule"}
+    if given & CONTROL_OPTIONS:
+        given = given | CONTROL_OPTIONS
+    missing = [option for option, key in (("--init-image", "init_image"), ("--mask", "mask"))
+               if s.get(key) and key not in given]
+    if missing:
+        raise UserError(f"--from-png {png}: was made by {s.get('mode')} from images its record names only by their "
+                        f"pixels' sha256; give {' '.join(f'{o} FILE' for o in missing)} again")
+    if nets and "controls" not in given:
+        raise UserError(f"--from-png {png}: was made with ControlNets ({scales}), whose control images its record "
+                        "names by their pixels only; give --control IMAGE:SCALE (and --controlnet, --control-start, "
+                        "--control-end, --guess-mode as then) again")
+    return {k: v for k, v in out.items() if k not in given}
+
+
+def rerun_warnings(record: dict, image, png: str) -> list[str]:
+    """What differs from the run a --from-png record names, one line each: a component that ran elsewhere
+    (another artifact, backend or device), an input image with other pixels; the image may differ."""
+    now = image.made_with.get("components", {})
+    out = []
+    for comp, then in (record.get("components") or {}).items():
+        if comp in now and now[comp] != then:
+            out.append(f"--from-png {png}: {comp} ran {now[comp].get('artifact')} via {now[comp].get('backend')} on "
+                       f"{now[comp].get('device')}, not {then.get('artifact')} via {then.get('backend')} on "
+                       f"{then.get('device')} as recorded: the image may differ")
+    then, given = record["settings"], image.inputs
+    pairs = [("--init-image", then.get("init_image"), given.get("init_image")), ("--mask", then.get("mask"),
+             given.get("mask"))] + [("--control", (a or {}).get("image"), (b or {}).get("image")) for a, b in
+                                    zip(then.get("controls") or [], given.get("controls") or [])]
+    out += [f"--from-png {png}: {option} has other pixels than the image it was made from: the image will differ"
+            for option, a, b in pairs if a and b and a.get("sha256") != b.get("sha256")]
+    return out
 
 
 @click.command("doctor")
@@ -124,13 +218,26 @@ def doctor_cmd(bundle, backend, params_backend, size, strict, sysroot, as_json, 
 
 
 @click.command("generate")
-@click.argument("bundle", type=click.Path())
-@click.option("--prompt", required=True)
+@click.argument("bundle", required=False, type=click.Path())
+@click.option("--prompt", default=None, help="What to generate (required, unless --from-png gives it).")
 @click.option("--negative", default="", show_default=True)
 @click.option("--steps", default=None, type=int, help="Denoising steps (default: SD 20; Flux dev 28, schnell 4; Chroma 35; "
                    "SD3 28, SD3.5 40, 3.5-large-turbo 4).")
 @click.option("--seed", default=0, show_default=True, type=int,
-              help="Noise seed: 0 or more (negative seeds are refused, not wrapped).")
+              help="Noise seed: 0 or more (negative seeds are refused, not wrapped). Several images take SEED, "
+                   "SEED+1, ... in order, as A1111 numbers them.")
+@click.option("--batch", default=1, show_default=True, type=int,
+              help="Images per run, each from its own seed (image i equals the single image of SEED+i): one "
+                   "denoiser call where the bundle's engines take the batch (recipe profiles.batch), else in as "
+                   "many calls as they need.")
+@click.option("--count", default=1, show_default=True, type=int,
+              help="Runs, one after another: BATCH x COUNT images, the seeds continuing from run to run.")
+@click.option("--from-png", "from_png", default=None, type=click.Path(),
+              help="Rerun the generation recorded in a PNG that precast wrote (its 'precast' text chunk: the "
+                   "bundle, the settings, where each module ran); options given here override the record, BUNDLE "
+                   "defaults to the recorded bundle's path. The same bundle on the same kind of machine makes the "
+                   "same PNG. img2img, inpainting and ControlNet PNGs need --init-image, --mask, --control again "
+                   "(the record names images by their pixels only).")
 @click.option("--size", default=None,
               help=f"WIDTHxHEIGHT in pixels (default: the bundle's optimal size, its denoiser profile's opt): "
                    f"multiples of the bundle's pixels per latent (8 for SD; 16 for Flux / Chroma / SD3, which read 2x2 latent patches), "
@@ -139,8 +246,16 @@ def doctor_cmd(bundle, backend, params_backend, size, strict, sysroot, as_json, 
               help="Guidance scale (finite): classifier-free for SD (default 7.5), Chroma (5.0) and SD3 (7.0; SD3.5 "
                    "4.5; turbo 1.0 = none); Flux dev's "
                    "distilled guidance (3.5); unused by schnell.")
-@click.option("--scheduler", default=None, type=click.Choice(SCHEDULERS, case_sensitive=False),
-              help="SD: euler (default) or dpm++2m. Flux / Chroma / SD3: flow-euler (the only one; euler means it too).")
+@click.option("--scheduler", default=None,
+              type=NameOf(parse_sampler, SCHEDULERS, "'Euler a', 'DPM++ 2M Karras', 'dpmpp_2m_sde'"),
+              help="Sampler. SD: euler (default), euler-a, heun, dpm2, dpm2-a, dpm++2m, dpm++2m-sde, dpm++sde, "
+                   "ddim, unipc, lcm; Flux / Chroma / SD3: flow-euler (default), flow-heun, flow-dpm++2m (euler, "
+                   "heun, dpm++2m name them there). A1111's and ComfyUI's names work too, A1111's with the "
+                   "schedule in it ('DPM++ 2M Karras'). Samplers that add noise draw it from the seed.")
+@click.option("--schedule", default=None,
+              type=NameOf(parse_schedule, list(SCHEDULES), "'Karras', 'SGM Uniform', 'sgm_uniform'"),
+              help="SD's sigma schedule: normal (default: the model's own spacing), karras, exponential, "
+                   "sgm-uniform (DDIM: normal or sgm-uniform; LCM: its own). Flow-matching models keep theirs.")
 @click.option("--init-image", "init_image", default=None, type=click.Path(),
               help="img2img (SD 1.x/2.x/XL): start from this PNG, encoded by the bundle's VAE encoder. Without "
                    "--size the output has the image's size (multiples of 8); with --size the image is "
@@ -162,7 +277,18 @@ def doctor_cmd(bundle, backend, params_backend, size, strict, sysroot, as_json, 
               help="Fraction of the steps after which a ControlNet stops (per --control, default 1).")
 @click.option("--guess-mode", is_flag=True, help="ControlNet guess mode (diffusers'): control on the conditional "
                                                  "half only, residuals scaled from 0.1 (shallow) to 1.0 (mid).")
-@click.option("--out", required=True, type=click.Path(), help="PNG file to write.")
+@click.option("--out", required=True, type=click.Path(),
+              help="PNG file to write, with the generation's parameters (A1111's 'parameters' text chunk) and "
+                   "precast's record ('precast', JSON); several images: OUT-0001.png, OUT-0002.png, ... (OUT "
+                   "less .png), in seed order.")
+@click.option("--preview", default=None, type=click.Path(),
+              help="PNG file rewritten after every denoising step with a preview of the image so far (a temp file "
+                   "renamed into place, for a UI that polls it), at the output's size; with --batch, the first "
+                   "image of each denoiser call.")
+@click.option("--preview-method", default="auto", show_default=True, type=click.Choice(METHODS),
+              help="latent2rgb: the family's linear latent -> RGB projection (ComfyUI's factors; upscaled, nearest); "
+                   "taesd: the bundle's preview decoder (recipe `preview:`, a TAESD file); auto: taesd where the "
+                   "bundle has one, else latent2rgb.")
 @click.option("--backend", default=None, help=BACKEND_HELP)
 @click.option("--params-backend", default=None, help="Where weights live, e.g. cpu (offload); memory budgets as DEVICE:SIZE, e.g. cuda0:8G,cpu:16G.")
 @click.option("--strict", is_flag=True, help=STRICT_HELP)
@@ -170,18 +296,38 @@ def doctor_cmd(bundle, backend, params_backend, size, strict, sysroot, as_json, 
               type=click.Choice(["auto", "full"], case_sensitive=False), help=VERIFY_HELP)
 @click.option("--sysroot", default="/", hidden=True)
 @click.option("--json", "as_json", is_flag=True, help="Print what ran where, and the settings, as JSON (errors too).")
-def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, scheduler, init_image, mask, strength,
-                 controls, controlnet_names, control_starts, control_ends, guess_mode, out,
-                 backend, params_backend, strict, sysroot, as_json, verify):
+def generate_cmd(bundle, prompt, negative, steps, seed, batch, count, from_png, size, guidance, scheduler, schedule,
+                 init_image,
+                 mask, strength, controls, controlnet_names, control_starts, control_ends, guess_mode, out,
+                 backend, params_backend, strict, sysroot, as_json, verify, preview, preview_method):
     """Text to image with BUNDLE (or img2img with --init-image, inpainting with --mask), each module on
     its device; prints what ran where."""
+    ctx = click.get_current_context()
+    given = {k for k in ctx.params if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
+
     def go():
+        nonlocal bundle, prompt, negative, steps, seed, size, guidance, scheduler, schedule, strength, \
+            controlnet_names, control_starts, control_ends, guess_mode, backend
         from .api import open_bundle              # the CLI's start does not load the API
         t_start = time.perf_counter()
+        record = png_record(from_png) if from_png else None
+        if record is not None:      # the recorded settings, each unless given on the command line
+            rerun = rerun_options(record, given, from_png)
+            bundle, prompt, negative, steps, seed, size, guidance, scheduler, schedule, strength, controlnet_names, \
+                control_starts, control_ends, guess_mode, backend = (rerun.get(k, ctx.params[k]) for k in RERUN)
+            if "bundle" in rerun and not os.path.isdir(bundle or ""):
+                raise UserError(f"--from-png {from_png}: was made with bundle {record['bundle'].get('name')!r} at "
+                                f"{bundle}, which is not here; give the BUNDLE")
+        if not bundle:
+            raise UserError("BUNDLE: give the bundle folder (or --from-png FILE, whose record names it)")
+        if prompt is None:
+            raise UserError("--prompt: say what to generate (or give --from-png FILE, whose record has it)")
         # Every option is checked here, in its own words, before any engine is verified or loaded.
         if steps is not None:
             check_steps(steps)
         check_seed(seed)
+        check_batch(batch)
+        check_count(count)
         if guidance is not None:
             check_guidance(guidance)
         parse_assignment(backend, "--backend")
@@ -190,6 +336,9 @@ def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, schedule
         check_text(negative, "--negative")
         api = open_bundle(bundle, verify=verify.lower(), sysroot=sysroot)
         manifest, family = api.manifest, family_of(api.manifest)
+        other = [(f"--from-png {from_png} was made with another bundle ({record['bundle'].get('name')!r}, another "
+                  "manifest.json): the image will differ")] \
+            if record is not None and manifest_sha256(manifest) != record["bundle"].get("manifest_sha256") else []
         mode, used_strength = check_image_mode(manifest, init_image is not None, mask is not None, strength,
                                                family.steps if steps is None else steps)
         if controls and not family.controlnets:
@@ -211,11 +360,19 @@ def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, schedule
                 w, h = parse_size(f"{iw}x{ih}", manifest)
             except UserError as e:
                 raise UserError(f"--init-image {init_image} sets the output size: {e}; give --size") from None
-        sched = check_scheduler(scheduler, manifest)
+        sched, kind = check_scheduler(scheduler, manifest, schedule=schedule)
         unused = unused_negative(manifest) if negative else None
         if unused:
             click.echo(f"warning: --negative {unused}", err=True)
-        out_path = check_out(out)
+        outs = out_paths(out, batch * count)
+        on_preview, method = None, "auto"
+        if preview:
+            path, method = check_out(preview, "--preview"), check_preview(
+                preview_method, manifest.components, family.latent_rgb, "--preview-method ")
+            on_preview = lambda done, total, px: write_image(   # noqa: E731 (the output's size, nearest)
+                path, upscale(px, w // px.shape[1]), "--preview")
+        elif "preview_method" in given:
+            raise UserError("--preview-method: says how --preview FILE is made; give --preview too")
         slow = size_warning(manifest, w, h)     # said now, before the run-time compile it warns of
         if slow and not as_json:
             click.echo(f"warning: {slow}", err=True)
@@ -224,16 +381,28 @@ def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, schedule
                                 image_input=mode != "txt2img", controlnets=[c.component[len("controlnet_"):]
                                                                             for c in plan])
         t1 = time.perf_counter()
-        image = pipeline(prompt, negative=negative, steps=steps, seed=seed, guidance=guidance, scheduler=sched,
-                         show_progress=not as_json, init_image=init_px, mask=mask_px, strength=strength,
-                         controls=[(c.component[len("controlnet_"):], px, c.scale, c.start, c.end)
-                                   for c, px in zip(plan, control_px)], guess_mode=guess_mode)
-        write_image(out_path, image.to_uint8())
+        made, batches = [], []
+        for run in range(count):    # each run's images written as soon as they are made
+            shots = pipeline.images(prompt, batch=batch, negative=negative, steps=steps, seed=seed + run * batch,
+                                    guidance=guidance, scheduler=sched, schedule=kind, show_progress=not as_json,
+                                    init_image=init_px, mask=mask_px, strength=strength,
+                                    controls=[(c.component[len("controlnet_"):], px, c.scale, c.start, c.end)
+                                              for c, px in zip(plan, control_px)], guess_mode=guess_mode,
+                                    on_preview=on_preview, preview=method)
+            for shot in shots:
+                write_image(outs[len(made)], shot.to_uint8(), text=shot.text_chunks())
+                made.append(shot)
+            batches += pipeline.pipe.batches
+        image = made[0]
         t2 = time.perf_counter()
         pipe = pipeline.pipe
-        warnings = pipe.prompt_warnings(prompt, negative)
+        warnings = pipe.prompt_warnings(prompt, negative) + other + \
+            (rerun_warnings(record, image, from_png) if record else [])
         report = {"bundle": bundle, "out": out, "prompt": prompt, "negative": negative, "size": f"{w}x{h}",
-                  "steps": image.steps, "seed": seed, "scheduler": image.scheduler, "guidance": image.guidance,
+                  "steps": image.steps, "seed": seed, "scheduler": image.scheduler, "schedule": image.schedule,
+                  "guidance": image.guidance,
+                  "batch": batch, "count": count, "from_png": from_png,
+                  "images": [{"out": str(p), "seed": m.seed} for p, m in zip(outs, made)], "batches": batches,
                   "mode": mode, "init_image": init_image, "mask": mask, "strength": used_strength,
                   "controls": [{"controlnet": c.component[len("controlnet_"):], "image": str(c.image), "scale": c.scale,
                                 "start": c.start, "end": c.end} for c in plan], "guess_mode": guess_mode,
@@ -248,7 +417,11 @@ def generate_cmd(bundle, prompt, negative, steps, seed, size, guidance, schedule
                 click.echo(f"warning: {line}", err=True)
             describe_where(report, sys.stdout)
             how = "" if mode == "txt2img" else f"{mode} from {init_image}, strength {used_strength:g}, "
-            click.echo(f"wrote {out} ({how}{w}x{h}, {image.steps} steps, seed {seed}, {image.scheduler}, guidance "
+            wrote, seeds = (out, f"seed {seed}") if len(made) == 1 else (
+                f"{outs[0]} ... {outs[-1].name}",
+                f"{len(made)} images: batch {batch} x count {count}, seeds {seed}..{made[-1].seed}")
+            sampler = " ".join(x for x in (image.scheduler, image.schedule) if x and x != "normal")
+            click.echo(f"wrote {wrote} ({how}{w}x{h}, {image.steps} steps, {seeds}, {sampler}, guidance "
                        f"{image.guidance:g}) in {report['seconds']['load']:.1f} s load + "
                        f"{report['seconds']['generate']:.1f} s")
     run_cli(go, as_json)

@@ -209,9 +209,14 @@ class T5Tokenizer:
     def __call__(self, prompt: str, max_length: int = 512) -> tuple[np.ndarray, np.ndarray]:
         """(input_ids, attention_mask), int32 [max_length] each: the first max_length - 1 ids,
         `</s>`, then `<pad>`; the mask is 1 for the ids and `</s>`, 0 for the padding."""
+        return self.padded(self.encode(prompt), max_length)
+
+    @staticmethod
+    def padded(ids: list[int], max_length: int = 512) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids, attention_mask) of ids already encoded, as __call__ lays them out."""
         if max_length < 1:
             raise ValueError(f"max_length must be at least 1, got {max_length}")
-        ids = self.encode(prompt)[:max_length - 1] + [EOS_ID]
+        ids = list(ids)[:max_length - 1] + [EOS_ID]
         input_ids = np.full(max_length, PAD_ID, dtype=np.int32)
         input_ids[:len(ids)] = ids
         mask = np.zeros(max_length, dtype=np.int32)

@@ -101,7 +101,7 @@ def test_a_prompt_past_clip_length_is_warned_about(tiny_bundle, tmp_path):
     proc = precast("generate", bundle, "--prompt", "cat " * 100, "--steps", "1", "--out", tmp_path / "a.png", "--json")
     assert proc.returncode == 0, proc.stderr
     (warning,) = json.loads(proc.stdout)["warnings"]
-    assert "100 tokens for text_encoder, which reads the first 75" in warning
+    assert "needs 154 tokens" in warning and "rebuild with profiles: {tokens: {min: 77, opt: 77, max: 154}}" in warning
     short = precast("generate", bundle, "--prompt", "cat", "--steps", "1", "--out", tmp_path / "b.png")
     assert short.returncode == 0 and "warning" not in short.stderr, short.stderr
 
@@ -110,8 +110,8 @@ def test_compile_refuses_profiles_a_component_cannot_take(demo_ckpt, tmp_path):
     out = tmp_path / "e"
     precast("export", demo_ckpt, "--out", out, "--component", "text_encoder", check=True)
     env = {"PRECAST_CACHE": str(tmp_path / "cache")}
-    err = _one_line(precast("compile", out, "--target", "onnxruntime", "--tokens", "1:77:200", env=env))
-    assert "text_encoder: --tokens 1:77:200" in err and "77 positions" in err
+    err = _one_line(precast("compile", out, "--target", "onnxruntime", "--tokens", "1:77:2000", env=env))
+    assert "tokens (1, 77, 2000): at most 1232 (16 prompt chunks of 77)" in err
     err = _one_line(precast("compile", out, "--target", "onnxruntime", "--t5-tokens", "64", env=env))
     assert "--t5-tokens 64" in err and "drop it" in err
     err = _one_line(precast("compile", tmp_path / "nothere", "--target", "onnxruntime", env=env))

@@ -151,8 +151,8 @@ def hollow(bundle, tmp_path):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--scheduler", "ddim9"], ["'--scheduler': 'ddim9' is not one of 'euler', 'dpm++2m', 'flow-euler'"]),
-    (["--scheduler", "flow-euler"], ["--scheduler flow-euler", "euler or dpm++2m"]),
+    (["--scheduler", "ddim9"], ["'--scheduler': 'ddim9' is not one of 'euler', 'euler-a', 'heun'"]),
+    (["--scheduler", "flow-euler"], ["--scheduler flow-euler", "take euler, euler-a, heun"]),
     (["--backend", "unet=tpu0"], ["--backend unet=tpu0: unknown device 'tpu0'"]),
     (["--backend", "te=cpu:tensorrt-rtx"], ["--backend te=cpu:tensorrt-rtx: tensorrt-rtx does not run on cpu"]),
     (["--backend", "=cpu"], ["--backend: invalid backend assignment '=cpu'"]),

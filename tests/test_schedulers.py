@@ -1,4 +1,5 @@
-"""Our numpy samplers follow diffusers' Euler and DPM++ 2M step for step (same noise, same model outputs)."""
+"""Our numpy samplers follow diffusers' Euler and DPM++ 2M step for step (same noise, same model outputs), in
+every timestep spacing (every sampler and sigma schedule: tests/test_samplers.py)."""
 import numpy as np
 import pytest
 import torch
@@ -26,9 +27,11 @@ def test_sampler_matches_diffusers(name, spacing, prediction, steps):
     x = rng.standard_normal((1, 4, 8, 8)).astype(np.float32)
     xr, xo = torch.from_numpy(x * float(ref.init_noise_sigma)), x * np.float32(ours.init_noise_sigma)
     for i, t in enumerate(ref.timesteps):
-        np.testing.assert_allclose(ours.scale_model_input(xo, i), ref.scale_model_input(xr, t).numpy(), rtol=1e-4,
-                                   atol=1e-4 * float(np.abs(xo).max()))
         out = rng.standard_normal((1, 4, 8, 8)).astype(np.float32)
+        fed = []
+        xo = ours.step(lambda x_in, t_in: fed.append((x_in, t_in)) or out, i, xo)      # the UNet's input, its output
+        np.testing.assert_allclose(fed[0][0], ref.scale_model_input(xr, t).numpy(), rtol=1e-4,
+                                   atol=1e-4 * float(np.abs(fed[0][0]).max()))
+        assert fed[0][1] == np.float32(t)
         xr = ref.step(torch.from_numpy(out), t, xr).prev_sample
-        xo = ours.step(out, i, xo)
     assert np.abs(xr.numpy() - xo).max() <= 1e-5 * max(1.0, float(np.abs(xr.numpy()).max()))

@@ -13,13 +13,14 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNTIME_LAYERS = [
     # 0: standard library and numpy only
     {"errors", "fileops", "fingerprint", "cpu", "progress", "flow", "protobuf", "trt_header", "openvino_attention",
-     "tokenizer", "devices.device", "families.family"},
+     "tokenizer", "prompts", "devices.device", "families.family", "sigmas", "multistep", "sampler_names", "previews",
+     "oci", "oci.ref"},
     # 1: formats, records and one-file readers
     {"png", "verified", "schedulers", "sentencepiece_model", "onnx_header", "staging", "digests", "embeddings",
-     "cli_support", "devices.sysfs", "devices.amd", "devices.intel", "devices.nvidia", "devices.macos",
-     "devices.windows"},
+     "cli_support", "metadata", "devices.sysfs", "devices.amd", "devices.intel", "devices.nvidia", "devices.macos",
+     "devices.windows", "oci.auth", "oci.client", "oci.stream"},
     # 2: what a bundle and a machine are
-    {"checks", "manifest_schema", "manifest", "t5_tokenizer", "images", "devices"},
+    {"checks", "manifest_schema", "manifest", "t5_tokenizer", "images", "devices", "oci.artifact"},
     # 3: placing, choosing and opening what runs
     {"assign", "image_size", "control", "sessions", "budgets", "select"},
     # 4: a bundle opened to generate
@@ -27,9 +28,9 @@ RUNTIME_LAYERS = [
     # 5: the families
     {"families", "families.flow_matching", "families.sd", "families.flux", "families.sd3"},
     # 6: the Python API
-    {"report", "generate", "api"},
+    {"report", "generate", "api", "oci.push", "oci.pull"},
     # 7: the command line, and the package (which re-exports the API lazily)
-    {"run_commands", "cli", ""},
+    {"run_commands", "remote_commands", "cli", ""},
 ]
 
 

@@ -1,7 +1,7 @@
 """What a model family is to precast: the facts its runtime module declares, read through the registry
 (runtime/families/__init__.py) by the runtime and, for the facts both sides need, by the compiler.
 
-Owns the `Family` and `Flow` records. Plain data: no family's code is here.
+Owns the `Family`, `Flow` and `LatentRGB` records. Plain data: no family's code is here.
 """
 from __future__ import annotations
 
@@ -20,6 +20,15 @@ class Flow:
 
 
 @dataclass(frozen=True)
+class LatentRGB:
+    """The linear latent -> RGB projection a step's preview is made with (ComfyUI's latent_formats.py
+    `latent_rgb_factors` and `latent_rgb_factors_bias`, which stable-diffusion.cpp uses too): for denoiser
+    latents x [C, h, w], rgb = sum_c x[c] * factors[c] + bias, in [-1, 1]."""
+    factors: tuple[tuple[float, float, float], ...]     # one (R, G, B) row per latent channel
+    bias: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+
+@dataclass(frozen=True)
 class Family:
     """One value of a manifest's `model.family` and everything generic code asks of it."""
     name: str                         # the manifest's model.family (and the compiler's family name)
@@ -35,10 +44,14 @@ class Family:
     steps: int = 20                   # generate's defaults where the bundle records none
     guidance: float = 7.5
     samplers: tuple[str, ...] = ()    # the --scheduler names it takes; the first is the default
+    # sampler -> the --schedule names (sigma schedules) it runs, the first its default; a sampler not here
+    # runs the model's own schedule only (flow matching: the shift the model was trained with)
+    schedules: dict[str, tuple[str, ...]] = field(default_factory=dict)
     negative: bool = True             # whether a negative prompt is used (Flux: distilled guidance, none)
     image_modes: bool = False         # img2img and inpainting
     controlnets: bool = False
     variants: dict[str, Flow] = field(default_factory=dict)    # flow-matching: the released models' defaults
     # (manifest, init: bool, mask: bool, strength, steps, names "cli" | "api") -> (mode, strength), checked
     check_mode: Callable | None = None
+    latent_rgb: LatentRGB | None = None    # the previews' projection (runtime/previews.py); None: no projection
 

@@ -2,10 +2,12 @@
 the denoising loop and the checks of what they do not run.
 
 Owns: FlowPipeline -- the size (2x2 latent patches of the VAE's scale), the T5 length to run with, the
-bundle's schedule and defaults (the manifest's, else the family's), then per call: noise, flow-matching
-Euler (runtime/flow.py) with classifier-free guidance where the family reads a negative prompt, the VAE's
-scale and shift. A family module gives its conditioning (`encode`), how the transformer reads latents
-(`to_transformer` / `from_transformer`), its timestep feed and any fixed feeds. Also `t5_length` and
+bundle's schedule and defaults (the manifest's, else the family's), then per call: noise (each image's from
+its own seed, as many images per transformer call as its profile takes), a flow-matching sampler on that
+schedule (runtime/flow.py: Euler, Heun, DPM++ 2M) with classifier-free guidance where the family reads a
+negative prompt, the VAE's scale and shift; the step previews' estimate (x - sigma * v, unpacked). A family
+module gives its conditioning (`encode`), how the transformer reads latents (`to_transformer` /
+`from_transformer`), its timestep feed and any fixed feeds. Also `t5_length` and
 `txt2img_only` (these families run no img2img / inpainting: their one-line refusals).
 Imports numpy and the runtime's own modules; never the compiler.
 """
@@ -19,13 +21,14 @@ import numpy as np
 
 from ..checks import check_steps
 from ..errors import UserError
-from ..flow import FlowEuler, FlowSchedule
+from ..flow import SAMPLERS, FlowEuler, FlowSchedule
 from ..image_size import image_size, latent_factor
 from ..loading import BundleModel, open_manifest
 from ..manifest import Manifest
 from .family import Family
 
-SCHEDULER = "flow-euler"      # the only sampler these families run (flow-matching Euler, runtime/flow.py)
+SCHEDULER = "flow-euler"      # the default sampler of these families (runtime/flow.py SAMPLERS: the others)
+FLOW_SAMPLERS = tuple(SAMPLERS)       # the --scheduler names these families take (flow-euler first)
 
 
 def t5_length(manifest: Manifest) -> int:
@@ -124,15 +127,16 @@ class FlowPipeline(BundleModel):
     # ---- generation --------------------------------------------------------------------------------
     def __call__(self, prompt: str, negative: str = "", steps: int | None = None, seed: int = 0,
                  guidance: float | None = None, latents: np.ndarray | None = None, progress: bool = True,
-                 scheduler: str = SCHEDULER) -> np.ndarray:
-        """Returns the decoded image as float32 [H, W, 3] in [0, 1]. `latents`: starting noise shaped as
-        `noise` makes it, instead of the seed's. Guidance above 1 runs the negative prompt too (CFG) in the
-        families that read one. `scheduler`: flow-euler, the one these families run."""
+                 scheduler: str = SCHEDULER, seeds: list[int] | None = None) -> np.ndarray:
+        """Returns the decoded image as float32 [H, W, 3] in [0, 1]; with `seeds`, one image per seed,
+        [N, H, W, 3], each from its own seed's noise (image i is the single image of seeds[i]), as many per
+        transformer call as its engine's profile takes (`batches`: the images of each call).
+        `latents`: starting noise shaped as `noise` makes it, one row per image, instead of the seeds'.
+        Guidance above 1 runs the negative prompt too (CFG: a second call of the same batch) in the
+        families that read one. `scheduler`: one of runtime/flow.py's SAMPLERS (default flow-euler)."""
         steps = self.defaults["steps"] if steps is None else steps
         guidance = self.defaults["guidance"] if guidance is None else guidance
         check_steps(steps)
-        x = self.to_transformer(self.noise(seed) if latents is None else latents.astype(np.float32))
-        sampler = FlowEuler(self.schedule, steps, self.image_tokens(x))
         run = self.run_stages = {}
         t0 = time.perf_counter()
         cond = self.encode(prompt)
@@ -141,13 +145,38 @@ class FlowPipeline(BundleModel):
         transformer = self.component("transformer").session
         fixed = self.fixed_feeds(transformer, guidance)
         run["encode"] = round(time.perf_counter() - t0, 3)
-        for i, t in self.denoising(sampler.timesteps, progress):
-            step = {"hidden_states": x, "timestep": self.timestep(sampler, i, t), **fixed}
-            v = transformer.run({**step, **cond})["out_hidden_states"].astype(np.float32)
-            if cfg:
-                v_neg = transformer.run({**step, **uncond})["out_hidden_states"].astype(np.float32)
-                v = v_neg + np.float32(guidance) * (v - v_neg)
-            x = sampler.step(v, i, x)
+        seeds = [seed] if (single := seeds is None) else list(seeds)
+        per = self.batch_limit("transformer", "hidden_states", len(seeds))      # images per transformer call
+        shapes = [self.spec.requests(self.manifest, b, self.height, self.width)["transformer"] for b in (1, 2)]
+        batched = {k for k, s in shapes[1].items() if s[:1] != shapes[0][k][:1]}   # the inputs with a batch axis
+        out, self.batches = [], []
+        for at in range(0, len(seeds), per):
+            n = len(seeds[at:at + per])
+
+            def rows(feeds: dict, n: int = n) -> dict:      # one image's batched inputs repeated for the n images
+                return {k: np.repeat(v, n, axis=0) if k in batched and len(v) == 1 else v for k, v in feeds.items()}
+            x = self.to_transformer(np.concatenate([self.noise(s) for s in seeds[at:at + n]]) if latents is None
+                                    else latents[at:at + n].astype(np.float32))
+            sampler = SAMPLERS[scheduler](self.schedule, steps, self.image_tokens(x))
+            seen: list = []      # the last velocity call's (x, j, v), for previews
+
+            def velocity(x: np.ndarray, j: int) -> np.ndarray:    # guided, at point j of the sampler's table
+                step = rows({"hidden_states": x, "timestep": self.timestep(sampler, j, sampler.timesteps[j]), **fixed})
+                v = transformer.run({**step, **rows(cond)})["out_hidden_states"].astype(np.float32)
+                if cfg:
+                    v_neg = transformer.run({**step, **rows(uncond)})["out_hidden_states"].astype(np.float32)
+                    v = v_neg + np.float32(guidance) * (v - v_neg)
+                seen[:] = x, j, v
+                return v
+
+            def x0() -> np.ndarray:      # previews: the clean latents the last velocity points to
+                xj, j, v = seen
+                return self.from_transformer(xj - np.float32(sampler.sigmas[j]) * v)
+            for i, _ in self.denoising(sampler.timesteps, progress, x0):
+                x = sampler.step(velocity, i, x)
+            out.append(self.from_transformer(x))
+            self.batches.append(n)
         del transformer          # one at a time: the VAE decoder may load only once the denoiser is released
-        image = self.decode(self.from_transformer(x) / np.float32(self.latent_scale) + np.float32(self.latent_shift))
-        return np.clip(image / 2 + 0.5, 0.0, 1.0)
+        image = self.decode(np.concatenate(out) / np.float32(self.latent_scale) + np.float32(self.latent_shift))
+        image = np.clip(image / 2 + 0.5, 0.0, 1.0)
+        return image[0] if single else image

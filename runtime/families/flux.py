@@ -5,9 +5,10 @@ Owns: the Flux and Chroma records (FAMILIES: components, latent scale and shift,
 schedules, steps, guidance and T5 lengths), each one's conditioning -- Flux: T5 `last_hidden_state` (run without a mask, padding
 to the bundle's T5 length) + CLIP-L `pooler_output`, dev's distilled guidance fed as its raw scale;
 Chroma: T5 run with its mask, the transformer attending to the real tokens plus one padding token,
-real classifier-free guidance with a negative prompt -- the packing (b c (h 2) (w 2) -> b (h w)
-(c 2 2)) and ids ((0, row, col) per packed latent, zeros for text), and the shapes each component
-is called with (for selection). Imports numpy and the runtime's own modules; never the compiler.
+real classifier-free guidance with a negative prompt; A1111 weights on the T5 states as Forge applies them
+(runtime/prompts.py) -- the packing (b c (h 2) (w 2) -> b (h w) (c 2 2)) and ids ((0, row, col) per packed
+latent, zeros for text), and the shapes each component is called with (for selection). Imports numpy and the
+runtime's own modules; never the compiler.
 """
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ import numpy as np
 from ..errors import UserError
 from ..image_size import latent_factor
 from ..manifest import Manifest
-from .family import Family, Flow
-from .flow_matching import SCHEDULER, FlowPipeline, t5_length, txt2img_only
+from .family import Family, Flow, LatentRGB
+from .flow_matching import FLOW_SAMPLERS, FlowPipeline, t5_length, txt2img_only
 from ..embeddings import encoder_feeds
+from ..prompts import clip_truncated, emphasize, t5_input
 
 T5_OF = {"flux": "text_encoder_2", "chroma": "text_encoder"}
 
@@ -122,17 +124,19 @@ class FluxTxt2Img(FlowPipeline):
 
     # ---- conditioning ---------------------------------------------------------------------------
     def _t5(self, prompt: str) -> tuple[np.ndarray, np.ndarray]:
+        """T5's states, weighted as Forge weights them (runtime/prompts.py emphasize), and its mask."""
         comp = T5_OF[self.family]
-        ids, mask = self.tokenizers[comp](prompt, self.t5_tokens)
+        ids, mask, weights = t5_input(self.tokenizers[comp], prompt, self.t5_tokens)
         feeds = {"input_ids": ids[None, :].astype(np.int32)}
         session = self.component(comp).session
         if "attention_mask" in session.input_names:
             feeds["attention_mask"] = mask[None, :].astype(np.int32)
         states = session.run(feeds)["last_hidden_state"].astype(np.float32)
-        return states, mask.astype(np.int32)
+        return emphasize(states, weights), mask.astype(np.int32)
 
     def _clip_pooled(self, prompt: str) -> np.ndarray:
-        ids = self.tokenizers["text_encoder"](prompt)[None, :].astype(np.int32)
+        """CLIP-L's pooled vector of the prompt's first 75 tokens (weights read nothing from it)."""
+        ids = clip_truncated(self.tokenizers["text_encoder"], prompt).ids[None, :]
         session = self.component("text_encoder").session
         hidden = int(self.manifest.components["text_encoder"].get("config", {}).get("hidden", 768))
         out = session.run(encoder_feeds(session, "text_encoder", ids, self.embeddings["text_encoder"], hidden))
@@ -175,14 +179,21 @@ DYNAMIC = {"use_dynamic_shifting": True, "shift": 3.0, "base_shift": 0.5, "max_s
            "base_image_seq_len": 256, "max_image_seq_len": 4096}
 # BFL AutoEncoderParams: latent = 0.3611 * (z - 0.1159); dev 28 steps / 3.5 (distilled guidance), schnell 4 /
 # none, Chroma 35 / 5.0 (real classifier-free guidance with a negative prompt)
+# previews' latent -> RGB projection of Flux's 16-channel latents (ComfyUI latent_formats.py Flux)
+FLUX_RGB = LatentRGB(((-0.0346, 0.0244, 0.0681), (0.0034, 0.0210, 0.0687), (0.0275, -0.0668, -0.0433),
+                      (-0.0174, 0.0160, 0.0617), (0.0859, 0.0721, 0.0329), (0.0004, 0.0383, 0.0115),
+                      (0.0405, 0.0861, 0.0915), (-0.0236, -0.0185, -0.0259), (-0.0245, 0.0250, 0.1180),
+                      (0.1008, 0.0755, -0.0421), (-0.0515, 0.0201, 0.0011), (0.0428, -0.0012, -0.0036),
+                      (0.0817, 0.0765, 0.0749), (-0.1264, -0.0522, -0.1103), (-0.0280, -0.0881, -0.0499),
+                      (-0.1262, -0.0982, -0.0778)), (-0.0329, -0.0718, -0.0851))
 FAMILIES = (
     Family("flux", "Flux", ("text_encoder", "text_encoder_2", "transformer", "vae_decoder"), "transformer", 0.3611,
-           FluxTxt2Img, dit_requests, latent_shift=0.1159, patch=2, steps=28, guidance=3.5, samplers=(SCHEDULER,),
+           FluxTxt2Img, dit_requests, latent_shift=0.1159, patch=2, steps=28, guidance=3.5, samplers=FLOW_SAMPLERS,
            negative=False, check_mode=txt2img_only,
            variants={"dev": Flow(DYNAMIC, 28, 3.5, 512),
-                     "schnell": Flow({"use_dynamic_shifting": False, "shift": 1.0}, 4, 0.0, 256)}),
+                     "schnell": Flow({"use_dynamic_shifting": False, "shift": 1.0}, 4, 0.0, 256)}, latent_rgb=FLUX_RGB),
     Family("chroma", "Chroma", ("text_encoder", "transformer", "vae_decoder"), "transformer", 0.3611, FluxTxt2Img,
-           dit_requests, latent_shift=0.1159, patch=2, steps=28, guidance=3.5, samplers=(SCHEDULER,),
-           check_mode=txt2img_only, variants={"": Flow(DYNAMIC, 35, 5.0, 512)}),
+           dit_requests, latent_shift=0.1159, patch=2, steps=28, guidance=3.5, samplers=FLOW_SAMPLERS,
+           check_mode=txt2img_only, variants={"": Flow(DYNAMIC, 35, 5.0, 512)}, latent_rgb=FLUX_RGB),
 )
 FluxTxt2Img.families = {f.name: f for f in FAMILIES}

@@ -7,9 +7,12 @@ StableDiffusion(Img2Img|Inpaint|ControlNet)Pipeline.
 Owns: each SD family's record (FAMILIES: components, latent scale, defaults, samplers), the shapes each
 component is called with, the image-mode checks (img2img / inpainting against the UNet's channels), each
 family's conditioning (SD 2.x v-prediction; SDXL's two encoders, pooled embeds and micro-conditioning time
-ids: original size, crop, target size, or the refiner's aesthetic score), the guidance loop and latent
-scaling. Loading, selection and reporting are BundleModel's (runtime/loading.py). Imports numpy, the
-runtime's own modules, and lazily the backends in use; never the compiler.
+ids: original size, crop, target size, or the refiner's aesthetic score; prompts as A1111 encodes them --
+75-token chunks, BREAK, weights, runtime/prompts.py --, as many chunks as the denoiser's engines take), the
+guidance loop (a batch of images: each one's noise from its own seed, as many per UNet call as its profile
+takes, the CFG halves together) and latent scaling. Loading, selection and reporting are BundleModel's
+(runtime/loading.py).
+Imports numpy, the runtime's own modules, and lazily the backends in use; never the compiler.
 """
 from __future__ import annotations
 
@@ -25,8 +28,9 @@ from ..image_size import image_size, latent_factor
 from ..loading import BundleModel, open_manifest, text_state_name
 from ..manifest import Manifest
 from ..schedulers import SAMPLERS, NoiseSchedule, make_sampler, start_index
-from .family import Family
+from .family import Family, LatentRGB
 from ..embeddings import encoder_feeds
+from ..prompts import CHUNK, CLIP_TOKENS, Chunk, clip_chunks, emphasize, make_chunk
 from ..images import image_tensor, mask_tensor
 from ..control import ControlNets, zero_residuals
 
@@ -100,6 +104,11 @@ def requests(manifest, batch: int, height: int, width: int, tokens: int = 77, cf
     return out
 
 
+def halves(pair: np.ndarray, n: int) -> np.ndarray:
+    """[uncond, cond] rows -> n unconditional rows then n conditional ones (the CFG batch of n images)."""
+    return np.concatenate([pair[:1]] * n + [pair[1:]] * n, axis=0)
+
+
 class Txt2Img(BundleModel):
     """Text-to-image over an SD 1.x/2.x/XL bundle, each component on the device it is assigned to."""
 
@@ -134,11 +143,11 @@ class Txt2Img(BundleModel):
         ts = next((i.get("shape") for i in self.unet_inputs if i["name"] == "timestep"), None)
         self.timestep_shape = () if ts == [] else (2,)       # optimum's UNet export: one 0-d timestep
 
-    def _encoder(self, comp: str, prompt: str) -> dict[str, np.ndarray]:
-        ids = self.tokenizers[comp](prompt)[None, :].astype(np.int32)
+    def _encoder(self, comp: str, ids: np.ndarray) -> dict[str, np.ndarray]:
+        """Every output of text encoder `comp` for one chunk's ids [77], as float32."""
         session = self.component(comp).session
         hidden = int(self.manifest.components[comp].get("config", {}).get("hidden", 768))
-        out = session.run(encoder_feeds(session, comp, ids, self.embeddings[comp], hidden))
+        out = session.run(encoder_feeds(session, comp, ids[None, :].astype(np.int32), self.embeddings[comp], hidden))
         return {k: v.astype(np.float32) for k, v in out.items()}
 
     def _hidden(self, comp: str, out: dict[str, np.ndarray]) -> np.ndarray:
@@ -147,16 +156,72 @@ class Txt2Img(BundleModel):
         config = self.manifest.components[comp].get("config", {})
         return out[text_state_name(out, config, penultimate=self.family.startswith("sdxl"))]
 
-    def encode(self, prompt: str) -> tuple[np.ndarray, np.ndarray | None]:
-        """(context [1, 77, C], pooled [1, P] or None)."""
-        if self.family in ("sd1", "sd2"):
-            return self._hidden("text_encoder", self._encoder("text_encoder", prompt)), None
-        g = self._encoder("text_encoder_2", prompt)
-        context = self._hidden("text_encoder_2", g)
-        if self.family == "sdxl":
-            context = np.concatenate([self._hidden("text_encoder", self._encoder("text_encoder", prompt)), context],
-                                     axis=-1)
-        return context, g["text_embeds"]
+    def chunks(self, prompt: str) -> dict[str, list[Chunk]]:
+        """Each text encoder's CLIP chunks of `prompt` (runtime/prompts.py), in the order the UNet reads their
+        states side by side: SD 1.x/2.x text_encoder, SDXL text_encoder | text_encoder_2, the refiner's
+        text_encoder_2."""
+        return {c: clip_chunks(self.tokenizers[c], prompt) for c in ("text_encoder", "text_encoder_2")
+                if c in self.needed}
+
+    def chunk_limit(self) -> tuple[int | None, str]:
+        """(the most prompt chunks the denoiser's engines take -- their profiles' longest encoder_hidden_states
+        over 77 --, the engine that limits it); None: any (the ONNX, compiled at run time)."""
+        ranges = {c: self.input_range(c, "encoder_hidden_states", 1) for c in self.needed
+                  if c == "unet" or c.startswith("controlnet_")}
+        ranges = {c: r for c, r in ranges.items() if r is not None}
+        if not ranges:
+            return None, "unet"
+        comp = min(ranges, key=lambda c: ranges[c][1])
+        return max(1, ranges[comp][1] // CLIP_TOKENS), comp
+
+    def encode(self, prompt: str, chunks: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """(context [1, 77 x chunks, C], pooled [1, P] or None), as A1111 conditions SD 1.x/2.x/XL: each
+        encoder's chunks encoded one at a time, weighted (emphasize: times each token's weight, the chunk's
+        mean restored) and concatenated along the sequence; SDXL's two encoders side by side. `chunks`: the
+        prompt's cut to that many, or padded with the empty prompt's chunk (default: as many as it needs, up
+        to chunk_limit). pooled: text_encoder_2's of the first chunk, unweighted (as A1111 and ComfyUI)."""
+        per = self.chunks(prompt)
+        limit = self.chunk_limit()[0]
+        need = max(map(len, per.values()))
+        n = chunks or (min(need, limit) if limit else need)
+        states, pooled = [], None
+        for comp, have in per.items():
+            have = (have + [make_chunk(self.tokenizers[comp], [], [])] * n)[:n]
+            outs = [self._encoder(comp, c.ids) for c in have]
+            states.append(np.concatenate([emphasize(self._hidden(comp, o), c.weights) for o, c in zip(outs, have)],
+                                         axis=1))
+            if comp == "text_encoder_2":
+                pooled = outs[0]["text_embeds"]
+        return np.concatenate(states, axis=-1), pooled
+
+    def encode_pair(self, prompt: str, negative: str) -> tuple[tuple, tuple]:
+        """((context, pooled) of the prompt, of the negative prompt) with the same number of chunks: as many as
+        the longer needs, the other padded with the empty prompt's chunk (A1111's pad_cond_uncond rule), cut
+        to what the denoiser's engines take (prompt_warnings says what a prompt needs). SDXL base: an empty
+        negative prompt is zeros, as diffusers (force_zeros_for_empty_prompt) and A1111 make it."""
+        limit = self.chunk_limit()[0]
+        n = max(max(map(len, self.chunks(p).values())) for p in (prompt, negative))
+        n = min(n, limit) if limit else n
+        cond = self.encode(prompt, n)
+        if self.family == "sdxl" and not negative:
+            ctx, pooled = cond
+            return cond, (np.zeros_like(ctx), np.zeros_like(pooled) if pooled is not None else None)
+        return cond, self.encode(negative, n)
+
+    def prompt_warnings(self, *prompts: str | None) -> list[str]:
+        """One line per prompt that needs more chunks than the denoiser's engines take (it was cut to the
+        first ones), naming the profile that would take all of it."""
+        limit, comp = self.chunk_limit()
+        out = []
+        for which, prompt in zip(("prompt", "negative prompt"), prompts):
+            need = max(map(len, self.chunks(prompt).values())) if prompt else 1
+            if limit and need > limit:
+                tokens = need * CLIP_TOKENS
+                out.append(f"the {which} needs {tokens} tokens ({need} chunks of {CHUNK} + BOS/EOS); this bundle's "
+                           f"{comp} engine takes {limit * CLIP_TOKENS}, so it reads only the first "
+                           f"{'chunk' if limit == 1 else f'{limit} chunks'}; to read all of it, rebuild with profiles: "
+                           f"{{tokens: {{min: {CLIP_TOKENS}, opt: {CLIP_TOKENS}, max: {tokens}}}}}")
+        return out
 
     def time_ids(self, aesthetic: float, original: tuple[int, int] | None = None,
                  crop: tuple[int, int] = (0, 0)) -> np.ndarray:
@@ -178,13 +243,19 @@ class Txt2Img(BundleModel):
                  original_size: tuple[int, int] | None = None, crop: tuple[int, int] = (0, 0),
                  aesthetic_score: float = 6.0, negative_aesthetic_score: float = 2.5,
                  init_image: np.ndarray | None = None, mask: np.ndarray | None = None,
-                 strength: float | None = None, controls: list | None = None, guess_mode: bool = False) -> np.ndarray:
-        """Returns the decoded image as float32 [H, W, 3] in [0, 1]. `latents`: the initial noise
-        [1, 4, h, w] instead of the seed's. `init_image` (uint8 [H, W, 3], any size: fitted to the
+                 strength: float | None = None, controls: list | None = None, guess_mode: bool = False,
+                 seeds: list[int] | None = None, schedule: str | None = None) -> np.ndarray:
+        """Returns the decoded image as float32 [H, W, 3] in [0, 1]; with `seeds`, one image per seed,
+        [N, H, W, 3], each from its own seed's noise (image i is the single image of seeds[i]), as many per
+        UNet call as its engine's profile takes (the CFG halves in one call: 2 rows per image; `batches`:
+        the images of each call). `latents`: the initial noise, one [4, h, w] row per image,
+        instead of the seeds'. `init_image` (uint8 [H, W, 3], any size: fitted to the
         pipeline's by runtime/images.py's rule) makes it img2img; `mask` (uint8 [H, W] luma, the init
         image's size; white = repaint) inpainting; `strength` defaults to 0.8 / 1.0 (check_image_mode).
         `controls`: runtime/control.py Control entries (their nets loaded: `controlnets=` when opened);
-        `guess_mode` as diffusers'. A ControlNet bundle's UNet gets zero residuals without controls."""
+        `guess_mode` as diffusers'. A ControlNet bundle's UNet gets zero residuals without controls.
+        `scheduler` / `schedule`: the sampler and sigma schedule (runtime/schedulers.py make_sampler; the
+        samplers that add noise draw it from each image's seed)."""
         check_steps(steps)
         mode, strength = check_image_mode(self.manifest, init_image is not None, mask is not None, strength, steps,
                                           "api")
@@ -192,15 +263,10 @@ class Txt2Img(BundleModel):
             raise UserError("img2img / inpainting need the VAE encoder loaded: open the pipeline with image_input=True")
         f = latent_factor(self.manifest)
         shape = (1, 4, self.height // f, self.width // f)
-        sampler = make_sampler(scheduler, steps, NoiseSchedule(prediction_type=self.prediction))
-        noise = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) if latents is None else latents
-        noise = noise.astype(np.float32)
         run = self.run_stages = {}
         t0 = time.perf_counter()
-        first, image_latents, m_lat, cond = 0, None, None, []
-        if mode == "txt2img":
-            x = noise * np.float32(sampler.init_noise_sigma)
-        else:
+        first, image_latents, m_lat, cond, from_noise = 0, None, None, [], mode == "txt2img"
+        if mode != "txt2img":
             first = start_index(steps, strength)
             pixels = image_tensor(init_image, self.width, self.height)
             m = mask_tensor(mask, self.width, self.height) if mask is not None else None
@@ -211,13 +277,7 @@ class Txt2Img(BundleModel):
                 image_latents = self.encode_image(pixels)
             if self.unet_channels == 9:
                 cond = [m_lat, self.encode_image(pixels * (m < 0.5))]       # mask | masked image latents
-            x = noise * np.float32(sampler.init_noise_sigma) if from_noise else \
-                sampler.add_noise(image_latents, noise, first)
-        ctx, pooled = self.encode(prompt)
-        if self.family == "sdxl" and not negative:  # SDXL base: an empty negative prompt means zeros
-            neg_ctx, neg_pooled = np.zeros_like(ctx), (np.zeros_like(pooled) if pooled is not None else None)
-        else:
-            neg_ctx, neg_pooled = self.encode(negative)
+        (ctx, pooled), (neg_ctx, neg_pooled) = self.encode_pair(prompt, negative)
         extra = {}
         if pooled is not None:
             extra["text_embeds"] = np.concatenate([neg_pooled, pooled], axis=0)
@@ -226,37 +286,63 @@ class Txt2Img(BundleModel):
         context = np.concatenate([neg_ctx, ctx], axis=0)
         unet = self.component("unet").session
         nets = ControlNets(self, controls, self.width, self.height, guess_mode) if controls else None
-        zeros = zero_residuals(self.unet_inputs, 2, shape[2], shape[3])
         run["encode"] = round(time.perf_counter() - t0, 3)
-        last = len(sampler.timesteps) - 1
-        for k, t in self.denoising(sampler.timesteps[first:], progress):
-            i = first + k
-            model_in = np.concatenate([sampler.scale_model_input(x, i), *cond], axis=1) if cond else \
-                sampler.scale_model_input(x, i)
-            timestep = np.full(self.timestep_shape, t, np.float32)
-            residuals = nets.residuals(k, len(sampler.timesteps) - first, np.concatenate(
-                [sampler.scale_model_input(x, i)] * 2, axis=0), timestep, context, extra, self.unet_inputs) \
-                if nets else zeros
-            eps = unet.run({"sample": np.concatenate([model_in] * 2, axis=0), "timestep": timestep,
-                            "encoder_hidden_states": context, **extra, **residuals})["out_sample"].astype(np.float32)
-            uncond, cond_eps = eps[:1], eps[1:]
-            x = sampler.step(uncond + np.float32(guidance) * (cond_eps - uncond), i, x)
-            if m_lat is not None and self.unet_channels == 4:   # latent blending: keep the unmasked region
-                kept = image_latents if i == last else sampler.add_noise(image_latents, noise, i + 1)
-                x = ((1 - m_lat) * kept + m_lat * x).astype(np.float32)
+        seeds = [seed] if (single := seeds is None) else list(seeds)
+        per = min(self.batch_limit(c, "sample", len(seeds), 2)                # images per UNet call
+                  for c in ("unet", *(net.component for net in controls or ())))
+        out, self.batches = [], []
+        for at in range(0, len(seeds), per):
+            n = len(seeds[at:at + per])
+            noise = np.concatenate([np.random.default_rng(s).standard_normal(shape).astype(np.float32)
+                                    for s in seeds[at:at + n]]) if latents is None else latents[at:at + n]
+            noise = noise.astype(np.float32)
+            sampler = make_sampler(scheduler, steps, NoiseSchedule(prediction_type=self.prediction), schedule,
+                                   seeds[at:at + n])
+            x = noise * np.float32(sampler.init_noise_sigma) if from_noise else \
+                sampler.add_noise(image_latents, noise, first)
+            context_n, extra_n = halves(context, n), {k: halves(v, n) for k, v in extra.items()}
+            cond_n = [np.repeat(c, n, axis=0) for c in cond]
+            zeros = zero_residuals(self.unet_inputs, 2 * n, shape[2], shape[3])
+            last = len(sampler.timesteps) - 1
+
+            def guided(x_in: np.ndarray, t, k: int) -> np.ndarray:     # the UNet at a scaled input, CFG applied
+                model_in = np.concatenate([x_in, *cond_n], axis=1) if cond else x_in
+                timestep = np.full((2 * n,) if self.timestep_shape else (), t, np.float32)
+                residuals = nets.residuals(k, len(sampler.timesteps) - first, np.concatenate([x_in] * 2, axis=0),
+                                           timestep, context_n, extra_n, self.unet_inputs) if nets else zeros
+                eps = unet.run({"sample": np.concatenate([model_in] * 2, axis=0), "timestep": timestep,
+                                "encoder_hidden_states": context_n, **extra_n, **residuals})["out_sample"]
+                eps = eps.astype(np.float32)
+                uncond, cond_eps = eps[:n], eps[n:]
+                return uncond + np.float32(guidance) * (cond_eps - uncond)
+            x0 = lambda: x if sampler.last_x0 is None else sampler.last_x0     # noqa: E731 (previews: the estimate now)
+            for k, _ in self.denoising(sampler.timesteps[first:], progress, x0):
+                i = first + k
+                x = sampler.step(lambda x_in, t, k=k: guided(x_in, t, k), i, x)    # one UNet call or two
+                if m_lat is not None and self.unet_channels == 4:   # latent blending: keep the unmasked region
+                    kept = image_latents if i == last else sampler.add_noise(image_latents, noise, i + 1)
+                    x = ((1 - m_lat) * kept + m_lat * x).astype(np.float32)
+            out.append(x)
+            self.batches.append(n)
         del unet                 # one at a time: the VAE decoder may load only once the denoiser is released
-        image = self.decode(x / np.float32(self.latent_scale))
-        return np.clip(image / 2 + 0.5, 0.0, 1.0)
+        image = np.clip(self.decode(np.concatenate(out) / np.float32(self.latent_scale)) / 2 + 0.5, 0.0, 1.0)
+        return image[0] if single else image
 
 
-def _family(name: str, title: str, needs: tuple[str, ...], latent_scale: float) -> Family:
+def _family(name: str, title: str, needs: tuple[str, ...], latent_scale: float, rgb: LatentRGB) -> Family:
     return Family(name, title, needs, "unet", latent_scale, Txt2Img, requests, steps=20, guidance=7.5,
-                  samplers=tuple(SAMPLERS), image_modes=True, controlnets=True, check_mode=check_image_mode)
+                  samplers=tuple(SAMPLERS), schedules={k: c.schedules for k, c in SAMPLERS.items()},
+                  image_modes=True, controlnets=True, check_mode=check_image_mode, latent_rgb=rgb)
 
 
-FAMILIES = (_family("sd1", "SD 1.x", ("text_encoder", "unet", "vae_decoder"), 0.18215),
-            _family("sd2", "SD 2.x", ("text_encoder", "unet", "vae_decoder"), 0.18215),
-            _family("sdxl", "SDXL", ("text_encoder", "text_encoder_2", "unet", "vae_decoder"), 0.13025),
-            _family("sdxl-refiner", "SDXL refiner", ("text_encoder_2", "unet", "vae_decoder"), 0.13025))
+# previews' latent -> RGB projections (ComfyUI latent_formats.py SD15 and SDXL)
+SD15_RGB = LatentRGB(((0.3512, 0.2297, 0.3227), (0.3250, 0.4974, 0.2350), (-0.2829, 0.1762, 0.2721),
+                      (-0.2120, -0.2616, -0.7177)))
+SDXL_RGB = LatentRGB(((0.3651, 0.4232, 0.4341), (-0.2533, -0.0042, 0.1068), (0.1076, 0.1111, -0.0362),
+                      (-0.3165, -0.2492, -0.2188)), (0.1084, -0.0175, -0.0011))
+FAMILIES = (_family("sd1", "SD 1.x", ("text_encoder", "unet", "vae_decoder"), 0.18215, SD15_RGB),
+            _family("sd2", "SD 2.x", ("text_encoder", "unet", "vae_decoder"), 0.18215, SD15_RGB),
+            _family("sdxl", "SDXL", ("text_encoder", "text_encoder_2", "unet", "vae_decoder"), 0.13025, SDXL_RGB),
+            _family("sdxl-refiner", "SDXL refiner", ("text_encoder_2", "unet", "vae_decoder"), 0.13025, SDXL_RGB))
 BY_NAME = {f.name: f for f in FAMILIES}
 NEEDED = {f.name: f.needs for f in FAMILIES}

@@ -5,8 +5,9 @@ Owns: the SD3 record (FAMILIES: components, latent scale and shift, each release
 steps, guidance and T5 length), SD3's conditioning as StableDiffusion3Pipeline builds it -- each CLIP's penultimate hidden
 states side by side (768 + 1280), zero-padded to the T5 width and followed along the sequence by
 T5's `last_hidden_state` (zeros when the bundle has no T5, as diffusers runs without one); the
-pooled vector is the two CLIPs' projected `text_embeds` side by side -- the timestep the MMDiT is fed
-(sigma x 1000, float32), and the shapes each component is called with (for selection).
+pooled vector is the two CLIPs' projected `text_embeds` side by side; A1111 weights on the CLIP and T5
+states (runtime/prompts.py; one 77-token CLIP chunk, the transformer's sequence being fixed) -- the
+timestep the MMDiT is fed (sigma x 1000, float32), and the shapes each component is called with.
 Skip-layer guidance (SD3.5-medium's optional extra pass) is not run. Imports numpy and the
 runtime's own modules; never the compiler.
 """
@@ -18,9 +19,10 @@ from ..errors import UserError
 from ..image_size import latent_factor
 from ..loading import text_state_name
 from ..manifest import Manifest
-from .family import Family, Flow
-from .flow_matching import SCHEDULER, FlowPipeline, t5_length, txt2img_only
+from .family import Family, Flow, LatentRGB
+from .flow_matching import FLOW_SAMPLERS, FlowPipeline, t5_length, txt2img_only
 from ..embeddings import encoder_feeds
+from ..prompts import clip_truncated, emphasize, t5_input
 
 CLIPS = ("text_encoder", "text_encoder_2")
 T5 = "text_encoder_3"
@@ -87,20 +89,22 @@ class SD3Txt2Img(FlowPipeline):
 
     # ---- conditioning ---------------------------------------------------------------------------
     def _clip(self, comp: str, prompt: str) -> tuple[np.ndarray, np.ndarray]:
-        """(penultimate hidden states [1, 77, width], projected pooled [1, projection])."""
-        ids = self.tokenizers[comp](prompt)[None, :].astype(np.int32)
+        """(penultimate hidden states [1, 77, width] of the prompt's first 75 tokens, weighted as A1111 weights
+        them, projected pooled [1, projection], unweighted)."""
+        chunk = clip_truncated(self.tokenizers[comp], prompt)
         session = self.component(comp).session
         config = self.manifest.components[comp].get("config", {})
-        out = session.run(encoder_feeds(session, comp, ids, self.embeddings[comp], int(config.get("hidden", 768))))
+        out = session.run(encoder_feeds(session, comp, chunk.ids[None, :], self.embeddings[comp],
+                                        int(config.get("hidden", 768))))
         states = out[text_state_name(out, config, penultimate=True)]    # by name: every layer is an output
-        return states.astype(np.float32), out["text_embeds"].astype(np.float32)
+        return emphasize(states.astype(np.float32), chunk.weights), out["text_embeds"].astype(np.float32)
 
     def _t5(self, prompt: str) -> np.ndarray:
         if T5 not in self.needed:
             return np.zeros((1, self.t5_tokens, self.context_width), np.float32)
-        ids, _ = self.tokenizers[T5](prompt, self.t5_tokens)
+        ids, _, weights = t5_input(self.tokenizers[T5], prompt, self.t5_tokens)
         out = self.component(T5).session.run({"input_ids": ids[None, :].astype(np.int32)})
-        return out["last_hidden_state"].astype(np.float32)
+        return emphasize(out["last_hidden_state"].astype(np.float32), weights)
 
     def encode(self, prompt: str) -> dict[str, np.ndarray]:
         """The transformer's text inputs for one prompt: encoder_hidden_states and pooled_projections."""
@@ -128,10 +132,18 @@ class SD3Txt2Img(FlowPipeline):
 # 7.0, 3.5-large and 3.5-medium 40 / 4.5 (3.5-medium's skip-layer guidance is not run), large-turbo 4 steps
 # without CFG; T5 run for 256 tokens.
 SD3_FLOW = {"use_dynamic_shifting": False, "shift": 3.0, "spacing": "training"}
+# previews' latent -> RGB projection of SD3's 16-channel latents (ComfyUI latent_formats.py SD3)
+SD3_RGB = LatentRGB(((-0.0922, -0.0175, 0.0749), (0.0311, 0.0633, 0.0954), (0.1994, 0.0927, 0.0458),
+                     (0.0856, 0.0339, 0.0902), (0.0587, 0.0272, -0.0496), (-0.0006, 0.1104, 0.0309),
+                     (0.0978, 0.0306, 0.0427), (-0.0042, 0.1038, 0.1358), (-0.0194, 0.0020, 0.0669),
+                     (-0.0488, 0.0130, -0.0268), (0.0922, 0.0988, 0.0951), (-0.0278, 0.0524, -0.0542),
+                     (0.0332, 0.0456, 0.0895), (-0.0069, -0.0030, -0.0810), (-0.0596, -0.0465, -0.0293),
+                     (-0.1448, -0.1463, -0.1189)), (0.2394, 0.2135, 0.1925))
 FAMILIES = (
     Family("sd3", "SD3", NEEDED, "transformer", 1.5305, SD3Txt2Img, sd3_requests, latent_shift=0.0609, patch=2,
-           optional=(T5,), steps=28, guidance=7.0, samplers=(SCHEDULER,), check_mode=txt2img_only,
+           optional=(T5,), steps=28, guidance=7.0, samplers=FLOW_SAMPLERS, check_mode=txt2img_only,
            variants={"3-medium": Flow(SD3_FLOW, 28, 7.0, 256), "3.5-medium": Flow(SD3_FLOW, 40, 4.5, 256),
-                     "3.5-large": Flow(SD3_FLOW, 40, 4.5, 256), "3.5-large-turbo": Flow(SD3_FLOW, 4, 1.0, 256)}),
+                     "3.5-large": Flow(SD3_FLOW, 40, 4.5, 256), "3.5-large-turbo": Flow(SD3_FLOW, 4, 1.0, 256)},
+           latent_rgb=SD3_RGB),
 )
 SD3Txt2Img.families = {f.name: f for f in FAMILIES}
