@@ -4,7 +4,9 @@
    (cold, then again: HEADs only), `precast pull` for this machine and `--all`: seconds and bytes.
 2. Pull throughput of one random blob (--gib, default 1.5 GiB) with precast's client (`Registry.fetch_blob`:
    sha256 while streaming, written to disk) against the limit, a plain `requests` GET of the same blob from the
-   same registry written to disk, and `curl -o`; best of --rounds, the order alternating per round. Prints the ratio (floor 0.8x).
+   same registry written to disk, and `curl -o`; best of --rounds, the order alternating per round. Prints the ratio
+   (floor 0.8x) and, as what bounds it, the CPU seconds per GiB each spent (the client's, and the registry's:
+   all three share this machine's cores) and sha256's own speed on one core (hashlib, the hash precast runs).
 
 The work folder (registry storage, the blob, the bundles) is deleted at the end (--keep keeps it).
 Usage: .venv/bin/python benchmarks/registry.py [--gib 1.5] [--rounds 5] [--work DIR] [--json OUT] [--keep]
@@ -58,7 +60,25 @@ def bundle_rows(work: Path, host: str) -> list[dict]:
     return rows
 
 
-def throughput(work: Path, host: str, gib: float, rounds: int) -> dict:
+def _cpu_seconds(pid: int | None = None) -> float:
+    """CPU seconds (user + system) of this process and its finished children, or of process `pid`."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def sha256_speed(mib: int = 512) -> int:
+    """MB/s of hashlib's sha256 on one core, from memory (what precast's pull hashes with)."""
+    block, h = os.urandom(1 << 20), hashlib.sha256()
+    t = time.perf_counter()
+    for _ in range(mib):
+        h.update(block)
+    return round(mib * (1 << 20) / (time.perf_counter() - t) / 1e6)
+
+
+def throughput(work: Path, host: str, gib: float, rounds: int, server_pid: int) -> dict:
     import numpy as np
     import requests
     from precast.runtime.oci.client import Registry as Client
@@ -77,9 +97,11 @@ def throughput(work: Path, host: str, gib: float, rounds: int) -> dict:
     push_s = time.perf_counter() - t
     path.unlink()
     url, best = f"http://{host}/v2/{repo}/blobs/{digest}", {"precast": 1e9, "requests": 1e9, "curl": 1e9}
+    cpu = {k: [] for k in best}
     for i in range(rounds):
         for name in (list(best) if i % 2 == 0 else list(best)[::-1]):      # alternate who goes first
             out = work / f"got-{name}"
+            c0, s0 = _cpu_seconds(), _cpu_seconds(server_pid)
             t = time.perf_counter()
             if name == "precast":
                 client.fetch_blob(repo, digest, size, out, "blob")
@@ -90,9 +112,13 @@ def throughput(work: Path, host: str, gib: float, rounds: int) -> dict:
             else:
                 subprocess.run(["curl", "-sSf", "-o", out, url], check=True)
             best[name] = min(best[name], time.perf_counter() - t)
+            cpu[name].append(((_cpu_seconds() - c0) * (1 << 30) / size, (_cpu_seconds(server_pid) - s0) * (1 << 30) / size))
             out.unlink()
     mbs = {k: round(size / v / 1e6) for k, v in best.items()}
-    return {"bytes": size, "push_seconds": round(push_s, 2), "MB/s": mbs,
+    return {"bytes": size, "push_seconds": round(push_s, 2), "MB/s": mbs, "sha256_MB/s": sha256_speed(),
+            "cpu_s_per_GiB": {k: {"client": round(sorted(c for c, _ in v)[len(v) // 2], 2),
+                                  "registry": round(sorted(r for _, r in v)[len(v) // 2], 2)} for k, v in cpu.items()},
+            "load_average": os.getloadavg()[0],
             "ratio_vs_requests": round(mbs["precast"] / mbs["requests"], 2),
             "ratio_vs_curl": round(mbs["precast"] / mbs["curl"], 2)}
 
@@ -110,7 +136,7 @@ def main() -> None:
     reg = Registry.start(work / "registry")
     try:
         rows = bundle_rows(work, reg.host)
-        blob = throughput(work, reg.host, a.gib, a.rounds)
+        blob = throughput(work, reg.host, a.gib, a.rounds, reg.proc.pid)
     finally:
         reg.stop()
         if not a.keep:
@@ -122,6 +148,11 @@ def main() -> None:
     print(f"pull {blob['bytes'] / 2**30:.1f} GiB blob: precast {m['precast']} MB/s, requests GET {m['requests']} MB/s, "
           f"curl {m['curl']} MB/s; ratio {blob['ratio_vs_requests']:.2f}x vs requests (floor 0.8x), "
           f"{blob['ratio_vs_curl']:.2f}x vs curl; push {blob['push_seconds']} s (64 MiB chunks)")
+    c = blob["cpu_s_per_GiB"]
+    print("CPU s/GiB (median; client + registry): " + ", ".join(f"{k} {v['client']:.2f} + {v['registry']:.2f}"
+                                                                for k, v in c.items())
+          + f"; sha256 on one core {blob['sha256_MB/s']} MB/s; load average {blob['load_average']:.1f} on "
+          f"{os.cpu_count()} cores")
     if a.json:
         Path(a.json).write_text(json.dumps({"cpu": cpu_name(), "bundle": rows, "blob": blob}, indent=2))
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 import click
 
 from ..runtime.cli_support import run_cli as _run
-from .export_cli import note_evicted
+from .export_cli import note_evicted, open_cache, remote_cache_options, say_remote
 
 
 @click.command("plan")
@@ -48,12 +48,18 @@ def plan_cmd(recipe, fmt):
 @click.option("--allow-unmatched", is_flag=True,
               help="Merge the recipe's LoRAs even when some of their tensors name no weight of the model (they are "
                    "listed); the same as `allow_unmatched: true` on every `loras:` entry.")
+@click.option("--exports-only", is_flag=True,
+              help="Export the components of the selected entries (through the cache and the remote cache) into a "
+                   "bundle of their ONNX, and build no engine: run once in CI before the jobs that build engines, so "
+                   "that each of them pulls the exports from the remote cache.")
+@remote_cache_options
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON document on stdout: {\"bundle\": FOLDER, \"seconds\": S, \"artifacts\": [one record "
-                   "per artifact: component, backend (onnx for the export), target, cache (hit|miss), seconds, key, "
-                   "fingerprint (null for exports), entry (the plan entry; COMPONENT.onnx for an export)]}. Progress "
-                   "stays on stderr.")
-def build_cmd(recipe, out, only, shard, allow_unmatched, as_json):
+                   "per artifact: component, backend (onnx for the export), target, cache (hit|remote|miss), seconds, "
+                   "key, fingerprint (null for exports), entry (the plan entry; COMPONENT.onnx for an export); remote "
+                   "(hit|pushed|miss) with a remote cache][, \"remote_cache\": {ref, pulled, pushed, bytes, "
+                   "warnings}]}. Progress stays on stderr.")
+def build_cmd(recipe, out, only, shard, allow_unmatched, exports_only, remote_ref, remote_push, remote_strict, as_json):
     """Build RECIPE's engines through the cache into a bundle."""
     def go():
         from .bundle import build_bundle
@@ -61,12 +67,16 @@ def build_cmd(recipe, out, only, shard, allow_unmatched, as_json):
         loaded = load_recipe(recipe)
         if allow_unmatched:
             loaded = replace(loaded, loras=tuple(replace(lora, allow_unmatched=True) for lora in loaded.loras))
-        report = build_bundle(loaded, out, tuple(only), shard, progress=True)
+        cache = open_cache(remote_ref, remote_push, remote_strict)
+        report = build_bundle(loaded, out, tuple(only), shard, progress=True, cache=cache, exports_only=exports_only)
+        if cache.remote is not None:
+            report["remote_cache"] = cache.remote.summary()
         if as_json:
             click.echo(json.dumps(report, indent=2))
             return
         for r in report["artifacts"]:
-            click.echo(f"{r['cache']:<4} {r['component']:<13} {r.get('target', r['backend']):<30} {r['seconds']:7.2f} s")
+            click.echo(f"{r['cache']:<6} {r['component']:<13} {r.get('target', r['backend']):<30} {r['seconds']:7.2f} s")
             note_evicted(r)
+        say_remote(cache)
         click.echo(f"bundle {report['bundle']} in {report['seconds']:.1f} s")
     _run(go, as_json=as_json)

@@ -6,7 +6,9 @@ what killed bundle builds left beside their --out -- found through the records u
 always; least recently used entries only down to a size the user gives), and the guarantees: an entry is complete and verified or
 absent. Builds go to a private temp folder renamed into place; a file lock makes two builders
 of one key build once; every read re-checks each file's sha256, and a damaged entry is evicted
-and rebuilt, never returned.
+and rebuilt, never returned. With a remote cache (`Cache(remote=...)`, compiler/remote_cache.py) a
+local miss is looked up in the registry first, pulled into that same temp folder under the same lock,
+and what is built here is pushed after.
 """
 from __future__ import annotations
 
@@ -108,6 +110,7 @@ class Entry:
     files: dict[str, dict]      # name -> {size, sha256}
     metadata: dict
     damaged: str | None = None  # why entry.json cannot be trusted (then files and metadata are empty)
+    remote: str | None = None   # a local miss with a remote cache: "hit" (pulled), "pushed", "miss" (not pushed)
 
     @property
     def size(self) -> int:
@@ -122,6 +125,11 @@ class Entry:
     def summary(self) -> dict:
         return {"key": self.key, "path": str(self.path), "size": self.size, "files": self.files,
                 "metadata": self.metadata, "last_used": self.last_used(), "damaged": self.damaged}
+
+
+def outcome(entry: Entry, hit: bool) -> str:
+    """A build report's `cache` word: hit (the local cache), remote (pulled from the remote cache), miss (built)."""
+    return "hit" if hit else "remote" if entry.remote == "hit" else "miss"
 
 
 class DamagedEntry(ValueError):
@@ -152,9 +160,15 @@ def parse_entry(path: Path) -> Entry:
         info = json.loads((path / ENTRY_FILE).read_text())
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise DamagedEntry(f"{ENTRY_FILE} unreadable ({type(e).__name__}: {e})") from None
+    files, metadata = check_entry_info(info, path.name)
+    return Entry(path.name, path, files, metadata)
+
+
+def check_entry_info(info, key: str) -> tuple[dict, dict]:
+    """(files, metadata) of entry.json's content `info` for `key`; DamagedEntry naming what is wrong."""
     if not isinstance(info, dict):
         raise DamagedEntry(f"{ENTRY_FILE} is not a JSON object")
-    if info.get("key") != path.name:
+    if info.get("key") != key:
         raise DamagedEntry(f"{ENTRY_FILE} key does not match the folder name")
     files, metadata = info.get("files"), info.get("metadata")
     if not isinstance(files, dict):
@@ -165,13 +179,14 @@ def parse_entry(path: Path) -> Entry:
         problem = _file_record_problem(name, rec)
         if problem:
             raise DamagedEntry(f"{ENTRY_FILE}: {problem}")
-    return Entry(path.name, path, files, metadata)
+    return files, metadata
 
 
 class Cache:
-    def __init__(self, root: str | os.PathLike | None = None):
+    def __init__(self, root: str | os.PathLike | None = None, remote=None):
         self.root = Path(root) if root else cache_root()
         check_root(self.root)
+        self.remote = remote        # compiler/remote_cache.py's RemoteCache, or None
         self.entries, self.tmp, self.locks = self.root / "entries", self.root / "tmp", self.root / "locks"
         self.staging = self.root / STAGING
 
@@ -225,7 +240,8 @@ class Cache:
     # ---- writing ------------------------------------------------------------------
     def get_or_build(self, key: str, build: Callable[[Path], dict],
                      progress: bool = True) -> tuple[Entry, bool, str | None]:
-        """(entry, hit, eviction reason). `build(folder)` writes the artifact files and returns metadata."""
+        """(entry, hit, eviction reason). `build(folder)` writes the artifact files and returns metadata.
+        A remote cache is asked on a local miss (`entry.remote` says what it did; hit stays False)."""
         with self._lock(key):
             entry, evicted = self.get(key, progress)
             if entry is not None:
@@ -238,11 +254,15 @@ class Cache:
             work.mkdir()
             held = hold_path(work)     # while this process lives: gc leaves the folder alone
             try:
-                metadata = build(work)
-                files = {p.name: file_record(p) for p in sorted(work.iterdir()) if p.is_file()}
-                info = {"key": key, "files": files, "metadata": metadata, "created": time.time()}
+                pulled = self.remote.fetch(key, work) if self.remote is not None else None   # entry.json's bytes
+                text = pulled
+                if pulled is None:
+                    metadata = build(work)
+                    files = {p.name: file_record(p) for p in sorted(work.iterdir()) if p.is_file()}
+                    info = {"key": key, "files": files, "metadata": metadata, "created": time.time()}
+                    text = json.dumps(info, indent=2, sort_keys=True).encode()
                 tmp_entry = work / (ENTRY_FILE + ".tmp")
-                tmp_entry.write_text(json.dumps(info, indent=2, sort_keys=True))
+                tmp_entry.write_bytes(text)
                 with open(tmp_entry) as f:
                     os.fsync(f.fileno())
                 replace_file(tmp_entry, work / ENTRY_FILE)   # a scanner may still hold the new files (Windows)
@@ -253,7 +273,10 @@ class Cache:
                 shutil.rmtree(work, ignore_errors=True)
                 if held is not None:
                     os.close(held)
-            return parse_entry(target), False, evicted
+            entry = parse_entry(target)
+        if self.remote is not None:           # pushed outside the lock: the entry is complete and never rewritten
+            entry.remote = "hit" if pulled is not None else self.remote.push(entry)
+        return entry, False, evicted
 
     # ---- management ---------------------------------------------------------------
     def list(self) -> list[Entry]:

@@ -2,7 +2,8 @@
 demo-model (a tiny checkpoint of a family) and export-openvino-genai.
 
 Owns: their argument parsing (--set, --lora PATH:STRENGTH, --controlnet PATH:NAME, --option KEY=VALUE),
-progress and `--json` output; the work is compiler/export.py's, engines.py's, demo_families.py's and
+progress and `--json` output, and the remote-cache options compile shares with build (remote_cache_options,
+open_cache: compiler/remote_cache.py); the work is compiler/export.py's, engines.py's, demo_families.py's and
 openvino_genai.py's, imported when a command runs so that `precast --help` stays fast.
 """
 from __future__ import annotations
@@ -142,8 +143,40 @@ def _options(values: tuple[str, ...]) -> dict:
 
 
 COMPILE_JSON_HELP = ("Print one JSON document on stdout: {\"artifacts\": [one record per artifact: component, "
-                     "backend, target, cache (hit|miss), seconds, key, fingerprint, path (cache entry folder), "
-                     "artifact (its main file), entry, size], \"cache\": FOLDER}. Progress stays on stderr.")
+                     "backend, target, cache (hit|remote|miss), seconds, key, fingerprint, path (cache entry folder), "
+                     "artifact (its main file), entry, size; remote (hit|pushed|miss) with a remote cache], "
+                     "\"cache\": FOLDER[, \"remote_cache\": {ref, pulled, pushed, bytes, warnings}]}. Progress "
+                     "stays on stderr.")
+
+
+def remote_cache_options(fn):
+    """--remote-cache REF, --[no-]remote-cache-push, --remote-cache-strict (compiler/remote_cache.py)."""
+    fn = click.option("--remote-cache-strict", "remote_strict", is_flag=True,
+                      help="Make the remote cache's warnings (registry unreachable, credentials refused, a damaged "
+                           "entry) errors; also PRECAST_REMOTE_CACHE_STRICT=1.")(fn)
+    fn = click.option("--remote-cache-push/--no-remote-cache-push", "remote_push", default=None,
+                      help="Push what is built here to the remote cache (default: on, unless "
+                           "PRECAST_REMOTE_CACHE_PUSH=0): off makes it read-only, e.g. for pull-request builds.")(fn)
+    return click.option("--remote-cache", "remote_ref", default=None, metavar="REF",
+                        help="oci://HOST/REPO: look each export and engine up there by its cache key before building "
+                             "it, and push what is built (default: PRECAST_REMOTE_CACHE). A registry that cannot be "
+                             "reached is a warning and everything is built here.")(fn)
+
+
+def open_cache(remote_ref, remote_push, remote_strict):
+    """The local cache, with the remote cache the options or the environment name."""
+    from .cache import Cache
+    from .remote_cache import remote_cache
+    return Cache(remote=remote_cache(remote_ref, remote_push, remote_strict or None))
+
+
+def say_remote(cache) -> None:
+    """One line on stdout: what the remote cache gave and took."""
+    if cache.remote is not None:
+        s = cache.remote.summary()
+        click.echo(f"remote cache {s['ref']}: {s['pulled']} pulled ({s['bytes_downloaded'] / 1e6:.1f} MB), "
+                   f"{s['pushed']} pushed ({s['bytes_uploaded'] / 1e6:.1f} MB)"
+                   + ("" if s["push"] else ", pushing off") + (f", {len(s['warnings'])} warnings" if s["warnings"] else ""))
 
 
 @click.command("compile")
@@ -160,15 +193,16 @@ COMPILE_JSON_HELP = ("Print one JSON document on stdout: {\"artifacts\": [one re
               "(default: the export's, e.g. 512 for Flux dev, 256 for schnell).")
 @click.option("--option", "options", multiple=True, metavar="KEY=VALUE",
               help="Target option, e.g. precision=f32, weight_streaming=true, ir=true.")
+@remote_cache_options
 @click.option("--json", "as_json", is_flag=True, help=COMPILE_JSON_HELP)
-def compile_cmd(export_dir, targets, components, batch, height, width, tokens, t5_tokens, options, as_json):
+def compile_cmd(export_dir, targets, components, batch, height, width, tokens, t5_tokens, options, remote_ref,
+                remote_push, remote_strict, as_json):
     """Build engines for an export folder, through the cache.
 
     Every target x component is checked first (files, dtype, options, backend installed, device
     present, shapes): a combination that cannot be built stops the command in one line before
     anything is built."""
     def go():
-        from .cache import Cache
         from .engines import compile_component, export_latent_factor, export_t5_tokens, preflight, read_export
         from .profiles import ShapeProfile, parse_range
         from .targets import parse_target
@@ -182,14 +216,15 @@ def compile_cmd(export_dir, targets, components, batch, height, width, tokens, t
             t5_range = (t5, t5, t5) if t5 else None
         else:
             t5_range = parse_range(t5_tokens, "--t5-tokens")
-            if not any(d in i["shape"] for n in names for i in comps[n].inputs for d in ("t5_sequence", "text_sequence")):
+            if not any(d in i["shape"] for n in names for i in comps[n].inputs
+                       for d in ("t5_sequence", "text_sequence", "llm_sequence")):
                 raise BadInput(f"--t5-tokens {t5_tokens}: none of {', '.join(names)} reads T5 tokens "
                                "(only Flux / Chroma / SD3's T5 and transformer do): drop it")
         profile = ShapeProfile(parse_range(batch, "--batch"), parse_range(height, "--height"),
                                parse_range(width, "--width"), parse_range(tokens, "--tokens"), t5_range,
                                latent_factor=export_latent_factor(export_dir))
         specs = [parse_target(t, _options(options)) for t in targets]
-        cache = Cache()
+        cache = open_cache(remote_ref, remote_push, remote_strict)
         for spec in specs:          # every combination refused now, before the first build
             for n in names:
                 preflight(comps[n], spec, profile)
@@ -199,11 +234,14 @@ def compile_cmd(export_dir, targets, components, batch, height, width, tokens, t
                 rec, _ = compile_component(comps[n], spec, profile, cache, progress=True)
                 records.append(rec)
                 if not as_json:
-                    click.echo(f"{rec['cache']:<4} {rec['component']:<13} {rec['target']:<28} "
+                    click.echo(f"{rec['cache']:<6} {rec['component']:<13} {rec['target']:<28} "
                                f"{rec['size'] / 1e6:8.1f} MB {rec['seconds']:7.2f} s  {rec['key'][:12]}")
                     note_evicted(rec)
         if as_json:
-            click.echo(json.dumps({"artifacts": records, "cache": str(cache.root)}, indent=2))
+            click.echo(json.dumps({"artifacts": records, "cache": str(cache.root),
+                                   **({"remote_cache": cache.remote.summary()} if cache.remote else {})}, indent=2))
+        else:
+            say_remote(cache)
     _run(go, as_json=as_json)
 
 

@@ -19,11 +19,9 @@ PLAIN_HELP = "Talk plain HTTP to the registry (localhost and 127.0.0.1 fall back
 
 
 def _registry(ref_text: str, ca, plain_http):
-    try:
-        from .oci.client import Registry
-    except ModuleNotFoundError as e:
-        raise UserError(f"registries need the remote extra (no module {e.name!r}): pip install 'precast[remote]' with "
-                        "this environment's pip, or pip install -e '.[remote]' in a checkout") from None
+    from .oci import need_remote
+    need_remote()
+    from .oci.client import Registry
     from .oci.ref import parse_ref
     ref = parse_ref(ref_text)
     return ref, Registry.for_ref(ref, ca=ca, plain_http=plain_http)

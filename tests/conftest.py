@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _name in ("PRECAST_REMOTE_CACHE", "PRECAST_REMOTE_CACHE_PUSH", "PRECAST_REMOTE_CACHE_STRICT"):
+    os.environ.pop(_name, None)     # no test's build reads or pushes to a remote cache the shell names
 
 
 def precast(*args, check=False, env=None):

@@ -172,6 +172,11 @@ class Relay:
         self.open.set()
 
     def close(self):
+        """Stop relaying; the port then refuses connections (as a registry that is gone)."""
         self.done.set()
         self.cut()
+        try:
+            self.server.shutdown(socket.SHUT_RDWR)      # wakes the accept() in flight, which would keep the port open
+        except OSError:
+            pass
         self.server.close()

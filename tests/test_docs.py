@@ -1,6 +1,7 @@
 """The documentation a new user follows, checked against the code it describes: the example CI workflow
 (docs/github-actions-build.yml) installs precast from its own checkout, never by name from the package index
-(precast is not there), and each `precast` command it runs exists and takes the options it passes; docs/cli.md
+(precast is not there), each `precast` command it runs exists and parses with the options it passes, and it
+keeps the remote build cache and the bundles in GHCR (no actions/cache, no artifacts); docs/cli.md
 is the --help of today's commands (tests/cli_reference.py writes it); docs/recipes.md names every recipe field
 and target option compiler/recipe.py and compiler/targets accept, and none they refuse; docs/architecture.md
 names every module; every relative link in README.md and docs/*.md reaches a file (and a heading)."""
@@ -78,6 +79,49 @@ def test_the_workflows_precast_commands_exist_and_take_their_options():
                 assert value in param.type.choices, f"precast {' '.join(path)} {name} {value}: not one of its choices"
 
 
+def test_the_workflows_precast_commands_parse():
+    """Each command's arguments and options parse as the command reads them (arity, required options, values),
+    without running it."""
+    for argv in _precast_commands():
+        path, cmd, rest = _resolve(argv)
+        try:
+            cmd.make_context(" ".join(("precast", *path)), list(rest))
+        except click.UsageError as e:
+            raise AssertionError(f"docs/github-actions-build.yml: `precast {' '.join(argv)}`: {e.format_message()}")
+
+
+def _runs() -> str:
+    """Every step's script, with the values GitHub gives its variables in a run of repository Acme/precast."""
+    text = "\n".join(step.get("run", "") for job in _jobs().values() for step in job["steps"])
+    for name, value in (("${GITHUB_REPOSITORY,,}", "acme/precast"), ("$GHCR", "ghcr.io/acme/precast"),
+                        ("$GITHUB_RUN_ID", "7"), ("$GITHUB_SHA", "0" * 40), ("$i", "0")):
+        text = text.replace(name, value)
+    return re.sub(r"\$\{\{[^}]*\}\}", "1", text)
+
+
+def test_the_workflow_keeps_caches_and_bundles_in_ghcr():
+    """The remote build cache and the bundles live in GHCR (the job's token may write packages); nothing goes
+    through actions/cache or workflow artifacts; every oci:// reference parses, and every PRECAST_ variable it
+    sets is one precast reads."""
+    from precast.compiler.remote_cache import RemoteCache, remote_cache
+    from precast.runtime.oci.ref import parse_ref
+    doc = yaml.safe_load(WORKFLOW.read_text())
+    assert doc["permissions"]["packages"] == "write"
+    uses = [str(step.get("uses", "")).split("@")[0] for job in doc["jobs"].values() for step in job["steps"]]
+    assert not {"actions/cache", "actions/upload-artifact", "actions/download-artifact"} & set(uses), uses
+    runs = _runs()
+    refs = [parse_ref(r, need_reference=False) for r in re.findall(r"oci://[^\s\"'>]+", runs)]
+    assert refs and {r.host for r in refs} == {"ghcr.io"}, refs
+    caches = set(re.findall(r"PRECAST_REMOTE_CACHE=([^\s\"']+)", runs))
+    assert caches and all(isinstance(remote_cache(c), RemoteCache) for c in caches)     # a repository, no tag
+    pushed = [argv for argv in _commands(runs, "precast") if argv[1:2] == ["push"]]
+    assert pushed and all(parse_ref(argv[3]).tag for argv in pushed)
+    source = "\n".join(p.read_text() for d in ("compiler", "runtime") for p in Path(ROOT, d).rglob("*.py"))
+    names = set(re.findall(r"\bPRECAST_[A-Z_]+", WORKFLOW.read_text()))
+    assert {"PRECAST_REMOTE_CACHE", "PRECAST_REMOTE_CACHE_PUSH", "PRECAST_REGISTRY_USERNAME"} <= names
+    assert [n for n in sorted(names) if f'"{n}"' not in source] == [], "variables precast does not read"
+
+
 def test_the_workflow_installs_precast_from_its_checkout_not_the_index():
     """precast is not on the package index: `pip install 'precast[...]'` fails in a fresh runner."""
     for name, job in _jobs().items():
@@ -137,10 +181,12 @@ def test_recipe_page_names_every_field_the_schema_reads_and_no_other(tmp_path):
     from precast.compiler.targets import ALIASES, OPTIONS
     text = (DOCS / "recipes.md").read_text()
     nets = _refused_fields(tmp_path, "model: {source: demo:tiny-sd15}\ntargets: [onnxruntime]\ncontrolnets: [{x: 1}]\n")
+    preview = _refused_fields(tmp_path, "model: {source: demo:tiny-sd15}\ntargets: [onnxruntime]\npreview: {x: 1}\n")
     want = {"Top level": recipe.TOP_FIELDS, "model": recipe.MODEL_FIELDS,
             "model.set": {f"{c}.{f}" for c, fs in SET_FIELDS.items() for f in fs},
             "precision": {"default", *recipe.COMPONENTS}, "loras": {f.name for f in fields(recipe.Lora)},
-            "controlnets": nets, "profiles": recipe.PROFILE_FIELDS, **{t: set(o) for t, o in OPTIONS.items()}}
+            "controlnets": nets, "preview": preview, "profiles": recipe.PROFILE_FIELDS,
+            **{t: set(o) for t, o in OPTIONS.items()}}
     for heading, names in want.items():
         have = _table_fields(_section(text, heading))
         assert have == names, (f"docs/recipes.md, section {heading}: undocumented {sorted(names - have)}, "

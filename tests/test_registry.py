@@ -1,8 +1,9 @@
 """Bundles in a real OCI registry (Debian's docker-registry, started by tests/registry.py on 127.0.0.1):
 `precast push` then `precast pull` for each recorded machine (only its artifacts cross the wire, the pulled
 bundle verifies and generates the original's PNG), pulls killed and resumed, a blob damaged in the
-registry's storage refused, concurrent pulls, the registry going away, chunked and skipped uploads, and
-auth + TLS against a second registry with htpasswd (bcrypt) and a CA made here."""
+registry's storage refused, concurrent pulls, the registry going away, chunked and skipped uploads,
+auth + TLS against a second registry with htpasswd (bcrypt) and a CA made here, and `oci://` refs opened in place
+through the local store (generate, doctor, the Python API; offline; a second model sharing blobs; concurrent opens)."""
 import base64
 import hashlib
 import json
@@ -69,10 +70,10 @@ def pushed(bundle, registry, tmp_path_factory):
     return ref
 
 
-def png(bundle, out, *args):
+def png(bundle, out, *args, env=None):
     """The pixels `precast generate` writes (the PNG's text chunks name the bundle's path, so they differ)."""
     from precast.runtime.png import read_png
-    proc = precast("generate", bundle, "--prompt", "a red fox", "--steps", "2", "--out", out, *args)
+    proc = precast("generate", bundle, "--prompt", "a red fox", "--steps", "2", "--out", out, *args, env=env)
     assert proc.returncode == 0, proc.stderr
     return read_png(out).tobytes()
 
@@ -330,3 +331,134 @@ def test_bundle_merge_takes_refs_and_pushes_the_merged_bundle(bundle, registry, 
     res = json.loads(precast("pull", ref, "--out", tmp_path / "m", "--all", "--json", env=env, check=True).stdout)
     assert res["left_out"] == 0 and precast("bundle", "verify", tmp_path / "m").returncode == 0
     assert tree_digests(tmp_path / "m").keys() == tree_digests(bundle).keys()
+
+
+# ---- oci:// references opened in place: the local store (runtime/oci/store.py) ---------------------------------
+
+def store_blobs(cache: Path) -> dict:
+    """The store's finished blobs: name -> size (no .partial, no locks)."""
+    folder = cache / "oci/blobs/sha256"
+    return {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file() and len(p.name) == 64} \
+        if folder.is_dir() else {}
+
+
+def test_generate_from_a_ref_matches_the_bundle_and_reopens_offline(bundle, registry, pushed, tmp_path, env):
+    """`generate oci://...` pulls this machine's files into the store and makes the local bundle's image; with the
+    registry gone (the relay it was reached through closed: connection refused) the same ref opens from the store
+    with one note and makes the same image; a ref never pulled is one line naming the registry."""
+    relay = Relay(("127.0.0.1", registry.port))
+    ref, env = pushed.replace(registry.host, relay.host), {**env, "PRECAST_CACHE": str(tmp_path / "cache")}
+    try:
+        assert png(ref, tmp_path / "ref.png", env=env) == png(bundle, tmp_path / "local.png")
+    finally:
+        relay.close()
+    folder = tmp_path / f"cache/oci/refs/{relay.host.replace(':', '_')}/tiny/sd15/v1"
+    pulled = json.loads((folder / "manifest.json").read_text())
+    assert pulled["pulled"]["ref"] == ref and precast("bundle", "verify", folder).returncode == 0
+    assert sorted(store_blobs(tmp_path / "cache")) == sorted({r["sha256"] for r in pulled["files"].values()} | {
+        hashlib.sha256((bundle / "manifest.json").read_bytes()).hexdigest()})
+    proc = precast("generate", ref, "--prompt", "a red fox", "--steps", "2", "--out", tmp_path / "offline.png", env=env)
+    assert proc.returncode == 0, proc.stderr
+    notes = [line for line in proc.stderr.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1 and f"{relay.host} is unreachable (connection refused)" in notes[0] and str(folder) in notes[0]
+    from precast.runtime.png import read_png
+    assert read_png(tmp_path / "offline.png").tobytes() == read_png(tmp_path / "ref.png").tobytes()
+    line = one_line_error(precast("generate", ref.replace(":v1", ":v2"), "--prompt", "x", "--out", tmp_path / "n.png",
+                                  env=env))
+    assert f"{relay.host} is unreachable" in line and "never pulled" in line
+
+
+def test_doctor_a_ref_says_what_would_download_and_downloads_no_artifact(bundle, registry, pushed, tmp_path, env):
+    """doctor oci://: the files this machine's selection needs and their sizes (what `pull` would fetch), from the
+    OCI manifest and manifest.json alone: the registry sends no artifact (bytes counted at a relay) and the store
+    holds nothing but manifest.json's blob."""
+    relay = Relay(("127.0.0.1", registry.port))
+    ref, env = pushed.replace(registry.host, relay.host), {**env, "PRECAST_CACHE": str(tmp_path / "cache")}
+    try:
+        report = json.loads(precast("doctor", ref, "--json", env=env, check=True).stdout)
+        text = precast("doctor", ref, env=env, check=True).stdout
+    finally:
+        relay.close()
+    files = json.loads((bundle / "manifest.json").read_text())["files"]
+    remote = report["remote"]
+    chosen = {c: r["artifact"] for c, r in report["components"].items()}
+    assert all(a and "openvino" in a for a in chosen.values()), chosen
+    want = {rel for rel in files if rel.startswith("artifacts/") and any(f"/{c}/openvino" in rel for c in chosen)}
+    listed = {f["path"]: f for f in remote["files"]}
+    assert want <= set(listed) and not [p for p in listed if p.startswith("onnx/") and p.endswith(".onnx_data")]
+    assert all(listed[p]["size"] == files[p]["size"] and not listed[p]["stored"] for p in listed)
+    assert remote["bytes_needed"] == sum(files[p]["size"] for p in listed) and remote["pulled"] is None
+    smallest = min(files[p]["size"] for p in want)
+    assert relay.received < 2 * 200_000 < smallest, relay.received            # two doctor runs: manifests only
+    assert list(store_blobs(tmp_path / "cache").values()) == [(bundle / "manifest.json").stat().st_size]
+    assert not (tmp_path / "cache/oci/refs").exists() or not any((tmp_path / "cache/oci/refs").rglob("manifest.json"))
+    shown = [line.split() for line in text.splitlines() if line.startswith("download  ")]
+    assert {s[3] for s in shown} == set(listed) and f"downloads {len(listed)} files" in text
+
+
+def test_a_second_ref_sharing_the_vae_downloads_none_of_it(bundle, registry, pushed, tmp_path, env, monkeypatch):
+    """A second model (the same checkpoint with a LoRA: other text encoder and UNet, the same VAE, built with the
+    first's cache) opened after the first through the Python API: the VAE's engine and every other shared blob come
+    from the store; the registry sends only the new files (counted by the client and at a relay)."""
+    from precast.compiler.demo_lora import write_demo_lora
+    from precast.runtime.api import open_bundle
+    write_demo_lora(str(bundle.parent / "lora.safetensors"))
+    second = build_recipe(bundle.parent, "model: {source: demo:tiny-sd15}\ncomponents: [text_encoder, unet, vae_decoder]\n"
+                          "loras: [{path: lora.safetensors, strength: 0.8}]\nprofiles: {batch: 1, height: 64, width: 64}\n"
+                          "targets: [{openvino: {device: CPU}}]\n", name="lora")
+    precast("push", second, f"oci://{registry.host}/tiny/sd15-lora:v1", env=env, check=True)
+    for k, v in {**env, "PRECAST_CACHE": str(tmp_path / "cache")}.items():
+        monkeypatch.setenv(k, v)
+    relay = Relay(("127.0.0.1", registry.port))
+    try:
+        first = open_bundle(pushed.replace(registry.host, relay.host))
+        before = relay.received
+        other = open_bundle(f"oci://{relay.host}/tiny/sd15-lora:v1")
+        wire = relay.received - before
+    finally:
+        relay.close()
+    a, b = first.manifest.files, other.manifest.files
+    vae = [rel for rel in b if "vae_decoder" in rel]
+    assert vae and all(a.get(rel) == b[rel] for rel in vae)                   # the VAE's engine: one blob for both
+    new = {rec["sha256"]: rec["size"] for rel, rec in b.items() if rec["sha256"] not in {r["sha256"] for r in a.values()}}
+    assert new and other.remote.pulled.bytes_downloaded == sum(new.values())
+    assert sum(new.values()) < wire < sum(new.values()) + 100_000, (wire, new)
+    assert other.remote.pulled.reused == len(b) - len(new)
+    assert os.stat(first.path / vae[0]).st_ino == os.stat(other.path / vae[0]).st_ino     # linked from one blob
+    assert other.txt2img("a red fox", steps=1, size=(64, 64)).size == (64, 64)
+
+
+def test_concurrent_opens_of_one_ref_agree(bundle, registry, pushed, tmp_path, env):
+    """Three processes at once (a throttled relay keeps them overlapping): two open the same ref, the third the
+    same bundle under another tag (another folder, the same blobs). The first two get the same verified bundle,
+    and each blob crosses the wire once in all."""
+    precast("push", bundle, pushed.replace(":v1", ":twin"), env=env, check=True)
+    relay = Relay(("127.0.0.1", registry.port), rate=40 << 20)
+    ref, env = pushed.replace(registry.host, relay.host), {**env, "PRECAST_CACHE": str(tmp_path / "cache")}
+    script = ("import json, sys\nfrom precast.runtime.api import open_bundle\nb = open_bundle(sys.argv[1])\n"
+              "print(json.dumps({'path': str(b.path), 'bytes': b.remote.pulled.bytes_downloaded, "
+              "'files': b.manifest.files}))")
+    try:
+        ps = [subprocess.Popen([sys.executable, "-c", script, r], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env={**os.environ, **env}) for r in (ref, ref, ref.replace(":v1", ":twin"))]
+        outs = [p.communicate(timeout=120) for p in ps]
+    finally:
+        relay.close()
+    assert all(p.returncode == 0 for p in ps), [e for _, e in outs]
+    a, b, twin = (json.loads(o) for o, _ in outs)
+    assert a["path"] == b["path"] != twin["path"] and a["files"] == b["files"] == twin["files"]
+    needed = sum({r["sha256"]: r["size"] for r in a["files"].values()}.values())
+    got = [a["bytes"], b["bytes"], twin["bytes"]]
+    assert sum(got) == needed and relay.received < needed + 300_000, (got, needed, relay.received)
+    assert precast("bundle", "verify", a["path"]).returncode == 0 == precast("bundle", "verify", twin["path"]).returncode
+    assert not [p for p in (tmp_path / "cache/oci/blobs/sha256").iterdir() if p.name.endswith(".partial")]
+
+
+def test_a_ref_without_the_remote_extra_is_one_line(tmp_path):
+    """open_bundle("oci://...") without a module of the remote extra (filelock hidden here): one line naming it."""
+    script = ("import sys\nsys.modules['filelock'] = None\nfrom precast.runtime.cli import main\n"
+              "sys.argv = ['precast', 'generate', 'oci://127.0.0.1:1/a/b:v1', '--prompt', 'x', '--out', sys.argv[1]]\n"
+              "main()")
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "x.png")], capture_output=True, text=True)
+    line = one_line_error(proc)
+    assert "remote extra (no module 'filelock')" in line and "precast[remote]" in line

@@ -5,9 +5,9 @@ header-only `select_all` doctor runs, verify=False -- picks on this machine or a
 artifacts serving given device fingerprints (`--for`); or everything), `plan_files` (the files that
 follow: the chosen artifacts' files, the ONNX of components nothing else serves (or all, --with-onnx),
 and what every bundle needs -- tokenizers, configs, embeddings, onnx/'s pipeline JSON -- i.e. every file
-no artifact and no component's ONNX owns), `pulled_manifest` (manifest.json listing only what is there,
-with a `pulled` record: ref, digest, the files left out with their records, the artifacts left out) and
-`pull_bundle`.
+no artifact and no component's ONNX owns), `read_remote` (a ref's OCI manifest and manifest.json: all
+that choosing needs), `pulled_manifest` (manifest.json listing only what is there, with a `pulled`
+record: ref, digest, the files left out with their records, the artifacts left out) and `pull_bundle`.
 
 Where bytes go: blobs download into `.NAME.pull/` beside `--out` (named by digest; `<hex>.partial` while
 streaming, resumed with HTTP Range by the next run, renamed only once its sha256 matched), a few at a
@@ -16,7 +16,10 @@ pull that adds --with-onnx or another machine's engines downloads only what is n
 laid out in a staging folder (runtime/staging.py: hard links from `.NAME.pull/`) and put in place whole;
 `.NAME.pull/` is removed. One pull into a given `--out` runs at a time (a second waits for the first's
 lock). A full disk keeps the partial file for the next run (the error says where); a blob whose bytes
-do not match is removed and refused, never opened.
+do not match is removed and refused, never opened. With `store=` (runtime/oci/store.py: references
+opened in place) the blobs go to that shared folder instead and stay there, each fetched under a lock
+of its own (`.locks/<hex>.lock`, so pulls of two references that share a blob fetch it once), and `.NAME.pull/`
+is only the lock.
 """
 from __future__ import annotations
 
@@ -24,9 +27,13 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from filelock import FileLock
 
 from ..errors import UserError
 from ..families import family_of
@@ -38,7 +45,7 @@ from ..manifest_schema import check_manifest
 from ..progress import bar
 from ..select import select_all
 from ..staging import Staging
-from .artifact import read_oci_manifest
+from .artifact import Layer, read_oci_manifest
 from .client import Registry, RegistryError
 from .ref import Ref
 
@@ -119,56 +126,136 @@ def pulled_manifest(data: dict, keep: dict, left_out: dict, arts: set[str], ref:
     return out
 
 
-def pull_bundle(ref: Ref, out: str | Path, registry: Registry, *, machine=None, fingerprints: tuple[str, ...] = (),
-                everything: bool = False, with_onnx: bool = False, workers: int = 4,
-                progress: bool = True) -> PullResult:
-    t0 = time.perf_counter()
-    out = Path(out)
-    _check_out(out)
+@dataclass
+class Remote:
+    """A bundle in a registry as its OCI manifest and manifest.json describe it (nothing else downloaded)."""
+    ref: Ref
+    digest: str                     # the OCI manifest's
+    layers: dict[str, Layer]        # by bundle path, with their annotations
+    data: dict                      # the bundle's manifest.json, checked
+
+
+def read_remote(ref: Ref, registry: Registry, store: Path | None = None) -> Remote:
+    """The OCI manifest and the bundle's manifest.json of `ref` (its blob taken from, and kept in, the blob
+    folder `store` when one is given)."""
     body, media, digest = registry.get_manifest(ref)
     layers = read_oci_manifest(ref, body, media)
     first = layers[MANIFEST]
-    raw = registry.blob_bytes(ref.repository, first.digest, first.size, f"{ref} {MANIFEST}")
+    kept = store / first.digest.removeprefix("sha256:") if store is not None else None
+    if kept is not None and kept.is_file() and kept.stat().st_size == first.size:
+        raw = kept.read_bytes()
+    else:
+        raw = registry.blob_bytes(ref.repository, first.digest, first.size, f"{ref} {MANIFEST}")
+        if kept is not None:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            temp = kept.with_name(f"{kept.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+            temp.write_bytes(raw)
+            os.replace(temp, kept)
     try:
         data = json.loads(raw)
     except ValueError:
         raise RegistryError(f"{ref}: its {MANIFEST} is not JSON; not a bundle precast pushed") from None
-    m = Manifest(out, check_manifest(data, f"{ref} {MANIFEST}"))
-    arts, onnx = choose(m, machine, fingerprints, everything, with_onnx)
-    keep, left_out = plan_files(m, arts, onnx)
-    for rel, rec in keep.items():
-        layer = layers.get(rel)
-        if layer is None or layer.digest != "sha256:" + rec["sha256"] or layer.size != rec["size"]:
-            raise RegistryError(f"{ref}: the OCI manifest and the bundle's {MANIFEST} disagree about {rel} (missing or "
-                                "another digest); push the bundle again")
-    result = PullResult(str(ref), digest, str(out), sorted(arts), sorted(onnx), len(keep), 0, 0, 0,
-                        sum(r["size"] for r in keep.values()), len(left_out),
-                        sum(r["size"] for r in left_out.values()), 0.0)
-    work = out.parent / f".{out.name}.pull"
-    fd = _lock(work, out)
+    return Remote(ref, digest, layers, check_manifest(data, f"{ref} {MANIFEST}"))
+
+
+def pull_bundle(ref: Ref, out: str | Path, registry: Registry, *, machine=None, fingerprints: tuple[str, ...] = (),
+                everything: bool = False, with_onnx: bool = False, workers: int = 4,
+                progress: bool = True, store: Path | None = None, remote: Remote | None = None) -> PullResult:
+    """`store`: a blob folder kept across pulls (runtime/oci/store.py's) instead of `.NAME.pull/`; each blob
+    is then downloaded under a lock of its own, and the bundle at `out` keeps what it already holds from the
+    same OCI manifest (a later pull for other engines adds to it)."""
+    t0 = time.perf_counter()
+    out = Path(out)
+    _check_out(out)
+    remote = remote or read_remote(ref, registry, store)
+    digest, layers, data = remote.digest, remote.layers, remote.data
+    m = Manifest(out, data)
+    lock = out.parent / f".{out.name}.pull"
+    work = lock if store is None else store
+    fd = _lock(lock, out)
     try:
-        blobs = _gather(work, out, keep, result)
-        missing = {rec["sha256"]: (rel, rec["size"]) for rel, rec in keep.items() if not (work / rec["sha256"]).exists()}
-        with bar(sum(size for _, size in missing.values()), f"pull {ref}", enabled=progress) as b:
-            got = registry.parallel(lambda kv: registry.fetch_blob(
-                ref.repository, "sha256:" + kv[0], kv[1][1], work / kv[0], kv[1][0], on_bytes=b.update),
-                sorted(missing.items(), key=lambda kv: -kv[1][1]), workers)
-        result.downloaded, result.bytes_downloaded = len(missing), sum(got)
-        with Staging(out, "pulling") as stage:
-            result.notes += stage.recovered
-            for rel, rec in keep.items():
-                dest = stage.path / rel
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                _link(blobs.get(rel, work / rec["sha256"]), dest)
-            (stage.path / MANIFEST).write_text(json.dumps(pulled_manifest(data, keep, left_out, arts, ref, digest),
-                                                          indent=2, sort_keys=True) + "\n")
-            stage.commit()
-        shutil.rmtree(work, ignore_errors=True)
+        arts, onnx = choose(m, machine, fingerprints, everything, with_onnx)
+        if store is not None:          # under the lock: what a pull beside this one just laid out is kept
+            arts, onnx = _with_earlier(out, digest, m, arts, onnx)
+        keep, left_out = plan_files(m, arts, onnx)
+        for rel, rec in keep.items():
+            layer = layers.get(rel)
+            if layer is None or layer.digest != "sha256:" + rec["sha256"] or layer.size != rec["size"]:
+                raise RegistryError(f"{ref}: the OCI manifest and the bundle's {MANIFEST} disagree about {rel} (missing "
+                                    "or another digest); push the bundle again")
+        result = PullResult(str(ref), digest, str(out), sorted(arts), sorted(onnx), len(keep), 0, 0, 0,
+                            sum(r["size"] for r in keep.values()), len(left_out),
+                            sum(r["size"] for r in left_out.values()), 0.0)
+        if store is not None and _holds(out, digest, keep):      # a pull beside this one laid it out meanwhile
+            result.reused = len(keep)
+        else:
+            _fetch_and_lay_out(ref, out, registry, work, keep, left_out, data, arts, digest, result, workers, progress,
+                               store is not None)
+        shutil.rmtree(lock, ignore_errors=True)
+    except BaseException:
+        try:
+            os.rmdir(lock)           # left only when it holds partial files to resume
+        except OSError:
+            pass
+        raise
     finally:
         if fd is not None:
             os.close(fd)
     result.seconds = round(time.perf_counter() - t0, 3)
     return result
+
+
+def _fetch_and_lay_out(ref, out, registry, work, keep, left_out, data, arts, digest, result, workers, progress,
+                       shared) -> None:
+    """The missing blobs into `work` (each under its own lock when the folder is `shared` between pulls), then
+    the bundle laid out from them in a staging folder and put at `out` whole."""
+    (work / ".locks" if shared else work).mkdir(parents=True, exist_ok=True)
+    blobs = _gather(work, out, keep, result)
+    missing = {rec["sha256"]: (rel, rec["size"]) for rel, rec in keep.items() if not (work / rec["sha256"]).exists()}
+
+    def fetch(kv):
+        hexd, (rel, size) = kv
+        with (FileLock(work / ".locks" / f"{hexd}.lock") if shared else nullcontext()):
+            if (work / hexd).exists():           # another pull fetched it while this one waited
+                return 0
+            return registry.fetch_blob(ref.repository, "sha256:" + hexd, size, work / hexd, rel, on_bytes=meter.update)
+    with bar(sum(size for _, size in missing.values()), f"pull {ref}", enabled=progress) as meter:
+        got = registry.parallel(fetch, sorted(missing.items(), key=lambda kv: -kv[1][1]), workers)
+    result.downloaded, result.bytes_downloaded = sum(1 for n in got if n), sum(got)
+    with Staging(out, "pulling") as stage:
+        result.notes += stage.recovered
+        for rel, rec in keep.items():
+            dest = stage.path / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            _link(blobs.get(rel, work / rec["sha256"]), dest)
+        (stage.path / MANIFEST).write_text(json.dumps(pulled_manifest(data, keep, left_out, arts, ref, digest),
+                                                      indent=2, sort_keys=True) + "\n")
+        stage.commit()
+
+
+def _earlier(out: Path, digest: str) -> Manifest | None:
+    """The bundle at `out` when a pull of the same OCI manifest made it, else None."""
+    try:
+        m = read_manifest(out) if (out / MANIFEST).is_file() else None
+    except UserError:
+        return None
+    return m if m is not None and (m.data.get("pulled") or {}).get("digest") == digest else None
+
+
+def _with_earlier(out: Path, digest: str, m: Manifest, arts: set[str], onnx: set[str]) -> tuple[set[str], set[str]]:
+    """The choice widened by what the bundle at `out` already holds from the same OCI manifest."""
+    before = _earlier(out, digest)
+    if before is None:
+        return arts, onnx
+    ids = {a["id"] for a in m.data["artifacts"]}
+    return (arts | ({a["id"] for a in before.data["artifacts"]} & ids),
+            onnx | {c for c, comp in m.components.items() if comp["files"] and all(r in before.files for r in comp["files"])})
+
+
+def _holds(out: Path, digest: str, keep: dict) -> bool:
+    """Whether the bundle at `out`, pulled from the same OCI manifest, lists exactly `keep`."""
+    before = _earlier(out, digest)
+    return before is not None and before.files == keep
 
 
 def _check_out(out: Path) -> None:
