@@ -1,10 +1,11 @@
 """The tiny demo files `precast demo-model --family NAME` writes, one per family, and how to use each.
 
 Owns: which writer and config make each family's file (compiler/demo_model.py: SD 1.x / 2.x / XL and
-the inpainting UNet; demo_sd3.py; demo_dit.py: Flux, Chroma; demo_controlnet.py; demo_lora.py) and the
-recipe that builds it (for a LoRA or ControlNet: into the base it fits). The files are the ones the
-`demo:` recipe sources and the tests use, so an example or a bug report needs no private function.
-Imports nothing heavy at module level (the CLI lists the names).
+the inpainting UNet; demo_sd3.py; demo_dit.py: Flux, Chroma; demo_zimage.py: Z-Image; demo_flux2.py: FLUX.2 klein;
+demo_qwenimage.py: Qwen-Image; demo_controlnet.py; demo_lora.py) and the recipe that builds it (for a LoRA or
+ControlNet: into the base it fits).
+The files are the ones the `demo:` recipe sources and the tests use, so an example or a bug report needs no
+private function. Imports nothing heavy at module level (the CLI lists the names).
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ SD_PROFILE = "profiles: {batch: 1, height: 64, width: 64}"
 DIT_PROFILE = "profiles: {batch: 1, height: 64, width: 64, t5_tokens: 32}"
 TARGETS = "targets: [onnxruntime, {openvino: {device: CPU}}]"
 DIT_AXES = "set: {transformer: {axes_dims_rope: [4, 6, 6]}}"   # the tiny DiTs' 16-wide heads: demo_dit.DEMO_AXES
+FLUX2_AXES = "set: {transformer: {axes_dims_rope: [4, 4, 4, 4]}}"   # the tiny FLUX.2's: demo_flux2.DEMO_AXES
+LLM_PROFILE = "profiles: {batch: 1, height: 64, width: 64, t5_tokens: {min: 32, opt: 64, max: 128}}"   # text length
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,12 @@ FAMILIES = {
     "flux-schnell": DemoFamily("tiny Flux.1 [schnell]", "demo_dit:write_demo_dit:tiny-flux-schnell",
                                _checkpoint(DIT_AXES, DIT_PROFILE)),
     "chroma": DemoFamily("tiny Chroma", "demo_dit:write_demo_dit:tiny-chroma", _checkpoint(DIT_AXES, DIT_PROFILE)),
+    "z-image": DemoFamily("tiny Z-Image-Turbo (with its tokenizer)", "demo_zimage:write_demo_zimage:tiny-z-image",
+                          _checkpoint(DIT_AXES, LLM_PROFILE)),
+    "flux2-klein": DemoFamily("tiny FLUX.2 klein (with its tokenizer)", "demo_flux2:write_demo_flux2:tiny-flux2-klein",
+                              _checkpoint(FLUX2_AXES, LLM_PROFILE)),
+    "qwen-image": DemoFamily("tiny Qwen-Image (with its tokenizer)",
+                             "demo_qwenimage:write_demo_qwenimage:tiny-qwen-image", _checkpoint(DIT_AXES, LLM_PROFILE)),
     "controlnet": DemoFamily("tiny ControlNet for the tiny SD 1.x", "demo_controlnet:write_demo_controlnet:TINY",
                              _onto_sd15("controlnets: [{path: {path}, name: demo}]   "
                                         "# generate --control IMAGE.png:0.8 --controlnet demo")),

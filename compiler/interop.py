@@ -17,13 +17,14 @@ import os
 from pathlib import Path
 
 from ..runtime.manifest import file_record
-from .bundle_writer import BundleWriter, add_t5_tokenizer, add_tokenizer
+from ..runtime.previews import PREVIEW_DECODER
+from .bundle_writer import BundleWriter, add_llm_tokenizer, add_t5_tokenizer, add_tokenizer
 from .families import FAMILIES
-from .families.shared import CLIP_TOKENIZER, DPM_SOLVER, T5_TOKENIZER
+from .families.shared import CLIP_TOKENIZER, DPM_SOLVER, QWEN2_TOKENIZER, T5_TOKENIZER
 
 ONNX_PART = ["diffusers", "OnnxRuntimeModel"]
 DIFFUSERS_VERSION = "0.30.0"
-TOKENIZER_CLASS = {"clip": CLIP_TOKENIZER, "openclip": CLIP_TOKENIZER, "t5": T5_TOKENIZER}
+TOKENIZER_CLASS = {"clip": CLIP_TOKENIZER, "openclip": CLIP_TOKENIZER, "t5": T5_TOKENIZER, "qwen2": QWEN2_TOKENIZER}
 
 
 def model_index(model: dict, components: list[str]) -> dict:
@@ -87,6 +88,15 @@ def t5_config(cfg: dict) -> dict:
             "is_gated_act": bool(cfg.get("gated", True)), "dense_act_fn": "gelu_new" if cfg.get("gated", True) else "relu"}
 
 
+def llm_config(cfg: dict) -> dict:
+    """transformers Qwen3Config (the LLM text encoder, all its layers; precast's graph runs those it reads)."""
+    return {"architectures": ["Qwen3Model"], "model_type": "qwen3", "vocab_size": cfg["vocab"],
+            "hidden_size": cfg["hidden"], "intermediate_size": cfg["intermediate"], "num_hidden_layers": cfg["layers"],
+            "num_attention_heads": cfg["heads"], "num_key_value_heads": cfg["kv_heads"], "head_dim": cfg["head_dim"],
+            "rope_theta": cfg["theta"], "rms_norm_eps": cfg["eps"], "attention_bias": cfg["qkv_bias"],
+            "hidden_act": "silu", "torch_dtype": "float32"}
+
+
 def unet_config(cfg: dict, model: dict) -> dict:
     """diffusers UNet2DConditionModel config from the LDM layout precast records."""
     levels, channels = cfg["levels"], cfg["channels"]
@@ -115,6 +125,10 @@ def unet_config(cfg: dict, model: dict) -> dict:
 def vae_config(cfg: dict, model: dict) -> dict:
     """diffusers AutoencoderKL config; the level count (hence the latent factor) is exact, the widths nominal."""
     n = cfg["decoder_levels"]
+    if "latents_mean" in cfg:       # Qwen-Image's causal 3-D VAE: its latents' statistics are what pipelines read
+        return {"_class_name": "AutoencoderKLQwenImage", "_diffusers_version": DIFFUSERS_VERSION,
+                "z_dim": cfg["latent_channels"], "latents_mean": cfg["latents_mean"], "latents_std": cfg["latents_std"],
+                "precast": cfg}
     spec = FAMILIES[model["family"]].diffusers
     widths = ([128, 256, 512, 512] + [512] * n)[:n]
     out = {"_class_name": "AutoencoderKL", "_diffusers_version": DIFFUSERS_VERSION,
@@ -145,7 +159,7 @@ def transformer_config(cfg: dict, model: dict) -> dict:
 
 def component_config(name: str, cfg: dict, model: dict) -> dict:
     if name.startswith("text_encoder"):
-        return clip_text_config(cfg) if "layout" in cfg else t5_config(cfg)
+        return clip_text_config(cfg) if "layout" in cfg else llm_config(cfg) if "kv_heads" in cfg else t5_config(cfg)
     if name == "unet":
         return unet_config(cfg, model)
     if name.startswith("vae_"):
@@ -156,8 +170,8 @@ def component_config(name: str, cfg: dict, model: dict) -> dict:
 def pipeline_files(model: dict, components: dict[str, dict]) -> dict[str, dict]:
     """relative path -> JSON data: every file of the folder except the graphs and tokenizers.
     `model`: family, prediction, latent_scale[, latent_shift, scheduler]; `components`: name -> config
-    (ControlNets, which no diffusers pipeline folder of these classes holds, are left out)."""
-    components = {n: c for n, c in components.items() if not n.startswith("controlnet_")}
+    (ControlNets and the preview decoder, which no diffusers pipeline folder of these classes holds, are left out)."""
+    components = {n: c for n, c in components.items() if not n.startswith("controlnet_") and n != PREVIEW_DECODER}
     files = {"model_index.json": model_index(model, sorted(components)),
              "scheduler/scheduler_config.json": scheduler_config(model)}
     for name, cfg in components.items():
@@ -212,6 +226,8 @@ def write_pipeline_folder(root: Path, model: dict, components: dict[str, dict], 
         pad_zero = kind == "openclip"
         if kind == "t5":
             add_t5_tokenizer(writer, Path(source), rel, source_folder=folder)
+        elif kind == "qwen2":
+            add_llm_tokenizer(writer, Path(source), rel, source_folder=folder)
         else:
             add_tokenizer(writer, Path(source), rel, pad_zero=pad_zero, source_folder=folder)
             written += complete_tokenizer(root / folder, kind, pad_zero)

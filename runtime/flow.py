@@ -5,8 +5,10 @@ Owns: the sigma schedule -- linspace(1, 1/steps, steps) (FluxPipeline's own sigm
 spacing, which StableDiffusion3Pipeline uses: "training"), then either a static shift
 sigma' = s*sigma / (1 + (s - 1)*sigma) or the resolution-dependent ("dynamic") exponential time
 shift sigma' = e^mu / (e^mu + 1/sigma - 1), with mu linear in the number of image tokens between
-(base_image_seq_len, base_shift) and (max_image_seq_len, max_shift) -- and the Euler update on the
-predicted velocity, x <- x + (sigma_next - sigma) * v, ending at sigma 0. Arithmetic follows
+(base_image_seq_len, base_shift) and (max_image_seq_len, max_shift), or (dynamic_mu "empirical") FLUX.2's fit to the
+image tokens and the steps -- optionally stretched so the last sigma is shift_terminal (diffusers'
+stretch_shift_to_terminal: 1 - sigma scaled so its last value is 1 - shift_terminal; Qwen-Image's 0.02) -- and the
+Euler update on the predicted velocity, x <- x + (sigma_next - sigma) * v, ending at sigma 0. Arithmetic follows
 diffusers' FlowMatchEulerDiscreteScheduler (float32 sigmas; the transformer is fed
 (sigma * 1000) / 1000 in float32, as FluxPipeline does) so results compare with diffusers. On the same
 sigmas: Heun (FlowMatchHeunDiscreteScheduler's update: the mean of the velocities at both ends, Euler on
@@ -24,9 +26,10 @@ from .multistep import DpmSolver2M
 
 
 SPACINGS = ("1/steps", "training")
+MUS = ("linear", "empirical")   # the dynamic shift's mu: linear in the image tokens, or FLUX.2's fit to them and steps
 TRAIN_STEPS = 1000        # num_train_timesteps of every released flow-matching model
 LIMITS = {"shift": (1e-3, 1e3), "base_shift": (-10.0, 10.0), "max_shift": (-10.0, 10.0),
-          "base_image_seq_len": (1, 1 << 24), "max_image_seq_len": (1, 1 << 24)}
+          "base_image_seq_len": (1, 1 << 24), "max_image_seq_len": (1, 1 << 24), "shift_terminal": (1e-6, 0.999)}
 
 
 def schedule_problem(sched: dict) -> str | None:
@@ -42,6 +45,9 @@ def schedule_problem(sched: dict) -> str | None:
         elif name == "time_shift_type":
             if value != "exponential":
                 return f"time_shift_type = {value!r}: only exponential (Flux's) is supported"
+        elif name == "dynamic_mu":
+            if value not in MUS:
+                return f"dynamic_mu = {value!r}: expected {' or '.join(MUS)}"
         elif name in LIMITS:
             low, high = LIMITS[name]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
@@ -63,13 +69,21 @@ class FlowSchedule:
     base_image_seq_len: int = 256
     max_image_seq_len: int = 4096
     spacing: str = "1/steps"
+    dynamic_mu: str = "linear"
+    shift_terminal: float | None = None
 
     @classmethod
     def from_config(cls, cfg: dict) -> "FlowSchedule":
         known = {k: cfg[k] for k in cls.__dataclass_fields__ if k in cfg}
         return cls(**known)
 
-    def mu(self, image_tokens: int) -> float:
+    def mu(self, image_tokens: int, steps: int) -> float:
+        if self.dynamic_mu == "empirical":     # Flux2Pipeline's compute_empirical_mu
+            if image_tokens > 4300:
+                return 0.00016927 * image_tokens + 0.45666666
+            m_200, m_10 = 0.00016927 * image_tokens + 0.45666666, 8.73809524e-05 * image_tokens + 1.89833333
+            a = (m_200 - m_10) / 190.0
+            return a * steps + (m_200 - 200.0 * a)
         m = (self.max_shift - self.base_shift) / (self.max_image_seq_len - self.base_image_seq_len)
         return image_tokens * m + (self.base_shift - m * self.base_image_seq_len)
 
@@ -86,11 +100,15 @@ class FlowEuler:
         else:
             sigmas = np.linspace(1.0, 1.0 / steps, steps).astype(np.float32)
         if schedule.use_dynamic_shifting:
-            e = math.exp(schedule.mu(image_tokens))
+            e = math.exp(schedule.mu(image_tokens, steps))
             sigmas = (e / (e + (1 / sigmas - 1) ** 1.0)).astype(np.float32)
         else:
             s = schedule.shift
             sigmas = (s * sigmas / (1 + (s - 1) * sigmas)).astype(np.float32)
+        if schedule.shift_terminal:
+            rest = (np.float32(1) - sigmas).astype(np.float32)
+            scale = np.float32(rest[-1] / np.float32(1 - schedule.shift_terminal))
+            sigmas = (np.float32(1) - rest / scale).astype(np.float32)
         self.sigmas = np.concatenate([sigmas, np.zeros(1, np.float32)])
         self.timesteps = ((sigmas * np.float32(1000)).astype(np.float32) / np.float32(1000)).astype(np.float32)
 

@@ -22,6 +22,7 @@ EXPORTS = {
     "flux-dev": {"transformer": {"axes_dims_rope": [4, 6, 6]}},
     "flux-schnell": {"transformer": {"axes_dims_rope": [4, 6, 6]}},
     "chroma": {"transformer": {"axes_dims_rope": [4, 6, 6]}},
+    "z-image": {"transformer": {"axes_dims_rope": [4, 6, 6]}},
     "controlnet": {}, "lora": {},
 }
 

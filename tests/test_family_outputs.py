@@ -123,6 +123,14 @@ RECORDED = {
         "vae_decoder": "aa01edb9679fb99993a182bef71e18d14f5fe4385f08350df9ed0cfca574e169",
         "vae_encoder": "1b43f077015bc19272b97c4b75fb37a4f9b34affeb61c1c1c91a9b37de5e6ed0",
     },
+    "z-image": {
+        "scheduler": "dd96639f9c0edc340801545fbdb48fc9e5874032b23dad3c3182f0d989a72684",
+        "text_encoder": "6916ed33acd8eff83b67170085bf5f0800767b755962e7aada2d8bc3fa9f7765",
+        "tokenizer": "07ac6ce07e248a57b35e9531ddcdf27c04d978af83fed70494500e7b3cf3add1",
+        "transformer": "1fa6c1e71bd623d76ef1c4444fe1fa2a42918c947b9fbd525d0373775f4ac9f0",
+        "vae_decoder": "01d5aa745d8556dfb2fb03623d71d4d509a224e414208c7dcb2b732649f4d43d",
+        "vae_encoder": "dd8b89494214014d30c57cb2b4c24c2679fc15376e2cea1656f95e6a629c496f",
+    },
 }
 
 

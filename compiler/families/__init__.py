@@ -1,10 +1,10 @@
-"""The model families precast builds, one module each: sd.py (SD 1.x, 2.x, XL and the XL refiner), flux.py
-(Flux.1 dev / schnell and Chroma), sd3.py (SD3 and SD3.5). Each holds everything the compiler knows about
-its families (family.py's records: detection evidence, components and the graph builders that make them,
-conventions the weights cannot say, how the parts must fit, default recipe components and demos, the
-diffusers and OpenVINO GenAI folder layouts); what the runtime needs too is the runtime family's
-(runtime/families/, read through Family.runtime). Nothing else in the compiler branches on a family's name:
-it asks the registry.
+"""The model families precast builds, one module each: sd.py (SD 1.x, 2.x, XL and the XL refiner), flux.py (Flux.1
+dev / schnell and Chroma), sd3.py (SD3 and SD3.5), zimage.py (Z-Image), flux2.py (FLUX.2 klein), qwenimage.py
+(Qwen-Image). Each holds everything the compiler knows about its families (family.py's records: detection evidence,
+components and the graph builders that make them, conventions the weights cannot say, how the parts must fit,
+default recipe components and demos, the diffusers and OpenVINO GenAI folder layouts); what the runtime needs too is
+the runtime family's (runtime/families/, read through Family.runtime). Nothing else in the compiler branches on a
+family's name: it asks the registry.
 
 Owns: the registry (FAMILIES, keyed by the manifest's model.family, in MODULES order) and detection, which
 tries each module's evidence in the order DETECTION states and reads only the header (names and shapes).
@@ -14,19 +14,20 @@ from __future__ import annotations
 
 from ..errors import BadInput
 from ..sources.tensor_refs import CLIP_MARKER, T5_MARKER, VAE, Checkpoint
-from . import flux, sd, sd3
+from . import flux, flux2, qwenimage, sd, sd3, zimage
 from .family import Component, Detected, Family
 from .overrides import SET_FIELDS, set_problem
 from .schedule import flow_defaults
-from .shared import latent_factor_of
+from .shared import latent_channels_of, latent_factor_of
 
-MODULES = (sd, flux, sd3)
+MODULES = (sd, flux, sd3, zimage, flux2, qwenimage)
 FAMILIES: dict[str, Family] = {f.name: f for m in MODULES for f in m.FAMILIES}
 ASSUMED = "sd1"      # whose components a recipe builds when nothing names a family and no checkpoint is there to read
 TEXT_POSITIONS = 77  # every supported CLIP text encoder (CLIP-L, OpenCLIP-H, bigG) has 77 positions
 
 __all__ = ["ASSUMED", "FAMILIES", "SET_FIELDS", "TEXT_POSITIONS", "Component", "Detected", "Family", "detect_family",
-           "detect_onnx_family", "flow_defaults", "latent_factor_of", "require_supported", "set_problem", "titles"]
+           "detect_onnx_family", "flow_defaults", "latent_channels_of", "latent_factor_of", "require_supported",
+           "set_problem", "titles"]
 
 
 def _controlnet(ckpt: Checkpoint) -> Detected | None:
@@ -38,9 +39,10 @@ def _controlnet(ckpt: Checkpoint) -> Detected | None:
 
 # The DiTs' blocks are unmistakable, so they go first; a ControlNet goes before the SD UNet, since the
 # original ControlNet files carry a whole SD model beside the control model.
-DETECTION = (sd3.detect, flux.detect, _controlnet, sd.detect)
-LOOKED_FOR = ", ".join([sd.LOOKED_FOR, sd3.LOOKED_FOR, flux.LOOKED_FOR, "zero_convs.* (ControlNet)",
-                        f"{VAE}decoder.conv_in.weight (VAE)"])
+DETECTION = (sd3.detect, qwenimage.detect, flux.detect, zimage.detect, flux2.detect, _controlnet, sd.detect)
+LOOKED_FOR = ", ".join([sd.LOOKED_FOR, sd3.LOOKED_FOR, flux.LOOKED_FOR, zimage.LOOKED_FOR, flux2.LOOKED_FOR,
+                        qwenimage.LOOKED_FOR,
+                        "zero_convs.* (ControlNet)", f"{VAE}decoder.conv_in.weight (VAE)"])
 # names a single file holds when it is one component of a diffusers folder saved on its own
 DIFFUSERS_COMPONENT_NAMES = ("down_blocks.", "up_blocks.", "mid_block.", "conv_in.", "time_embedding.",
                              "text_model.", "encoder.down_blocks.", "decoder.up_blocks.")

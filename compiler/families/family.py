@@ -28,7 +28,8 @@ class Component:
     scopes: tuple[str, ...] = ()   # keys that must all be consumed (default: the chosen prefix)
     config_file: str = ""          # key of its diffusers config in Checkpoint.configs (default: config_name)
     missing_hint: str = ""         # what to do when a checkpoint lacks it
-    tokenizer: str = ""            # a text encoder's: "clip", "openclip" (CLIP BPE padded with id 0 '!') or "t5"
+    tokenizer: str = ""            # a text encoder's: "clip", "openclip" (CLIP BPE padded with id 0 '!'), "t5" or
+    # "qwen2" (an LLM's byte-level BPE, tokenizer.json)
 
     @property
     def config_key(self) -> str:

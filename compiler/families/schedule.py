@@ -8,10 +8,10 @@ from ...runtime.families import FAMILIES as RUNTIME
 from ...runtime.flow import schedule_problem
 from ..errors import BadInput
 
-UNSUPPORTED_SCHEDULER_FIELDS = ("shift_terminal", "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas",
+UNSUPPORTED_SCHEDULER_FIELDS = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas",
                                 "invert_sigmas", "stochastic_sampling")
 SCHEDULER_FIELDS = ("use_dynamic_shifting", "shift", "base_shift", "max_shift", "base_image_seq_len",
-                    "max_image_seq_len", "time_shift_type")
+                    "max_image_seq_len", "time_shift_type", "shift_terminal")
 
 
 def flow_defaults(family: str, variant: str, scheduler_json: dict, where: str) -> dict | None:

@@ -2,9 +2,10 @@
 canonical names, and the text-encoder placing a folder and a separate text-encoder file share.
 
 Owns: a component folder's weights (one file, a variant such as .fp16, or shards listed by an index),
-its config.json, an SD folder's UNet / VAE / CLIP text encoders renamed (compiler/sources/diffusers_names.py),
-a DiT transformer in diffusers names renamed to BFL's (Flux, Chroma) or SAI's (SD3) names, and where a
-T5 or CLIP text encoder goes in the canonical layout (text_encoder_kind, clip_slot).
+its config.json, an SD folder's UNet / VAE / CLIP text encoders renamed (compiler/sources/diffusers_names.py), a DiT
+transformer in diffusers names renamed to BFL's (Flux, Chroma) or SAI's (SD3) names (Z-Image's, FLUX.2's and
+Qwen-Image's kept: zimage_names.py, flux2_names.py; Qwen-Image's VAE too), and where a T5, CLIP or LLM text encoder
+goes in the canonical layout (text_encoder_kind, clip_slot).
 """
 from __future__ import annotations
 
@@ -13,15 +14,22 @@ import re
 from pathlib import Path
 
 from ..errors import BadInput
-from . import diffusers_names, flux_names, sd3_names
+from . import diffusers_names, flux2_names, flux_names, sd3_names, zimage_names
+from .llm_names import MARKER as LLM_MARKER
 from .safetensors_file import SafetensorsFile
-from .tensor_refs import (CLIP_G, CLIP_L, CLIP_MARKER, DIT, PICKLE_SUFFIXES, T5, T5_MARKER, TEXT, UNET, VAE,
+from .tensor_refs import (CLIP_G, CLIP_L, CLIP_MARKER, DIT, LLM, PICKLE_SUFFIXES, T5, T5_MARKER, TEXT, UNET, VAE,
                           Checkpoint, TensorRef, _refuse_pickle, fused_ref, is_weight_key, tensor_ref)
 
 
 def _diffusers_dit_refs(files: dict[str, SafetensorsFile], where: str, prefix: str = "") -> dict[str, TensorRef]:
     """A Flux/Chroma (-> BFL names) or SD3 (-> SAI names) transformer in diffusers names, keys under `prefix`."""
     rel = [k[len(prefix):] for k in files if k.startswith(prefix) and is_weight_key(k)]
+    if zimage_names.zimage_prefix(rel) == "":            # Z-Image: diffusers' names are the canonical ones
+        return zimage_names.transformer_refs(files, prefix, where)
+    if flux2_names.flux2_prefix(rel) == ("", False):     # FLUX.2: so are they
+        return flux2_names.transformer_refs(files, prefix, False, where)
+    if "txt_norm.weight" in rel and "img_in.weight" in rel:     # Qwen-Image: and so are they
+        return {DIT + k: tensor_ref(files[prefix + k], prefix + k, DIT + k) for k in rel}
     shapes = {k: files[prefix + k].tensors[prefix + k].shape for k in rel}
     sd3 = sd3_names.is_diffusers_sd3(rel)
     parts, stray = (sd3_names.sai_parts if sd3 else flux_names.bfl_parts)(rel, shapes)
@@ -121,8 +129,8 @@ def _text_prefixes(folder: Path) -> dict[str, str]:
 
 
 def text_encoder_kind(keys) -> tuple[str, str] | None:
-    """("t5" | "clip", the key prefix the encoder's HF names start after), from its tensor names."""
-    for kind, marker in (("t5", T5_MARKER), ("clip", CLIP_MARKER)):
+    """("t5" | "clip" | "llm", the key prefix the encoder's HF names start after), from its tensor names."""
+    for kind, marker in (("t5", T5_MARKER), ("clip", CLIP_MARKER), ("llm", LLM_MARKER)):
         hit = next((k for k in keys if k.endswith(marker)), None)
         if hit is not None:
             return kind, hit[:-len(marker)]
@@ -132,8 +140,9 @@ def text_encoder_kind(keys) -> tuple[str, str] | None:
 def _encoder_mapping(keys: list[str], kind: str, prefix: str, canon: str | None = None) -> dict[str, str]:
     """A text encoder's keys (under `prefix`) -> canonical names (under `canon`: T5, or a CLIP's slot).
     A CLIP's `text_projection` (CLIPTextModelWithProjection) sits beside `text_model.`: it goes inside."""
-    canon = canon or (T5 if kind == "t5" else CLIP_L)
-    out = {k: canon + k[len(prefix):] for k in keys if k.startswith(prefix) and is_weight_key(k)}
+    canon = canon or {"t5": T5, "llm": LLM}.get(kind, CLIP_L)
+    out = {k: canon + k[len(prefix):] for k in keys if k.startswith(prefix) and is_weight_key(k)
+           and not (kind == "llm" and k[len(prefix):] == "lm_head.weight")}
     projection = prefix[:-len("text_model.")] + "text_projection.weight" if prefix.endswith("text_model.") else None
     if kind == "clip" and projection in keys:
         out[projection] = canon + "text_projection.weight"
@@ -156,8 +165,9 @@ def clip_slot(refs: dict, weights: dict, folder_name: str = "") -> str:
     return (same or empty or [CLIP_L])[0]
 
 
-CONFIG_OF = {T5: "t5", CLIP_L: "clip_l", CLIP_G: "clip_g"}     # Checkpoint.configs key of each encoder slot
-DIT_CLASSES = ("FluxTransformer2DModel", "ChromaTransformer2DModel", "SD3Transformer2DModel")
+CONFIG_OF = {T5: "t5", CLIP_L: "clip_l", CLIP_G: "clip_g", LLM: "llm"}     # Checkpoint.configs key of each encoder slot
+DIT_CLASSES = ("FluxTransformer2DModel", "ChromaTransformer2DModel", "SD3Transformer2DModel",
+               "ZImageTransformer2DModel", "Flux2Transformer2DModel", "QwenImageTransformer2DModel")
 
 
 def _dit_folder_refs(folder: Path, refs: dict, configs: dict, found: list) -> None:
@@ -166,7 +176,7 @@ def _dit_folder_refs(folder: Path, refs: dict, configs: dict, found: list) -> No
     configs["transformer"] = _read_config(folder, "transformer")
     cls = configs["transformer"].get("_class_name")
     if cls not in DIT_CLASSES and not flux_names.is_diffusers_flux(list(weights)) and \
-            not sd3_names.is_diffusers_sd3(list(weights)):
+            not sd3_names.is_diffusers_sd3(list(weights)) and zimage_names.zimage_prefix(list(weights)) is None:
         raise BadInput(f"{folder}/transformer: a {cls or 'transformer'} precast does not support yet "
                        f"(supported: {', '.join(DIT_CLASSES)})")
     refs.update(_diffusers_dit_refs(weights, f"{folder}/transformer"))
@@ -177,9 +187,9 @@ def _dit_folder_refs(folder: Path, refs: dict, configs: dict, found: list) -> No
             continue
         kind = text_encoder_kind(list(weights))
         if kind is None:
-            raise BadInput(f"{folder}/{name}: neither a T5 nor a CLIP text encoder (looked for {T5_MARKER} and "
-                           f"{CLIP_MARKER})")
-        slot = T5 if kind[0] == "t5" else clip_slot(refs, weights, name)
+            raise BadInput(f"{folder}/{name}: neither a T5 nor a CLIP text encoder, nor an LLM one (looked for "
+                           f"{T5_MARKER}, {CLIP_MARKER} and {LLM_MARKER})")
+        slot = {"t5": T5, "llm": LLM}.get(kind[0]) or clip_slot(refs, weights, name)
         configs[CONFIG_OF[slot]] = _read_config(folder, name)
         for key, canon in _encoder_mapping(list(weights), *kind, slot).items():
             refs[canon] = tensor_ref(weights[key], key, canon)
@@ -202,7 +212,9 @@ def open_diffusers_folder(folder: Path) -> Checkpoint:
         found.append(name)
         configs[name] = _read_config(folder, name)
         keys = [k for k in weights if is_weight_key(k)]
-        if rename is not None:
+        if name == "vae" and configs[name].get("_class_name") == "AutoencoderKLQwenImage":   # canonical names
+            mapping = {k: k for k in keys}
+        elif rename is not None:
             mapping = rename(keys)
         else:  # HF CLIPTextModel: text_model.* (some saves drop the text_model. prefix)
             mapping = {k: (k[len("text_model."):] if k.startswith("text_model.") else k) for k in keys}

@@ -1,12 +1,12 @@
 """The canonical layout's names, and where each canonical tensor's bytes lie.
 
 Owns: the canonical key prefix of every architecture's parts (LDM names for SD models, BFL's for Flux /
-Chroma and SAI's for SD3 under `model.diffusion_model.`, ComfyUI's `text_encoders.*` for DiT text
-encoders), `TensorRef` (a stored tensor, rows of one, several fused along axis 0, or one with a ComfyUI
-scaled-fp8 scale; read one at a time, on demand), `Checkpoint` (canonical name -> TensorRef, plus a
-folder's configs), and opening one weights file (.safetensors or .gguf), refusing pickles by name
-without ever unpickling them. Which layout maps to these names is compiler/sources/checkpoint.py's and
-diffusers_folder.py's.
+Chroma, SAI's for SD3 and diffusers' for Z-Image under `model.diffusion_model.`, ComfyUI's `text_encoders.*`
+for DiT text encoders, HF `Qwen3Model` names under `text_encoders.llm.` for LLM text encoders), `TensorRef` (a
+stored tensor, rows of one, several fused along axis 0, or one with a ComfyUI scaled-fp8 scale; read one at a
+time, on demand), `Checkpoint` (canonical name -> TensorRef, plus a folder's configs), and opening one weights
+file (.safetensors or .gguf), refusing pickles by name without ever unpickling them. Which layout maps to these
+names is compiler/sources/checkpoint.py's and diffusers_folder.py's.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ TEXT = "cond_stage_model.transformer.text_model."
 CLIP_L = "text_encoders.clip_l.transformer.text_model."
 CLIP_G = "text_encoders.clip_g.transformer.text_model."        # SD3's OpenCLIP bigG (HF names)
 T5 = "text_encoders.t5xxl.transformer."
+LLM = "text_encoders.llm."                   # a decoder-only LLM text encoder (Z-Image's Qwen3), HF Qwen3Model names
 # A key only T5 / CLIP text encoders have, in HF names: where a file's encoder starts is the part before it.
 T5_MARKER = "encoder.block.0.layer.0.SelfAttention.q.weight"
 CLIP_MARKER = "encoder.layers.0.self_attn.q_proj.weight"

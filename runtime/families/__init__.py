@@ -1,17 +1,17 @@
-"""The model families the runtime runs, one module each, found by the manifest's `model.family`:
-sd.py (SD 1.x, 2.x, XL and the XL refiner), flux.py (Flux.1 dev / schnell and Chroma), sd3.py (SD3 and
-SD3.5). Nothing else in the runtime branches on a family's name: it asks the family's record
-(family.py) through `family_of` / `FAMILIES`. Facts the compiler needs too (latent scale and shift, the
-released models' flow schedules and T5 lengths, the denoiser, the patch size) are read from here, so
-they are written once. A new family is a module here, listed in MODULES.
+"""The model families the runtime runs, one module each, found by the manifest's `model.family`: sd.py (SD 1.x, 2.x,
+XL and the XL refiner), flux.py (Flux.1 dev / schnell and Chroma), sd3.py (SD3 and SD3.5), zimage.py (Z-Image),
+flux2.py (FLUX.2 klein), qwenimage.py (Qwen-Image). Nothing else in the runtime branches on a family's name: it asks
+the family's record (family.py) through `family_of` / `FAMILIES`. Facts the compiler needs too (latent scale and
+shift, the released models' flow schedules and T5 lengths, the denoiser, the patch size) are read from here, so they
+are written once. A new family is a module here, listed in MODULES.
 """
 from __future__ import annotations
 
 from ..errors import UserError
-from . import flux, sd, sd3
+from . import flux, flux2, qwenimage, sd, sd3, zimage
 from .family import Family, Flow
 
-MODULES = (sd, flux, sd3)
+MODULES = (sd, flux, sd3, zimage, flux2, qwenimage)
 FAMILIES: dict[str, Family] = {f.name: f for m in MODULES for f in m.FAMILIES}
 
 __all__ = ["FAMILIES", "Family", "Flow", "family_of", "missing_for_generate"]

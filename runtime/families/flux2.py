@@ -1,0 +1,181 @@
+"""FLUX.2 klein (4B / 9B; distilled: 4 steps, no CFG; base: 50 steps, CFG 4): the family facts and text-to-image
+over such a bundle -- a Qwen3 text encoder read at hidden states 9, 18 and 27 stacked, over a chat-templated prompt
+padded to a fixed length; the transformer on packed 2x2 latent patches with 4-D position ids; the FLUX.2 VAE with
+its latents' batch-norm statistics -- on the shared flow-matching loop (flow_matching.py).
+
+Owns: the FLUX.2 record (FAMILIES: components, the released schedules: linspace(1, 1/steps) sigmas shifted by
+exp(mu) with FLUX.2's empirical mu of the image tokens and the steps, steps and guidance per variant, the 512-token
+text), its conditioning as Flux2KleinPipeline builds it -- the prompt put in Qwen3's chat template (one user turn,
+the assistant's turn opened with thinking off: an empty think block), tokenized (runtime/llm_tokenizer.py), cut at
+512 and padded to the text length the bundle runs (512 where its engines take it: the transformer reads the padding
+too, unmasked, so the length is part of the result), the encoder's `hidden_states` -- the text ids (0, 0, 0, i), the
+image ids (0, row, col, 0), the packing (2x2 patches, channel-major: Flux's), and the latents' denormalisation
+before the VAE decoder (x * sqrt(var + eps) + mean per patchified channel, the statistics the manifest's
+vae_decoder config carries; done here, not in the VAE graph, so VAE tiles need not start on the patch grid).
+guidance is the usual CFG scale (1 = off) against the negative prompt ('' in diffusers); a distilled model's
+defaults run without CFG (diffusers ignores guidance for them; precast runs what it is asked).
+Imports numpy and the runtime's own modules; never the compiler.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import UserError
+from ..image_size import latent_factor
+from ..manifest import Manifest
+from .family import Family, Flow
+from .flow_matching import FLOW_SAMPLERS, FlowPipeline, t5_length, txt2img_only
+from .flux import pack, packed_grid, unpack
+
+# Qwen3's chat template as Flux2KleinPipeline renders it (one user message, add_generation_prompt=True,
+# enable_thinking=False: an empty think block)
+CHAT = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+MAX_TOKENS = 512            # Flux2KleinPipeline's max_sequence_length
+REQUIRED = {"transformer": ("hidden_states", "encoder_hidden_states", "timestep", "img_ids", "txt_ids"),
+            "text_encoder": ("input_ids", "attention_mask")}
+
+
+def check_io(manifest: Manifest) -> None:
+    """The manifest's text encoder, transformer and VAE decoder as FLUX.2's have them, else one UserError naming
+    the field."""
+    where = f"{manifest.root}/manifest.json: components"
+    for comp, names in REQUIRED.items():
+        if comp not in manifest.components:
+            continue
+        inputs = {i["name"]: i.get("shape") for i in manifest.components[comp]["inputs"]}
+        outputs = [o["name"] for o in manifest.components[comp]["outputs"]]
+        out = "out_hidden_states" if comp == "transformer" else "hidden_states"
+        missing = [n for n in names if n not in inputs]
+        if missing or out not in outputs:
+            raise UserError(f"{where}.{comp} has no {', '.join(missing) or out}: not a FLUX.2 {comp} (was the manifest "
+                            "edited?); rebuild or re-download the bundle")
+    inputs = {i["name"]: i.get("shape") for i in manifest.components["transformer"]["inputs"]}
+    for name in ("hidden_states", "encoder_hidden_states"):
+        shape = inputs[name]
+        if not isinstance(shape, list) or len(shape) != 3 or type(shape[-1]) is not int or shape[-1] < 1 or \
+                (name == "hidden_states" and shape[-1] % 4):
+            raise UserError(f"{where}.transformer.inputs: {name} has shape {shape!r}, not the transformer's; rebuild "
+                            "or re-download the bundle")
+    vae = manifest.components.get("vae_decoder")
+    if vae is not None:
+        cfg, n = vae.get("config") or {}, inputs["hidden_states"][-1]
+        for key in ("latents_bn_mean", "latents_bn_std"):
+            values = cfg.get(key)
+            if not isinstance(values, list) or len(values) != n or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) for v in values) or \
+                    (key == "latents_bn_std" and min(values) <= 0):
+                raise UserError(f"{where}.vae_decoder.config.{key}: not the {n} batch-norm statistics of a FLUX.2 "
+                                "VAE's latents; rebuild or re-download the bundle")
+
+
+def flux2_requests(manifest: Manifest, batch: int, height: int, width: int) -> dict:
+    """The input shapes each component of a FLUX.2 bundle is called with (the text at the length it runs)."""
+    check_io(manifest)
+    inputs = {i["name"]: i["shape"] for i in manifest.components["transformer"]["inputs"]}
+    rows, cols = packed_grid(manifest, height, width)
+    tokens, text, f = rows * cols, t5_length(manifest), latent_factor(manifest)
+    out = {"text_encoder": {"input_ids": (batch, text), "attention_mask": (batch, text)},
+           "transformer": {"hidden_states": (batch, tokens, inputs["hidden_states"][-1]),
+                           "encoder_hidden_states": (batch, text, inputs["encoder_hidden_states"][-1]),
+                           "timestep": (batch,), "img_ids": (tokens, 4), "txt_ids": (text, 4)},
+           "vae_decoder": {"latent_sample": (batch, inputs["hidden_states"][-1] // 4, height // f, width // f)}}
+    if "guidance" in inputs:
+        out["transformer"]["guidance"] = (batch,)
+    return out
+
+
+def latent_ids(rows: int, cols: int) -> np.ndarray:
+    """[(rows cols), 4]: (0, row, col, 0) per packed latent, row-major."""
+    ids = np.zeros((rows, cols, 4), np.float32)
+    ids[..., 1] = np.arange(rows, dtype=np.float32)[:, None]
+    ids[..., 2] = np.arange(cols, dtype=np.float32)[None, :]
+    return ids.reshape(rows * cols, 4)
+
+
+def text_ids(length: int) -> np.ndarray:
+    """[length, 4]: (0, 0, 0, i) per text token."""
+    ids = np.zeros((length, 4), np.float32)
+    ids[:, 3] = np.arange(length, dtype=np.float32)
+    return ids
+
+
+class Flux2Txt2Img(FlowPipeline):
+    """Text-to-image over a FLUX.2 bundle."""
+    refusal = "the FLUX.2 pipeline runs FLUX.2 bundles"
+    size_why = "{family} packs 2x2 latents of the VAE's 1/{f} scale"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        inputs = {i["name"]: i["shape"] for i in self.manifest.components["transformer"]["inputs"]}
+        self.channels = int(inputs["hidden_states"][-1]) // 4
+        self.rows, self.cols = packed_grid(self.manifest, self.height, self.width)
+        cfg = self.manifest.components["vae_decoder"]["config"]
+        self.bn_mean, self.bn_std = (np.asarray(cfg[k], np.float32) for k in ("latents_bn_mean", "latents_bn_std"))
+
+    def check_io(self, manifest: Manifest) -> None:
+        check_io(manifest)
+
+    def text_limits(self) -> dict[str, int]:
+        """Tokens of the chat-templated prompt read: the pipeline's 512, or the text length the bundle runs."""
+        return {"text_encoder": min(MAX_TOKENS, self.t5_tokens)}
+
+    def prompt_warnings(self, *prompts: str | None) -> list[str]:
+        """What the text encoder will cut off: one line per prompt, counted in the chat template's tokens."""
+        out, limit = [], self.text_limits()["text_encoder"]
+        for which, prompt in zip(("prompt", "negative prompt"), prompts):
+            n = len(self.tokenizers["text_encoder"].chat(prompt, CHAT, 1 << 30)) if prompt else 0
+            if n > limit:
+                out.append(f"the {which} is {n} tokens in FLUX.2's chat template, of which the text encoder reads the "
+                           f"first {limit}; the rest is ignored")
+        return out
+
+    # ---- conditioning ---------------------------------------------------------------------------
+    def encode(self, prompt: str) -> dict[str, np.ndarray]:
+        """The stacked hidden states of the chat-templated prompt padded to the text length, and its ids."""
+        tok, length = self.tokenizers["text_encoder"], self.t5_tokens
+        ids = tok.chat(prompt, CHAT, min(MAX_TOKENS, length))
+        padded = np.full((1, length), tok.pad_id, np.int32)
+        padded[0, :len(ids)] = ids
+        mask = (np.arange(length) < len(ids))[None, :].astype(np.int32)
+        session = self.component("text_encoder").session
+        states = session.run({"input_ids": padded, "attention_mask": mask})["hidden_states"].astype(np.float32)
+        return {"encoder_hidden_states": states, "txt_ids": text_ids(length)}
+
+    # ---- how the transformer is fed --------------------------------------------------------------
+    def noise(self, seed: int) -> np.ndarray:
+        shape = (1, self.channels, 2 * self.rows, 2 * self.cols)
+        return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+    def to_transformer(self, latents: np.ndarray) -> np.ndarray:
+        return pack(latents)
+
+    def from_transformer(self, x: np.ndarray) -> np.ndarray:
+        return unpack(x, self.rows, self.cols)
+
+    def image_tokens(self, x: np.ndarray) -> int:
+        return x.shape[1]
+
+    def fixed_feeds(self, transformer, guidance: float) -> dict[str, np.ndarray]:
+        fixed = {"img_ids": latent_ids(self.rows, self.cols)}
+        if "guidance" in transformer.input_names:
+            fixed["guidance"] = np.full((1,), guidance, np.float32)
+        return fixed
+
+    def decode(self, latents: np.ndarray) -> np.ndarray:
+        """The VAE decoder's images of normalised latents [N, C, H, W]: denormalised per patchified channel first."""
+        rows, cols = latents.shape[2] // 2, latents.shape[3] // 2
+        return super().decode(unpack(pack(latents) * self.bn_std + self.bn_mean, rows, cols))
+
+
+# Flux2KleinPipeline: sigmas linspace(1, 1/steps), mu = compute_empirical_mu(image tokens, steps); the scheduler
+# config both klein folders ship (dynamic shifting; the shift fields unused once mu is given); max_sequence_length
+# 512. Distilled (black-forest-labs/FLUX.2-klein-4B / -9B): 4 steps, no CFG; base (-klein-base-4B / -9B): 50
+# steps, CFG 4.0 (the pipeline's defaults).
+SCHEDULE = {"use_dynamic_shifting": True, "dynamic_mu": "empirical", "shift": 3.0, "base_shift": 0.5,
+            "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096}
+FAMILIES = (
+    Family("flux2", "FLUX.2", ("text_encoder", "transformer", "vae_decoder"), "transformer", 1.0, Flux2Txt2Img,
+           flux2_requests, patch=2, steps=4, guidance=1.0, samplers=FLOW_SAMPLERS, check_mode=txt2img_only,
+           variants={"klein": Flow(SCHEDULE, 4, 1.0, MAX_TOKENS), "klein-base": Flow(SCHEDULE, 50, 4.0, MAX_TOKENS)}),
+)
+Flux2Txt2Img.families = {f.name: f for f in FAMILIES}

@@ -1,0 +1,192 @@
+"""Qwen-Image (Alibaba; 50 steps, true CFG 4 against the negative prompt " "): the family facts and text-to-image
+over such a bundle -- Qwen2.5-VL's text model read at its last hidden state over the prompt in Qwen-Image's
+template (its first 34 tokens dropped), the double-stream transformer on packed 2x2 latent patches with its
+centred 3-D positions, the Qwen-Image VAE with per-channel latent statistics -- on the shared flow-matching loop
+(flow_matching.py).
+
+Owns: the Qwen-Image record (FAMILIES: components, the released schedule -- linspace(1, 1/steps) sigmas shifted
+by exp(mu), mu linear in the image tokens between (256, 0.5) and (8192, 0.9), stretched to end at 0.02 --, 50
+steps, guidance 4), its conditioning as QwenImagePipeline builds it -- the prompt in the template, tokenized
+(runtime/llm_tokenizer.py), cut at 1024 + 34 tokens, the encoder's hidden states after the 34 template tokens
+(padding, where an engine's profile wants more rows, masked by encoder_hidden_states_mask), the text ids (m + i
+on each axis, m = max(rows, cols) // 2 of the packed grid) and the image ids (0, row - ceil(rows / 2), col -
+ceil(cols / 2)) --, true CFG with the norm rescale (pos's per-token norm kept: comb * |pos| / |comb|), an empty
+negative prompt read as " " (the model card's), the packing (Flux's), and the latents' denormalisation before
+the VAE decoder (x * latents_std + latents_mean per channel, from the manifest's vae_decoder config).
+Imports numpy and the runtime's own modules; never the compiler.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import UserError
+from ..image_size import latent_factor
+from ..manifest import Manifest
+from .family import Family, Flow
+from .flow_matching import FLOW_SAMPLERS, FlowPipeline, t5_length, txt2img_only
+from .flux import pack, packed_grid, unpack
+
+TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+            "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{prompt}<|im_end|>\n"
+            "<|im_start|>assistant\n")
+DROP = 34                   # QwenImagePipeline's prompt_template_encode_start_idx: the template's tokens (Qwen2's)
+MAX_TOKENS = 1024           # its tokenizer_max_length (after the dropped tokens)
+NEGATIVE = " "              # the model card's negative prompt: what an empty one is read as
+REQUIRED = {"transformer": ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep",
+                            "img_ids", "txt_ids"),
+            "text_encoder": ("input_ids", "attention_mask")}
+
+
+def check_io(manifest: Manifest) -> None:
+    """The manifest's text encoder, transformer and VAE decoder as Qwen-Image's have them, else one UserError."""
+    where = f"{manifest.root}/manifest.json: components"
+    for comp, names in REQUIRED.items():
+        if comp not in manifest.components:
+            continue
+        inputs = {i["name"] for i in manifest.components[comp]["inputs"]}
+        outputs = [o["name"] for o in manifest.components[comp]["outputs"]]
+        out = "out_hidden_states" if comp == "transformer" else "hidden_states"
+        missing = [n for n in names if n not in inputs]
+        if missing or out not in outputs:
+            raise UserError(f"{where}.{comp} has no {', '.join(missing) or out}: not a Qwen-Image {comp} (was the "
+                            "manifest edited?); rebuild or re-download the bundle")
+    shape = {i["name"]: i.get("shape") for i in manifest.components["transformer"]["inputs"]}["hidden_states"]
+    if not isinstance(shape, list) or len(shape) != 3 or type(shape[-1]) is not int or shape[-1] % 4:
+        raise UserError(f"{where}.transformer.inputs: hidden_states has shape {shape!r}, not the transformer's; "
+                        "rebuild or re-download the bundle")
+    vae = manifest.components.get("vae_decoder")
+    if vae is not None:
+        cfg = vae.get("config") or {}
+        for key in ("latents_mean", "latents_std"):
+            values = cfg.get(key)
+            if not isinstance(values, list) or len(values) != shape[-1] // 4 or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) for v in values) or \
+                    (key == "latents_std" and min(values) <= 0):
+                raise UserError(f"{where}.vae_decoder.config.{key}: not the {shape[-1] // 4} per-channel statistics of "
+                                "a Qwen-Image VAE's latents; rebuild or re-download the bundle")
+
+
+def qwenimage_requests(manifest: Manifest, batch: int, height: int, width: int) -> dict:
+    """The input shapes each component of a Qwen-Image bundle is called with (the text at its default length)."""
+    check_io(manifest)
+    inputs = {i["name"]: i["shape"] for i in manifest.components["transformer"]["inputs"]}
+    rows, cols = packed_grid(manifest, height, width)
+    tokens, text, c, f = rows * cols, t5_length(manifest), inputs["hidden_states"][-1], latent_factor(manifest)
+    return {"text_encoder": {"input_ids": (batch, text), "attention_mask": (batch, text)},
+            "transformer": {"hidden_states": (batch, tokens, c), "timestep": (batch,),
+                            "encoder_hidden_states": (batch, text, inputs["encoder_hidden_states"][-1]),
+                            "encoder_hidden_states_mask": (batch, text), "img_ids": (tokens, 3), "txt_ids": (text, 3)},
+            "vae_decoder": {"latent_sample": (batch, c // 4, height // f, width // f)}}
+
+
+def latent_ids(rows: int, cols: int) -> np.ndarray:
+    """[(rows cols), 3]: (0, row - ceil(rows / 2), col - ceil(cols / 2)) per packed latent, row-major."""
+    ids = np.zeros((rows, cols, 3), np.float32)
+    ids[..., 1] = (np.arange(rows) - (rows - rows // 2))[:, None]
+    ids[..., 2] = (np.arange(cols) - (cols - cols // 2))[None, :]
+    return ids.reshape(rows * cols, 3)
+
+
+def text_ids(length: int, rows: int, cols: int) -> np.ndarray:
+    """[length, 3]: m + i on each axis, m = max(rows // 2, cols // 2)."""
+    return np.repeat((max(rows // 2, cols // 2) + np.arange(length, dtype=np.float32))[:, None], 3, axis=1)
+
+
+class QwenImageTxt2Img(FlowPipeline):
+    """Text-to-image over a Qwen-Image bundle."""
+    refusal = "the Qwen-Image pipeline runs Qwen-Image bundles"
+    size_why = "{family} packs 2x2 latents of the VAE's 1/{f} scale"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        inputs = {i["name"]: i["shape"] for i in self.manifest.components["transformer"]["inputs"]}
+        self.channels = int(inputs["hidden_states"][-1]) // 4
+        self.rows, self.cols = packed_grid(self.manifest, self.height, self.width)
+        cfg = self.manifest.components["vae_decoder"]["config"]
+        self.mean, self.std = (np.asarray(cfg[k], np.float32)[None, :, None, None]
+                               for k in ("latents_mean", "latents_std"))
+
+    def check_io(self, manifest: Manifest) -> None:
+        check_io(manifest)
+
+    def fit(self, comp: str, name: str, n: int) -> int:
+        """The length `comp` runs `n` rows at: n, raised to its engine's minimum, cut to its maximum."""
+        span = self.input_range(comp, name, 1)
+        return n if span is None else min(max(n, span[0]), span[1])
+
+    def text_limits(self) -> dict[str, int]:
+        """Tokens of the prompt (after the template's) the transformer reads: 1024, or what the engines take."""
+        te = self.input_range("text_encoder", "input_ids", 1)
+        tr = self.input_range("transformer", "encoder_hidden_states", 1)
+        return {"text_encoder": min(MAX_TOKENS, (te[1] - DROP) if te else MAX_TOKENS, tr[1] if tr else MAX_TOKENS)}
+
+    def prompt_warnings(self, *prompts: str | None) -> list[str]:
+        out, limit = [], self.text_limits()["text_encoder"]
+        for which, prompt in zip(("prompt", "negative prompt"), prompts):
+            n = len(self.tokenizers["text_encoder"].chat(prompt, TEMPLATE, 1 << 30)) - DROP if prompt else 0
+            if n > limit:
+                out.append(f"the {which} is {n} tokens in Qwen-Image's template, of which the transformer reads the "
+                           f"first {limit}; the rest is ignored")
+        return out
+
+    # ---- conditioning ---------------------------------------------------------------------------
+    def encode(self, prompt: str) -> dict[str, np.ndarray]:
+        """The last hidden states of the templated prompt after its first 34 tokens, padded rows masked."""
+        tok = self.tokenizers["text_encoder"]
+        ids = tok.chat(prompt or NEGATIVE, TEMPLATE, DROP + self.text_limits()["text_encoder"])
+        if len(ids) <= DROP:
+            raise UserError(f"the tokenizer turns Qwen-Image's template into {len(ids)} tokens, no more than the "
+                            f"{DROP} the pipeline drops: not the model's tokenizer; rebuild the bundle with "
+                            "Qwen-Image's")
+        length = self.fit("text_encoder", "input_ids", len(ids))
+        padded = np.full((1, length), tok.pad_id, np.int32)
+        padded[0, :len(ids)] = ids
+        mask = (np.arange(length) < len(ids))[None, :].astype(np.int32)
+        session = self.component("text_encoder").session
+        states = session.run({"input_ids": padded, "attention_mask": mask})["hidden_states"].astype(np.float32)
+        n = len(ids) - DROP
+        rows = self.fit("transformer", "encoder_hidden_states", n)
+        out = np.zeros((1, rows, states.shape[-1]), np.float32)
+        out[:, :n] = states[:, DROP:len(ids)]
+        mask = (np.arange(rows) < n)[None].astype(np.int32)
+        return {"encoder_hidden_states": out, "encoder_hidden_states_mask": mask,
+                "txt_ids": text_ids(rows, self.rows, self.cols)}
+
+    # ---- how the transformer is fed --------------------------------------------------------------
+    def noise(self, seed: int) -> np.ndarray:
+        shape = (1, self.channels, 2 * self.rows, 2 * self.cols)
+        return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+    def to_transformer(self, latents: np.ndarray) -> np.ndarray:
+        return pack(latents)
+
+    def from_transformer(self, x: np.ndarray) -> np.ndarray:
+        return unpack(x, self.rows, self.cols)
+
+    def image_tokens(self, x: np.ndarray) -> int:
+        return x.shape[1]
+
+    def fixed_feeds(self, transformer, guidance: float) -> dict[str, np.ndarray]:
+        return {"img_ids": latent_ids(self.rows, self.cols)}
+
+    def guide(self, v: np.ndarray, v_neg: np.ndarray, guidance: float) -> np.ndarray:
+        """QwenImagePipeline's true CFG: the guided velocity rescaled to the prompt's per-token norm."""
+        comb = v_neg + np.float32(guidance) * (v - v_neg)
+        return comb * (np.linalg.norm(v, axis=-1, keepdims=True) / np.linalg.norm(comb, axis=-1, keepdims=True))
+
+    def decode(self, latents: np.ndarray) -> np.ndarray:
+        """The VAE decoder's images of normalised latents [N, C, H, W]: x * latents_std + latents_mean first."""
+        return super().decode(latents * self.std + self.mean)
+
+
+# Qwen/Qwen-Image's scheduler/scheduler_config.json (FlowMatchEulerDiscreteScheduler): dynamic shifting between
+# (256, 0.5) and (8192, 0.9), exponential, stretched to a last sigma of 0.02; QwenImagePipeline: sigmas
+# linspace(1, 1/steps), 50 steps, true_cfg_scale 4 (the model card: negative prompt " ").
+SCHEDULE = {"use_dynamic_shifting": True, "shift": 1.0, "base_shift": 0.5, "max_shift": 0.9, "base_image_seq_len": 256,
+            "max_image_seq_len": 8192, "shift_terminal": 0.02}
+FAMILIES = (
+    Family("qwenimage", "Qwen-Image", ("text_encoder", "transformer", "vae_decoder"), "transformer", 1.0,
+           QwenImageTxt2Img, qwenimage_requests, patch=2, steps=50, guidance=4.0, samplers=FLOW_SAMPLERS,
+           check_mode=txt2img_only, variants={"base": Flow(SCHEDULE, 50, 4.0, MAX_TOKENS)}),
+)
+QwenImageTxt2Img.families = {f.name: f for f in FAMILIES}
