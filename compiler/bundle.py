@@ -1,11 +1,11 @@
 """`precast build`: a recipe's bundle, built through the cache.
 
 Owns: the build's orchestration -- the recipe's source made real (a demo written once into the cache),
-everything checked before any work (family, components, every graph from the headers, ControlNets, LoRAs,
-profiles, what each target can build), each component's export as a cache entry keyed by what decides
-its bytes (cached_export, builder_digest), then the engines, tokenizers and diffusers-style files into a
-staging bundle (compiler/bundle_writer.py writes it and puts it in place). An ONNX pipeline folder as the
-source goes to compiler/bundle_foreign.py.
+everything checked before any work (family, components, every graph from the headers, ControlNets, the
+TAESD preview decoder, LoRAs, profiles, what each target can build), each component's export as a cache entry
+keyed by what decides its bytes (cached_export, builder_digest), then the engines, tokenizers and diffusers-style
+files into a staging bundle (compiler/bundle_writer.py writes it and puts it in place). An ONNX pipeline folder
+as the source goes to compiler/bundle_foreign.py.
 """
 from __future__ import annotations
 
@@ -18,17 +18,18 @@ import time
 from pathlib import Path
 
 from ..runtime.manifest import SCHEMA, sha256_file
+from ..runtime.previews import PREVIEW_DECODER
 from ..runtime.staging import Staging
 from .bundle_archive import check_out
 from .bundle_foreign import build_foreign
 from .bundle_records import record_written, snapshot
-from .bundle_writer import (BundleWriter, add_engines, add_t5_tokenizer, add_tokenizer, check_replaceable,
-                            commit_bundle, write_manifest)
-from .cache import Cache, Entry, cache_key
+from .bundle_writer import (BundleWriter, add_engines, add_llm_tokenizer, add_t5_tokenizer, add_tokenizer,
+                            check_replaceable, commit_bundle, write_manifest)
+from .cache import Cache, Entry, cache_key, outcome
 from .demo_families import write_demo_file
 from .engines import PRECAST_VERSION, ExportedComponent
 from .errors import BadInput
-from .export import _with_residuals, export, plan_controlnets, plan_graphs
+from .export import _with_residuals, export, plan_controlnets, plan_graphs, plan_preview
 from .families import FAMILIES, detect_family, flow_defaults, latent_factor_of, require_supported
 from .foreign_onnx import is_foreign_folder
 from .interop import write_pipeline_folder
@@ -85,11 +86,13 @@ def cached_export(cache: Cache, source: Path, digest: str, component: str, dtype
                   progress: bool, vae: Path | None = None, vae_digest: str = "", loras: list | None = None,
                   lora_ids: list[dict] | None = None, text_encoders: tuple = (),
                   te_digests: tuple = (), controlnet: tuple[str, str] | None = None,
-                  controlnet_digest: str = "") -> tuple[Entry, bool]:
+                  controlnet_digest: str = "", preview: str | None = None,
+                  preview_digest: str = "") -> tuple[Entry, bool]:
     """One component's ONNX export, as a cache entry: (verified entry, hit). `loras` are merged
     ((path, strength, te_strength, allow_unmatched) each); `lora_ids` (digest + strength of each LoRA that touches
     this component) go into the key; so do the digests of separate text-encoder files, and of the
-    ControlNet file a `controlnet_<name>` component is made from ((path, name))."""
+    ControlNet file a `controlnet_<name>` component is made from ((path, name)), and of the TAESD file the
+    `preview_decoder` is (`preview`)."""
     key_parts = {"kind": "export", "source_sha256": digest, "component": component, "dtype": dtype,
                  "overrides": overrides, "vae_sha256": vae_digest, "precast": PRECAST_VERSION,
                  "builder": builder_digest()}
@@ -99,6 +102,8 @@ def cached_export(cache: Cache, source: Path, digest: str, component: str, dtype
         key_parts["loras"] = lora_ids
     if controlnet:
         key_parts["controlnet"] = {"sha256": controlnet_digest, "name": controlnet[1]}
+    if preview:
+        key_parts["preview_sha256"] = preview_digest
     key = cache_key(key_parts)
 
     def build(folder: Path) -> dict:
@@ -106,7 +111,7 @@ def cached_export(cache: Cache, source: Path, digest: str, component: str, dtype
         report = export(source, work, [component], dtype, overrides, progress=progress, vae_dtype=dtype,
                         vae=vae, loras=loras if lora_ids else None, warn=lambda msg: None,  # said by build_bundle
                         text_encoders=text_encoders,
-                        controlnets=[controlnet] if controlnet else ())
+                        controlnets=[controlnet] if controlnet else (), preview=preview)
         for f in (work / component).iterdir():
             os.rename(f, folder / f.name)
         shutil.rmtree(work)
@@ -123,7 +128,9 @@ def cached_export(cache: Cache, source: Path, digest: str, component: str, dtype
 
 
 def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), shard: str | None = None,
-                 progress: bool = True, cache: Cache | None = None) -> dict:
+                 progress: bool = True, cache: Cache | None = None, exports_only: bool = False) -> dict:
+    """`exports_only`: the selected entries' components exported (through the cache, so a remote cache gets
+    them) into a bundle of their ONNX, no engines: CI runs it once, before the shards that compile engines."""
     t0 = time.perf_counter()
     out = Path(out)
     check_out(out)
@@ -131,6 +138,9 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
     cache = cache or Cache()
     entries = select(make_plan(recipe), only, shard)
     if not recipe.source.startswith("demo:") and is_foreign_folder(recipe.source):   # optimum / diffusers ONNX
+        if exports_only:
+            raise BadInput(f"--exports-only: {recipe.path}'s source {recipe.source} is an ONNX folder, whose graphs are "
+                           "copied, not exported: drop --exports-only")
         return build_foreign(recipe, out, entries, cache, progress, t0)
     source = materialize_source(recipe, cache)
     ckpt = open_checkpoint(source, vae=recipe.vae, text_encoders=recipe.text_encoders)
@@ -138,7 +148,7 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
     fam = require_supported(ckpt, family)
     if recipe.family and recipe.family != family.name:
         raise BadInput(f"{recipe.path}: family {recipe.family!r} but {source} is {family.name} ({family.evidence})")
-    model_comps = [c for c in recipe.components if not c.startswith(CONTROLNET_PREFIX)]
+    model_comps = [c for c in recipe.components if not c.startswith(CONTROLNET_PREFIX) and c != PREVIEW_DECODER]
     absent = [c for c in model_comps if c not in fam.components]
     if absent:
         raise BadInput(f"{recipe.path}: components: {family.name} has no {', '.join(absent)} "
@@ -151,6 +161,7 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
     planned_nets = plan_controlnets(ckpt, family, recipe.controlnets, "fp32", overrides)
     unet_overrides = _with_residuals(overrides, planned_nets)
     plan_graphs(ckpt, model_comps, "fp32", unet_overrides)
+    plan_preview(ckpt, family, recipe.preview, "fp32")       # a TAESD file that is no decoder, or for other latents
     released = fam.flow(family.variant)
     t5 = released.t5_tokens if released else None
     factor = latent_factor_of(ckpt.refs)
@@ -176,6 +187,7 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
                                                     "--allow-unmatched to `precast build`")
     lora_args = [(l.path, l.strength, l.te_strength, l.allow_unmatched) for l in recipe.loras]
     net_digests = {comp: source_digest(Path(path)) for comp, (path, _) in nets.items()}
+    preview_digest = source_digest(Path(recipe.preview)) if recipe.preview else ""
     vae_path = Path(recipe.vae) if recipe.vae else None
     vae_digest = source_digest(vae_path) if vae_path else ""
 
@@ -183,7 +195,7 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
         if comp.startswith("vae_") and comp not in recipe.precision_explicit and fam.fp32_vae:
             return "fp32", f"{family.name} VAE overflows in fp16; kept fp32 (set precision.{comp} to override)"
         return recipe.precision[comp], "recipe"
-    for e in entries:   # what a target cannot build here (dtype, options, backend, device) before any export
+    for e in [] if exports_only else entries:   # what a target cannot build here (dtype, options, backend, device)
         try:
             check_buildable(e.target, precision_of(e.component)[0], e.component)
         except BadInput as err:
@@ -208,6 +220,9 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
             manifest["model"]["controlnets"] = [{"name": name, "component": comp, "source": Path(path).name,
                                                  "sha256": net_digests[comp], "residuals": cfg["control_residuals"]}
                                                 for (comp, (path, name)), (_, _, cfg) in zip(nets.items(), planned_nets)]
+        if recipe.preview:
+            manifest["model"]["preview"] = {"component": PREVIEW_DECODER, "source": Path(recipe.preview).name,
+                                            "sha256": preview_digest}
         if lora_plan is not None:
             manifest["model"]["loras"] = [{**{k: d[k] for k in ("name", "sha256", "strength", "te_strength")},
                                            **({"unmatched": len(d["unmatched"])} if d["unmatched"] else {})}
@@ -227,9 +242,10 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
                                        vae_path if comp.startswith("vae_") else None,
                                        vae_digest if comp.startswith("vae_") else "", lora_args,
                                        component_loras(lora_plan, fam.components[comp].prefix_in(ckpt.refs))
-                                       if lora_plan is not None and comp not in nets else None,
+                                       if lora_plan is not None and comp in fam.components else None,
                                        recipe.text_encoders if is_text else (), te_digests if is_text else (),
-                                       nets.get(comp), net_digests.get(comp, ""))
+                                       nets.get(comp), net_digests.get(comp, ""),
+                                       recipe.preview if comp == PREVIEW_DECODER else None, preview_digest)
             meta = entry.metadata
             manifest["model"]["prediction"] = meta.get("prediction", "epsilon")
             manifest["model"]["latent_scale"] = meta.get("latent_scale")
@@ -249,15 +265,17 @@ def build_bundle(recipe: Recipe, out: str | Path, only: tuple[str, ...] = (), sh
                 "profiles": [p.describe() for p in profiles],
                 **({"precision_notes": meta["precision_notes"]} if meta.get("precision_notes") else {})}
             report.append({"entry": f"{comp}.onnx", "component": comp, "backend": "onnx", "target": "onnx",
-                           "cache": "hit" if hit else "miss", "seconds": round(time.perf_counter() - c0, 3),
-                           "key": entry.key, "fingerprint": None})
-        add_engines(writer, manifest, report, entries, profiles, exported, cache, progress)
+                           "cache": outcome(entry, hit), "seconds": round(time.perf_counter() - c0, 3),
+                           "key": entry.key, "fingerprint": None, **({"remote": entry.remote} if entry.remote else {})})
+        add_engines(writer, manifest, report, [] if exports_only else entries, profiles, exported, cache, progress)
         for comp, folder in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2"),
                              ("text_encoder_3", "tokenizer_3")):
             if comp not in manifest["components"]:
                 continue
             if "t5_sequence" in str(manifest["components"][comp]["inputs"]):
                 add_t5_tokenizer(writer, source, folder)
+            elif "llm_sequence" in str(manifest["components"][comp]["inputs"]):
+                add_llm_tokenizer(writer, source, folder)
             else:
                 add_tokenizer(writer, source, folder, pad_zero=fam.pad_zero(comp))
         write_pipeline_folder(staging / "onnx", manifest["model"],  # diffusers-style folder (compiler/interop.py)

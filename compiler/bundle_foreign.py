@@ -40,7 +40,8 @@ def folder_digest(folder: Path) -> str:
 
 def _refuse_extras(recipe: Recipe) -> None:
     extras = [name for name, v in (("loras", recipe.loras), ("embeddings", recipe.embeddings),
-                                   ("controlnets", recipe.controlnets), ("model.vae", recipe.vae),
+                                   ("controlnets", recipe.controlnets), ("preview", recipe.preview),
+                                   ("model.vae", recipe.vae),
                                    ("model.text_encoders", recipe.text_encoders),
                                    ("model.set", {k: v for k, v in recipe.overrides.items() if k != "model"})) if v]
     if extras:

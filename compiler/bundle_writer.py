@@ -25,6 +25,7 @@ from .cache import Cache
 from .engines import compile_component
 from .errors import BadInput
 from .plan import _slug
+from .sources.llm_tokenizer_files import llm_tokenizer_files, write_llm_tokenizer_folder
 from .sources.t5_tokenizer_files import write_t5_tokenizer_folder
 
 
@@ -142,7 +143,7 @@ def add_engines(writer: BundleWriter, manifest: dict, report: list, entries, pro
                 "toolchain": meta["toolchain"], "metadata": _artifact_metadata(meta)})
             report.append({**{k: rec[k] for k in ("component", "backend", "target", "cache", "seconds", "key",
                                                   "fingerprint")}, "entry": e.id,
-                           **({"evicted": rec["evicted"]} if rec.get("evicted") else {})})
+                           **{k: rec[k] for k in ("evicted", "remote") if rec.get(k)}})
 
 
 def add_tokenizer(writer: BundleWriter, source: Path, name: str = "tokenizer", pad_zero: bool = False,
@@ -161,6 +162,14 @@ def add_tokenizer(writer: BundleWriter, source: Path, name: str = "tokenizer", p
         if pad_zero:
             (folder / "tokenizer_config.json").write_text(json.dumps({"pad_token": "!"}) + "\n")
     for p in sorted(folder.iterdir()):
+        writer.files[f"{name}/{p.name}"] = file_record(p)
+
+
+def add_llm_tokenizer(writer: BundleWriter, source: Path, name: str, source_folder: str | None = None) -> None:
+    """<name>/{tokenizer.json, tokenizer_config.json}: an LLM text encoder's tokenizer (the diffusers folder's
+    own, else one beside the checkpoint: compiler/sources/llm_tokenizer_files.py)."""
+    write_llm_tokenizer_folder(writer.root / name, llm_tokenizer_files(source, source_folder or name))
+    for p in sorted((writer.root / name).iterdir()):
         writer.files[f"{name}/{p.name}"] = file_record(p)
 
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from ..runtime.progress import heartbeat
-from .cache import Cache, Entry, cache_key, input_digest
+from .cache import Cache, Entry, cache_key, input_digest, outcome
 from .errors import BadInput
 from .exported import ExportedComponent
 from .foreign_onnx import is_foreign_folder, read_foreign
@@ -163,8 +163,9 @@ def preflight(comp: ExportedComponent, spec: TargetSpec, profile: ShapeProfile) 
 def compile_component(comp: ExportedComponent, spec: TargetSpec, profile: ShapeProfile, cache: Cache,
                       progress: bool = True) -> tuple[dict, Entry]:
     """Build (or fetch) one artifact; returns (report record, verified cache entry). The record:
-    component, backend, target, cache (hit | miss), seconds, key, fingerprint, path (the cache
-    entry folder), artifact (its main file), entry (that file's name), size."""
+    component, backend, target, cache (hit | remote | miss), seconds, key, fingerprint, path (the cache
+    entry folder), artifact (its main file), entry (that file's name), size; remote (with a remote cache,
+    on a local miss: hit | pushed | miss)."""
     target = get_target(spec.backend)
     preflight(comp, spec, profile)
     t0 = time.perf_counter()
@@ -193,9 +194,11 @@ def compile_component(comp: ExportedComponent, spec: TargetSpec, profile: ShapeP
     entry, hit, evicted = cache.get_or_build(key, build, progress=progress)
     main = entry.metadata.get("entry")
     record = {"component": comp.name, "backend": spec.backend, "target": spec.label(),
-              "cache": "hit" if hit else "miss", "seconds": round(time.perf_counter() - t0, 3), "key": key,
+              "cache": outcome(entry, hit), "seconds": round(time.perf_counter() - t0, 3), "key": key,
               "fingerprint": fingerprint, "path": str(entry.path),
               "artifact": str(entry.path / main) if main else None, "entry": main, "size": entry.size}
     if evicted:
         record["evicted"] = evicted
+    if entry.remote:
+        record["remote"] = entry.remote
     return record, entry

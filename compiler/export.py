@@ -1,9 +1,9 @@
 """Checkpoint -> one ONNX folder per component (optimum-onnx layout), written atomically.
 
 Owns: the export itself: open, detect, build every graph from the header alone (the components of the
-detected family, compiler/families/, and the ControlNets given beside it), check coverage and that the
-parts fit, and only then stream weights (LoRAs merged on the way) into a staging folder that is renamed
-into place; the export's record (precast_export.json: family, variant, prediction type, latent scale,
+detected family, compiler/families/, the ControlNets and the TAESD preview decoder given beside it), check
+coverage and that the parts fit, and only then stream weights (LoRAs merged on the way) into a staging folder
+that is renamed into place; the export's record (precast_export.json: family, variant, prediction type, latent scale,
 schedule). A failure leaves nothing.
 """
 from __future__ import annotations
@@ -19,13 +19,15 @@ import numpy as np
 import onnx
 
 from ..runtime.fileops import exchange_dirs, replace_file
+from ..runtime.previews import PREVIEW_DECODER
 from ..runtime.progress import bar
 from ..runtime.staging import Staging, recover
 from .cache import staging_registry
 from .errors import BadInput
-from .families import (FAMILIES, Component, Detected, Family, detect_family, flow_defaults, latent_factor_of,
-                       require_supported, titles)
+from .families import (FAMILIES, Component, Detected, Family, detect_family, flow_defaults, latent_channels_of,
+                       latent_factor_of, require_supported, titles)
 from .graphs import controlnet as cn
+from .graphs import taesd
 from .graphs.onnx_graph import DTYPE_NAMES, NP_OF, Graph
 from .graphs.onnx_writer import save_model
 from .interop import write_pipeline_folder
@@ -34,6 +36,7 @@ from .sources.checkpoint import Checkpoint, open_checkpoint
 from .sources.config_fields import field
 from .sources.controlnet import CONTROL, CONTROLNET_PREFIX, controlnet_name, open_controlnet
 from .sources.gguf_file import GGUF_BLOCKS, carried_blocks, source_quantization
+from .sources.taesd import TAESD, open_preview_decoder
 
 
 IGNORED_SUFFIXES = ("position_ids", "attn_mask", "logit_scale")  # buffers some saves carry; not weights
@@ -105,11 +108,13 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
            dtype: str = "fp32", overrides: dict | None = None, progress: bool = True,
            vae_dtype: str = "auto", loras: list | None = None, allow_unmatched: bool = False,
            warn: Callable[[str], None] | None = None, vae: str | os.PathLike | None = None,
-           text_encoders: tuple | list = (), controlnets: tuple | list = ()) -> dict:
+           text_encoders: tuple | list = (), controlnets: tuple | list = (),
+           preview: str | os.PathLike | None = None) -> dict:
     """`loras`: (path, strength[, te_strength[, allow_unmatched]]) tuples or objects with those fields, merged into
     the weights while they stream (compiler/lora_merge.py); checked before anything is written.
     `controlnets`: (path, name or None) pairs (or paths): each becomes a `controlnet_<name>`
-    component, and the UNet is built with their residuals as inputs."""
+    component, and the UNet is built with their residuals as inputs. `preview`: a TAESD decoder file or folder,
+    the `preview_decoder` component (plan_preview)."""
     t0 = time.perf_counter()
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -126,9 +131,13 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
                        f"{titles(n for n, f in FAMILIES.items() if f.text_encoder_files)}; "
                        f"a {family.name} export takes its text encoders from {ckpt.path}: drop the flag")
     nets = plan_controlnets(ckpt, family, controlnets, dtype, overrides or {})
+    previews = plan_preview(ckpt, family, preview, dtype)
     wanted = list(components) if components else None
-    names = [n for n in wanted if not n.startswith(CONTROLNET_PREFIX)] if wanted else \
+    names = [n for n in wanted if not n.startswith(CONTROLNET_PREFIX) and n != PREVIEW_DECODER] if wanted else \
         present_components(ckpt, family)
+    if wanted and PREVIEW_DECODER in wanted and not previews:
+        raise BadInput(f"--component {PREVIEW_DECODER}: no TAESD decoder is given "
+                       "(a recipe's `preview: {path: FILE}`)")
     unknown = [n for n in wanted or () if n.startswith(CONTROLNET_PREFIX) and n not in [c.name for c, _, _ in nets]]
     if unknown:
         raise BadInput(f"--component {unknown[0]}: no ControlNet of that name is given "
@@ -136,7 +145,8 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
     # every ControlNet given, unless --component names some of them
     picked = wanted is not None and any(n.startswith(CONTROLNET_PREFIX) for n in wanted)
     planned = plan_graphs(ckpt, names, dtype, _with_residuals(overrides or {}, nets), vae_dtype) + \
-        [n for n in nets if not picked or n[0].name in wanted]
+        [n for n in nets if not picked or n[0].name in wanted] + \
+        [p for p in previews if wanted is None or PREVIEW_DECODER in wanted]
     merge = _lora_plan(ckpt, loras, allow_unmatched, warn) if loras else None
     total = sum(int(np.prod(w.shape, dtype=np.int64)) * np.dtype(NP_OF[w.elem_type]).itemsize
                 for _, g, _ in planned for w in g.weights.values())
@@ -168,6 +178,9 @@ def export(source: str | os.PathLike, out: str | os.PathLike, components: list[s
         report["controlnets"] = [{"name": c.name, "source": cfg["source"], "layout": g.ckpt.layout,
                                   "source_identity": g.ckpt.identity(), "residuals": cfg["control_residuals"]}
                                  for c, g, cfg in nets]
+    if previews:
+        report["preview"] = {"source": str(preview), "layout": previews[0][1].ckpt.layout,
+                             "source_identity": previews[0][1].ckpt.identity()}
     with Staging(out, "exporting", staging_registry()) as stage:
         staging = stage.path
         with _progress(total, progress) as bar:
@@ -253,6 +266,34 @@ def plan_controlnets(ckpt: Checkpoint, family: Detected, controlnets, dtype: str
     return planned
 
 
+def plan_preview(ckpt: Checkpoint, family: Detected, path, dtype: str) -> list[tuple[Component, Graph, dict]]:
+    """The `preview_decoder` component made from a TAESD decoder (compiler/sources/taesd.py, graphs/taesd.py),
+    built from its header and checked against the model's latents (one line naming the file and the key);
+    [] without one."""
+    if not path:
+        return []
+    dec = open_preview_decoder(path)
+    g = Graph(PREVIEW_DECODER, dec, TAESD, dtype)
+    try:
+        cfg = taesd.taesd_config(g, dec.configs.get("preview", {}), {})
+        taesd.build_taesd_decoder(g, cfg)
+    except (ValueError, IndexError, TypeError, ZeroDivisionError, OverflowError) as e:
+        raise BadInput(f"preview: {path}: the tensors' shapes do not fit a TAESD decoder ({e}); the file may be "
+                       "damaged or of another architecture") from None
+    g.check_coverage([TAESD], ignore=lambda k: k.endswith(IGNORED_SUFFIXES))
+    channels, factor = latent_channels_of(ckpt.refs), latent_factor_of(ckpt.refs)
+    title, upscale = FAMILIES[family.name].runtime.title, cfg.describe()["upscale"]
+    if channels is not None and channels != cfg.latent_channels:
+        raise BadInput(f"preview: {path}: {dec.refs[TAESD + '1.weight'].key} takes {cfg.latent_channels}-channel "
+                       f"latents, but {ckpt.path} ({title}) makes {channels}-channel ones; give the TAESD decoder "
+                       f"made for {title}")
+    if channels is not None and upscale != factor:
+        raise BadInput(f"preview: {path}: decodes latents to {upscale}x their size, but {ckpt.path} ({title})'s VAE "
+                       f"to {factor}x; give the TAESD decoder made for {title}")
+    comp = Component(PREVIEW_DECODER, (TAESD,), "preview", taesd.taesd_config, taesd.build_taesd_decoder)
+    return [(comp, g, cfg.describe())]
+
+
 def _with_residuals(overrides: dict, nets: list) -> dict:
     """The overrides that build the UNet with one residual input per input block (+ the middle
     block's) when ControlNets are exported beside it; unchanged without."""
@@ -311,7 +352,7 @@ def _keep_earlier(report: dict, earlier: dict) -> list[dict]:
     """An export into an earlier one of the same source (same file, weights, LoRAs, VAE and text
     encoders) keeps that export's other components, so `--component vae_decoder --dtype fp32`
     re-exports one part; an earlier export of anything else goes whole."""
-    same = ("source", "source_identity", "loras", "vae", "text_encoders", "family", "controlnets")
+    same = ("source", "source_identity", "loras", "vae", "text_encoders", "family", "controlnets", "preview")
     if not earlier or any(earlier.get(k) != report.get(k) for k in same):
         return []
     names = {c["name"] for c in report["components"]}

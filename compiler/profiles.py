@@ -6,7 +6,8 @@ the UNet batch doubles for classifier-free guidance; the UNet and ControlNets re
 77-token prompt chunks past 77 -- where a CLIP text encoder runs at most 77, one chunk at a time; a
 Flux/Chroma transformer sees one token per 16x16 pixels -- 2x2 patches of latents -- and the T5 length,
 `t5_tokens`; an SD3 transformer takes the latents and CLIP's 77 tokens followed by the T5 length,
-`text_sequence`). A text encoder's
+`text_sequence`; Z-Image's LLM text encoder and transformer read `t5_tokens` as their text length,
+`llm_sequence`). A text encoder's
 textual-inversion rows (`extra_tokens`) take 1..EXTRA_TOKENS rows, except where the profile fixes
 every other dimension the component reads: then they are fixed at the maximum, so the engine is
 fully static (OpenVINO compiles it with static shapes, ONNX Runtime pins the dims, MIGraphX can build
@@ -108,6 +109,10 @@ class ShapeProfile:
             if self.t5_tokens is None:
                 raise BadInput(f"{component}: the profile gives no T5 length (t5_tokens)")
             symbolic["t5_sequence"] = self.t5_tokens
+        if "llm_sequence" in dims:      # an LLM text encoder's tokens (Z-Image), the transformer's text length too
+            if self.t5_tokens is None:
+                raise BadInput(f"{component}: the profile gives no text length (t5_tokens)")
+            symbolic["llm_sequence"] = self.t5_tokens
         if "text_sequence" in dims:     # SD3: CLIP tokens then T5 tokens, one sequence
             if self.t5_tokens is None:
                 raise BadInput(f"{component}: the profile gives no T5 length (t5_tokens)")

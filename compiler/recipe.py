@@ -1,8 +1,8 @@
 """Build recipes: YAML that says what to build, validated with errors that name file:line and field.
 
 Owns: the recipe schema (model source, family, components, precision per component, LoRAs and
-embeddings, shape profiles, targets), its validation, a family's default components (all of the
-family's, compiler/families/) and the shipped recipes. Reading the YAML with its lines is
+embeddings, ControlNets, the preview decoder, shape profiles, targets), its validation, a family's default
+components (all of the family's, compiler/families/) and the shipped recipes. Reading the YAML with its lines is
 compiler/recipe_doc.py's. Paths are relative to the recipe's folder; `demo:tiny-NAME` names an embedded
 checkpoint, the file `precast demo-model --family NAME` writes (written on demand, no download).
 """
@@ -15,6 +15,7 @@ from pathlib import Path
 from .errors import BadInput
 from .families import ASSUMED, FAMILIES, SET_FIELDS, detect_family, require_supported, set_problem
 from .foreign_onnx import is_foreign_folder, read_foreign
+from ..runtime.previews import PREVIEW_DECODER
 from ..runtime.prompts import CLIP_TOKENS
 from .profiles import MAX_TOKENS, ShapeProfile, parse_range
 from .recipe_doc import Doc, check_keys, flag, listed, number, string
@@ -26,7 +27,8 @@ COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "unet", "trans
 # a recipe's default components: all of its family's (the one table of families, compiler/families/)
 DEFAULT_COMPONENTS = {name: tuple(f.components) for name, f in FAMILIES.items()}
 PRECISIONS = ("fp32", "fp16", "bf16")
-TOP_FIELDS = {"name", "model", "components", "precision", "loras", "embeddings", "controlnets", "profiles", "targets"}
+TOP_FIELDS = {"name", "model", "components", "precision", "loras", "embeddings", "controlnets", "preview", "profiles",
+              "targets"}
 MODEL_FIELDS = {"source", "family", "set", "vae", "prediction", "text_encoders"}
 PROFILE_FIELDS = {"batch", "height", "width", "tokens", "t5_tokens", "static"}
 # embedded tiny models (written on demand, no download): demo name -> family (each family's Family.demos)
@@ -60,6 +62,7 @@ class Recipe:
     lines: dict = field(default_factory=dict, compare=False)
     assumed_components: bool = False   # no family, no components, no checkpoint to read: SD 1.x's assumed
     controlnets: tuple[tuple[str, str], ...] = ()   # (file or folder, name): components controlnet_<name>
+    preview: str | None = None          # a TAESD decoder file or folder: the component preview_decoder
 
 
 def _overrides(doc: Doc, value) -> dict:
@@ -276,6 +279,10 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
     for _, net in controlnets:       # each its own component, built at the UNet's precision
         comps.append(f"controlnet_{net}")
         per_comp[f"controlnet_{net}"] = per_comp.get("unet", precision.get("default", "fp32"))
+    preview = _preview(doc, data.get("preview"), base, check_files)
+    if preview:                      # the step previews' tiny decoder, at the recipe's default precision
+        comps.append(PREVIEW_DECODER)
+        per_comp[PREVIEW_DECODER] = precision.get("default", "fp32")
     overrides = _overrides(doc, model.get("set"))
     if prediction:
         overrides["model"] = {**overrides.get("model", {}), "prediction": prediction}
@@ -284,7 +291,7 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
     _check_target_dtypes(doc, targets, per_comp, explicit, family or DEMO_SOURCES.get(source))
     return Recipe(str(path), str(name), source, family, overrides, tuple(comps), per_comp, explicit, vae,
                   tuple(text_encoders), tuple(loras), embeddings, _profiles(doc, data.get("profiles")), targets,
-                  lines=doc.lines, assumed_components=assumed, controlnets=controlnets)
+                  lines=doc.lines, assumed_components=assumed, controlnets=controlnets, preview=preview)
 
 
 def _controlnets(doc: Doc, value, base: Path, check_files: bool) -> tuple[tuple[str, str], ...]:
@@ -306,6 +313,21 @@ def _controlnets(doc: Doc, value, base: Path, check_files: bool) -> tuple[tuple[
             raise doc.error(w, f"a second ControlNet named {name!r}: give each one its own name")
         out.append((str(path), name))
     return tuple(out)
+
+
+def _preview(doc: Doc, value, base: Path, check_files: bool) -> str | None:
+    """`preview:` -- a TAESD decoder file or folder, or {path}: its absolute path (read at build: compiler/export.py
+    plan_preview)."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, dict)):
+        raise doc.error("preview", f"expected a TAESD decoder file or {{path: FILE}}, got {value!r}")
+    item = {"path": value} if isinstance(value, str) else check_keys(doc, "preview", value, {"path"})
+    path = (base / string(doc, "preview.path" if "path" in item else "preview", item.get("path"),
+                          "{path: FILE}, a TAESD / TAESDXL / TAESD3 / TAEF1 decoder")).resolve()
+    if check_files and not path.exists():
+        raise doc.error("preview", f"{path} does not exist")
+    return str(path)
 
 
 def _check_target_dtypes(doc: Doc, targets, precision: dict, explicit: frozenset, family: str | None) -> None:

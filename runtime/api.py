@@ -20,6 +20,8 @@ value is one UserError line naming the keyword and the fix. Imports numpy and th
         im.save(f"fox-{im.seed}.png")
     bundle.img2img("a red fox, oil painting", "fox.png", strength=0.6).save("painted.png")
     bundle.inpaint("a cat", "fox.png", "mask.png").save("cat.png")     # white = repaint
+    bundle.txt2img("a red fox", size=(512, 512), hires_scale=2, hires_denoise=0.6).save("fox-1024.png")  # hires fix
+    bundle.txt2img("a red fox", size=(1024, 1024), vae_tiling=True)    # VAE decoded in overlapping tiles
 """
 from __future__ import annotations
 
@@ -32,12 +34,13 @@ from typing import Literal, Union
 import numpy as np
 
 from .assign import COMPONENT_MODULE, Placement, assign_modules
-from .checks import check_strength, is_int, shown
+from .checks import check_strength, check_vae_tiling, is_int, shown
 from .devices import Device, apply_device_override, discover_devices
 from .errors import Cancelled, UserError
 from .families import family_of
 from .generate import (CancelHook, ControlSpec, Image, ImageInput, Pipeline, PreviewCallback, StepCallback,
                        check_image_mode, check_settings, control_entries, preview_method)
+from .hires import check_hires
 from .image_size import latent_factor, optimal_size, parse_size
 from .loading import timed
 from .manifest import Manifest, read_manifest
@@ -163,6 +166,7 @@ class Bundle:
     verify: Verify = "auto"
     sysroot: str = "/"
     _pipelines: dict = field(default_factory=dict, repr=False)
+    remote: object = field(default=None, repr=False)    # opened from an oci:// ref: runtime/oci/store.py's Opened
 
     @property
     def family(self) -> str | None:
@@ -220,32 +224,40 @@ class Bundle:
         return Component(self, component, session, plan_of(component_report(component, cand, reasons), placement, rest))
 
     def pipeline(self, backend: str | None = None, *, params_backend: str | None = None, size: Size = None,
-                 strict: bool = False, image_input: bool = False, controlnets: Sequence[str] = ()) -> Pipeline:
+                 strict: bool = False, image_input: bool = False, controlnets: Sequence[str] = (),
+                 vae_tiling: bool | None = None, vae_tile: int | None = None) -> Pipeline:
         """The family's pipeline, loaded (kept: the same arguments return the same pipeline).
         `image_input`: the VAE encoder loaded too, for img2img and inpainting (SD 1.x/2.x/XL bundles that
         have one); such a pipeline also serves txt2img. `controlnets`: the bundle's ControlNets (by name)
-        to load for `controls=` calls."""
+        to load for `controls=` calls. `vae_tiling`: the VAE decodes (and encodes) in overlapping tiles --
+        True always, False never, None (default) when the image is past its engine's profile or its device's
+        memory --, `vae_tile` px a side (default 512, within the engine's profile; runtime/vae_tiling.py)."""
         _check_backends(backend, params_backend)
+        vae_tiling, vae_tile = check_vae_tiling(vae_tiling, vae_tile, latent_factor(self.manifest), "api")
         controlnets = () if controlnets is None else controlnets
         if isinstance(controlnets, (str, bytes)) or not isinstance(controlnets, Iterable) \
                 or not all(isinstance(n, str) for n in controlnets):
             raise UserError(f"controlnets={controlnets!r}: expected a list of the bundle's ControlNet names, e.g. ['canny']")
         w, h = self._size(size)
         nets = tuple(sorted(set(controlnets)))
-        key = (backend, params_backend, w, h, strict, nets)
+        key = (backend, params_backend, w, h, strict, nets, vae_tiling, vae_tile)
         if (*key, True) in self._pipelines and not image_input:
             return self._pipelines[(*key, True)]
         key = (*key, image_input)
         if key not in self._pipelines:
             cls = family_of(self.manifest).pipeline
             extra = {"image_input": True} if image_input else {}
+            if vae_tiling is not None or vae_tile is not None:
+                extra.update(vae_tiling=vae_tiling, vae_tile=vae_tile)
             if nets:
                 for n in nets:
                     check_net(self.manifest, n, "controlnets=")
                 extra["controlnets"] = tuple(f"controlnet_{n}" for n in nets)
             pipe = cls(self.manifest, backend, params_backend, width=w, height=h, sysroot=self.sysroot,
                        strict=strict, verify=self.verify, **extra)
-            self._pipelines[key] = Pipeline(self.path, pipe)
+            self._pipelines[key] = Pipeline(self.path, pipe, lambda size, image_input: self.pipeline(
+                backend, params_backend=params_backend, size=size, strict=strict, image_input=image_input,
+                controlnets=nets, vae_tiling=vae_tiling, vae_tile=vae_tile))
         return self._pipelines[key]
 
     def txt2img(self, prompt: str, *, negative: str = "", steps: int | None = None, seed: int = 0,
@@ -253,38 +265,51 @@ class Bundle:
                 backend: str | None = None, params_backend: str | None = None, strict: bool = False,
                 on_step: StepCallback | None = None, cancel: CancelHook = None,
                 show_progress: bool = False, controls: Sequence[ControlSpec] = (), guess_mode: bool = False,
-                schedule: str | None = None, on_preview: PreviewCallback | None = None, preview: str = "auto") -> Image:
+                schedule: str | None = None, on_preview: PreviewCallback | None = None, preview: str = "auto",
+                hires_scale: float | None = None, hires_size: Size = None, hires_steps: int | None = None,
+                hires_denoise: float | None = None, hires_upscaler: str | None = None,
+                vae_tiling: bool | None = None, vae_tile: int | None = None) -> Image:
         """One image in one call: `pipeline(...)` (loaded once per backend/size) then `Pipeline.__call__`.
         The same image as `precast generate` with the same settings. Several (`--batch` / `--count`):
         `pipeline(...).images(prompt, batch=N, count=M, ...)`, a list. `controls`: ControlNets, each
         (name, image[, scale[, start, end]]) as `--controlnet NAME --control IMAGE:SCALE`. `scheduler` /
         `schedule`: the sampler and SD's sigma schedule, as `--scheduler` / `--schedule`
         (docs/runtime.md#samplers). `on_preview(done, total, image)`: a preview each step, `preview` its method
-        (docs/runtime.md#previews)."""
+        (docs/runtime.md#previews). `hires_scale` (or `hires_size`), `hires_steps`, `hires_denoise`,
+        `hires_upscaler`: the hires fix (runtime/hires.py), as `--hires-*`; `vae_tiling` / `vae_tile` as
+        `pipeline`'s."""
         check_settings(self.manifest, prompt, negative, steps, seed, guidance, scheduler, on_step, cancel, schedule)
         preview_method(self.manifest, on_preview, preview)
         check_image_mode(self.manifest, False, False, None, 1, "api")   # an inpainting UNet needs an image and mask
         controls = control_entries(self.manifest, controls, guess_mode)
+        family = family_of(self.manifest)
+        hires = check_hires(self.manifest, family, self._size(size), hires_scale, hires_size, hires_steps,
+                            hires_denoise, hires_upscaler, family.steps if steps is None else steps, "api")
         pipe = self.pipeline(backend, params_backend=params_backend, size=size, strict=strict,
-                             controlnets=[c[0] for c in controls])
+                             controlnets=[c[0] for c in controls], image_input=bool(hires and not hires.latent),
+                             vae_tiling=vae_tiling, vae_tile=vae_tile)
         return pipe(prompt, negative=negative, steps=steps, seed=seed, guidance=guidance, scheduler=scheduler,
                     schedule=schedule, on_step=on_step, cancel=cancel, show_progress=show_progress, controls=controls,
-                    guess_mode=guess_mode, on_preview=on_preview, preview=preview)
+                    guess_mode=guess_mode, on_preview=on_preview, preview=preview, hires_scale=hires_scale,
+                    hires_size=hires_size, hires_steps=hires_steps, hires_denoise=hires_denoise,
+                    hires_upscaler=hires_upscaler)
 
     def img2img(self, prompt: str, image: ImageInput, *, strength: float | None = None, negative: str = "",
                 steps: int | None = None, seed: int = 0, guidance: float | None = None, scheduler: str | None = None,
                 size: Size = None, backend: str | None = None, params_backend: str | None = None,
                 strict: bool = False, on_step: StepCallback | None = None, cancel: CancelHook = None,
                 show_progress: bool = False, controls: Sequence[ControlSpec] = (), guess_mode: bool = False,
-                schedule: str | None = None, on_preview: PreviewCallback | None = None, preview: str = "auto") -> Image:
+                schedule: str | None = None, on_preview: PreviewCallback | None = None, preview: str = "auto",
+                vae_tiling: bool | None = None, vae_tile: int | None = None) -> Image:
         """img2img in one call (SD 1.x/2.x/XL bundles with a vae_encoder): `image` (a PNG path or a uint8
         array) encoded, noised to the first of the int(steps x strength) steps it runs (strength: more
         than 0, at most 1; default 0.8), then denoised as txt2img. `size`: default the image's own
         (multiples of 8); another size centre-crops the image to its aspect ratio and resizes it.
-        `precast generate --init-image` with the same settings writes the same PNG."""
+        `precast generate --init-image` with the same settings writes the same PNG. `vae_tiling` / `vae_tile`
+        as `pipeline`'s (the encoder too)."""
         return self._image_mode(prompt, image, None, strength, negative, steps, seed, guidance, scheduler, size,
                                 backend, params_backend, strict, on_step, cancel, show_progress, controls, guess_mode,
-                                schedule, on_preview, preview)
+                                schedule, on_preview, preview, vae_tiling, vae_tile)
 
     def inpaint(self, prompt: str, image: ImageInput, mask: ImageInput, *, strength: float | None = None,
                 negative: str = "", steps: int | None = None, seed: int = 0, guidance: float | None = None,
@@ -292,7 +317,7 @@ class Bundle:
                 params_backend: str | None = None, strict: bool = False, on_step: StepCallback | None = None,
                 cancel: CancelHook = None, show_progress: bool = False, controls: Sequence[ControlSpec] = (),
                 guess_mode: bool = False, schedule: str | None = None, on_preview: PreviewCallback | None = None,
-                preview: str = "auto") -> Image:
+                preview: str = "auto", vae_tiling: bool | None = None, vae_tile: int | None = None) -> Image:
         """Inpainting in one call: `mask` (the image's size; white = repaint, luma >= 128) says what is
         painted anew. An inpainting UNet (9 input channels) sees the mask and the masked image; a plain
         UNet inpaints by latent blending. `strength` default 1.0 (from pure noise); otherwise as img2img.
@@ -301,11 +326,11 @@ class Bundle:
             raise UserError("mask=: inpainting needs a mask (white = repaint); for img2img call bundle.img2img")
         return self._image_mode(prompt, image, mask, strength, negative, steps, seed, guidance, scheduler, size,
                                 backend, params_backend, strict, on_step, cancel, show_progress, controls, guess_mode,
-                                schedule, on_preview, preview)
+                                schedule, on_preview, preview, vae_tiling, vae_tile)
 
     def _image_mode(self, prompt, image, mask, strength, negative, steps, seed, guidance, scheduler, size, backend,
                     params_backend, strict, on_step, cancel, show_progress, controls=(), guess_mode=False,
-                    schedule=None, on_preview=None, preview="auto") -> Image:
+                    schedule=None, on_preview=None, preview="auto", vae_tiling=None, vae_tile=None) -> Image:
         """Everything checked before any engine loads: settings, the images, the mode against the bundle."""
         from . import images
         check_settings(self.manifest, prompt, negative, steps, seed, guidance, scheduler, on_step, cancel, schedule)
@@ -321,7 +346,7 @@ class Bundle:
             size = images.output_size(init, "init_image", image if not isinstance(image, np.ndarray) else None,
                                       latent_factor(self.manifest))
         pipe = self.pipeline(backend, params_backend=params_backend, size=size, strict=strict, image_input=True,
-                             controlnets=[c[0] for c in controls])
+                             controlnets=[c[0] for c in controls], vae_tiling=vae_tiling, vae_tile=vae_tile)
         return pipe(prompt, negative=negative, steps=steps, seed=seed, guidance=guidance, scheduler=scheduler,
                     schedule=schedule, on_step=on_step, cancel=cancel, show_progress=show_progress, init_image=init,
                     mask=mask_px,
@@ -348,14 +373,27 @@ class Bundle:
                        DEFAULT_MODULES + tuple(x for x in extra if x not in DEFAULT_MODULES))
 
 
-def open_bundle(path: str | os.PathLike, *, verify: Verify = "auto", sysroot: str = "/") -> Bundle:
+def open_bundle(path: str | os.PathLike, *, verify: Verify = "auto", sysroot: str = "/", backend: str | None = None,
+                pull: bool = True) -> Bundle:
     """Reads and checks a bundle's manifest (UserError, one line, if it is not a bundle). `verify`, as
     `--verify`: "auto" hashes each file once per file state (records trusted while the file is
     unchanged), "full" hashes every file again on every load. `sysroot`: read devices from a recorded
-    tree (tests)."""
+    tree (tests). `path` may be a registry reference, "oci://HOST/REPO:TAG" (the remote extra): what this
+    machine selects -- under `backend`, the --backend grammar, when given -- is pulled into the local store
+    (runtime/oci/store.py: one copy of each blob whatever the references) and opened from there; with the
+    registry unreachable, a reference pulled before opens as it was (a note on stderr). `pull=False`
+    downloads no engine: `plan()` says what would run once pulled, `Bundle.remote.files` what a pull fetches."""
     if not isinstance(path, (str, os.PathLike)):
         raise UserError(f"path={path!r}: expected the bundle's folder (a str or os.PathLike), e.g. 'build/demo/bundle'")
     mode = str(verify).lower()
     if mode not in ("auto", "full"):
         raise UserError(f"verify={verify!r}: expected 'auto' or 'full'")
+    if isinstance(path, str) and path.startswith("oci://"):
+        from .oci import need_remote
+        need_remote()
+        from .oci.store import open_ref
+        _check_backends(backend, None)
+        opened = open_ref(path, machine(sysroot, backend, None, False, DEFAULT_MODULES + tuple(
+            dict.fromkeys(m for m in COMPONENT_MODULE.values() if m not in DEFAULT_MODULES))), pull=pull)
+        return Bundle(Path(opened.folder), opened.manifest(), mode if opened.local else False, sysroot, remote=opened)
     return Bundle(Path(path), read_manifest(path), mode, sysroot)

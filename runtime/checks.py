@@ -1,7 +1,8 @@
 """The value checks of a generation's settings that `precast generate` (runtime/run_commands.py) and the
 Python API (runtime/api.py, runtime/generate.py) share, run before anything loads: steps, seed, batch,
-count, guidance, strength, prompt text, the output path, and the PNG write itself (the checks that need the bundle's
-family -- scheduler, image mode -- are runtime/generate.py's).
+count, guidance, strength, VAE tiling, prompt text, the output path, and the PNG write itself (the checks
+that need the bundle's family -- scheduler, image mode, hires fix -- are runtime/generate.py's and
+runtime/hires.py's).
 
 Owns the wording: each mistake is one UserError line naming the setting as its caller spells it --
 an option (`--steps 0: ...`) or a keyword (`steps='10': ...`, any name ending in "=") -- and the fix,
@@ -83,6 +84,19 @@ def check_strength(strength, name: str = "--strength") -> float:
         raise UserError(f"{shown(name, strength)}: must be more than 0 and at most 1 "
                         "(the share of the schedule run from the noised image; 1 = from pure noise)")
     return share
+
+
+def check_vae_tiling(tiling, tile, factor: int, names: str = "cli") -> tuple[bool | None, int | None]:
+    """(tiling, tile): VAE tiling forced (True), never (False) or when needed (None), and the tile's side in
+    pixels (None: the default), a multiple of the VAE's `factor` pixels per latent, 8 latents at least."""
+    t_name, s_name = ("--vae-tiling", "--vae-tile") if names == "cli" else ("vae_tiling=", "vae_tile=")
+    if tiling is not None and not isinstance(tiling, bool):
+        raise UserError(f"{shown(t_name, tiling)}: expected True (always tile), False (never) or None (when the "
+                        "image is past the VAE engine's profile or its memory)")
+    if tile is not None and (not is_int(tile) or tile < 8 * factor or tile % factor or tile > 16384):
+        raise UserError(f"{shown(s_name, tile)}: must be a whole number of pixels from {8 * factor} to 16384, a "
+                        f"multiple of {factor} (the VAE's pixels per latent), e.g. 512")
+    return tiling, None if tile is None else int(tile)
 
 
 def check_text(text, name: str) -> str:

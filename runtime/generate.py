@@ -3,8 +3,9 @@ once, the bundle family's pipeline called, an `Image` back.
 
 Owns: `Pipeline` (a family's pipeline, loaded, called per image -- or per batch x count images, seeds
 seed, seed + 1, ... --: settings -> defaults from the family and the bundle -> image mode -> ControlNets ->
-the per-step hooks -> `Image`s), `Image` (its pixels, the settings that made it, and the PNG with them:
-A1111's parameters and precast's record, runtime/metadata.py), the step hooks (a
+the per-step hooks -> `Image`s; the hires fix's two passes, runtime/hires.py), `Image` (its pixels, the
+settings that made it, and the PNG with them: A1111's parameters and precast's record, runtime/metadata.py),
+the step hooks (a
 progress callback, a preview callback -- runtime/previews.py --, a cancel hook raising `Cancelled`), and the checks that need the bundle's family:
 `check_scheduler` (sampler and sigma schedule), `check_image_mode` (the family's own), `check_settings`,
 `control_entries` (the API's `controls=`). Value checks are runtime/checks.py's; the pipelines are runtime/families/'s.
@@ -30,7 +31,9 @@ from .families import FAMILIES, family_of
 from .loading import BundleModel, to_uint8
 from .report import Report, plan_of, report_of
 from .control import check_net, check_range, plan_controls
-from .images import init_image
+from .hires import Hires, check_hires, upscale_latents
+from .image_size import latent_factor
+from .images import image_tensor, init_image
 from .metadata import PARAMETERS, RECORD, made_with, parameters_text, pixels_digest, record_text
 from .png import png_bytes
 from .previews import check_preview
@@ -164,6 +167,9 @@ class Image:
     #                                                pixels, however given), guess_mode
     made_with: dict = field(default_factory=dict)  # the bundle and what ran where (runtime/metadata.made_with)
     schedule: str | None = None              # the sigma schedule (SD); None: the model's own (flow matching)
+    hires: dict | None = None                # the hires fix's second pass (runtime/hires.py Hires.record) and
+    #                                          "base", the first pass's size
+    vae_tiling: dict | None = None           # asked (forced, tile) and what was tiled (runtime/vae_tiling.py)
 
     @property
     def size(self) -> tuple[int, int]:
@@ -176,11 +182,14 @@ class Image:
 
     @property
     def settings(self) -> dict:
-        """The exact settings that made it: what `precast generate --from-png` reruns."""
+        """The exact settings that made it: what `precast generate --from-png` reruns (`size`: the first
+        pass's under a hires fix)."""
+        hires = {"hires": {k: v for k, v in self.hires.items() if k != "base"}} if self.hires else {}
+        tiling = {"vae_tiling": self.vae_tiling} if self.vae_tiling else {}
         return {"prompt": self.prompt, "negative": self.negative, "steps": self.steps, "seed": self.seed,
                 "guidance": self.guidance, "scheduler": self.scheduler, "schedule": self.schedule,
-                "size": "{}x{}".format(*self.size),
-                "mode": self.mode, "strength": self.strength, **self.inputs}
+                "size": self.hires["base"] if self.hires else "{}x{}".format(*self.size),
+                "mode": self.mode, "strength": self.strength, **self.inputs, **hires, **tiling}
 
     @property
     def parameters(self) -> str:
@@ -227,6 +236,8 @@ def preview_method(manifest, on_preview, preview="auto") -> str:
     if on_preview is not None and not callable(on_preview):
         raise UserError(f"on_preview={on_preview!r}: expected a callable taking (steps done, total steps, uint8 "
                         "image [H, W, 3]), or None")
+    if on_preview is None and preview == "auto":
+        return "auto"            # no previews asked for: none to check against the bundle
     return check_preview(preview, manifest.components, family_of(manifest).latent_rgb, "preview=")
 
 
@@ -271,8 +282,10 @@ class Pipeline:
     """A bundle's reference pipeline (its family's), loaded once and called per image. `report` is what
     was loaded where (load failures that fell back included)."""
 
-    def __init__(self, path: Path, pipe: BundleModel):
-        self.path, self.pipe = path, pipe
+    def __init__(self, path: Path, pipe: BundleModel, opener: Callable | None = None):
+        """`opener(size, image_input)`: the bundle's Pipeline at another size (Bundle.pipeline with this one's
+        other arguments), for a hires fix whose second size this one's engines do not take."""
+        self.path, self.pipe, self._opener = path, pipe, opener
         self.family: str = pipe.family
         self.size: tuple[int, int] = (pipe.width, pipe.height)
         self.defaults: dict = dict(pipe.defaults)
@@ -290,7 +303,9 @@ class Pipeline:
                  on_step: StepCallback | None = None, cancel: CancelHook = None,
                  show_progress: bool = False, init_image: ImageInput | None = None, mask: ImageInput | None = None,
                  strength: float | None = None, controls: Sequence[ControlSpec] = (), guess_mode: bool = False,
-                 on_preview: PreviewCallback | None = None, preview: str = "auto") -> Image:
+                 on_preview: PreviewCallback | None = None, preview: str = "auto", hires_scale: float | None = None,
+                 hires_size=None, hires_steps: int | None = None, hires_denoise: float | None = None,
+                 hires_upscaler: str | None = None) -> Image:
         """One image. `steps`/`guidance` default as `precast generate`'s (the bundle's where it records them
         -- Flux, Chroma, SD3 --, else its family's: SD 20 / 7.5); `scheduler`: one of the family's samplers
         (SD: euler, the default, euler-a, heun, dpm2, dpm2-a, dpm++2m, dpm++2m-sde, dpm++sde, ddim, unipc, lcm;
@@ -305,11 +320,15 @@ class Pipeline:
         array, fitted to the pipeline's size (runtime/images.py); they need a pipeline opened with
         image_input=True (Bundle.img2img / inpaint do that). `controls`: (ControlNet name, control
         image[, scale[, start, end]]) each, the nets loaded by bundle.pipeline(..., controlnets=names);
-        `guess_mode` as `--guess-mode`. Several images: `images`."""
+        `guess_mode` as `--guess-mode`. `hires_scale` (or `hires_size`, "WIDTHxHEIGHT" or (width, height)),
+        `hires_steps`, `hires_denoise`, `hires_upscaler`: the hires fix, as `--hires-*` (runtime/hires.py: the
+        image made at this pipeline's size, upscaled, then img2img at the larger size). Several images: `images`."""
         return self.images(prompt, negative=negative, steps=steps, seed=seed, guidance=guidance, scheduler=scheduler,
                            schedule=schedule, on_step=on_step, cancel=cancel, show_progress=show_progress,
                            init_image=init_image, mask=mask, strength=strength, controls=controls,
-                           guess_mode=guess_mode, on_preview=on_preview, preview=preview)[0]
+                           guess_mode=guess_mode, on_preview=on_preview, preview=preview, hires_scale=hires_scale,
+                           hires_size=hires_size, hires_steps=hires_steps, hires_denoise=hires_denoise,
+                           hires_upscaler=hires_upscaler)[0]
 
     def images(self, prompt: str, *, batch: int = 1, count: int = 1, negative: str = "", steps: int | None = None,
                seed: int = 0, guidance: float | None = None, scheduler: str | None = None,
@@ -317,14 +336,16 @@ class Pipeline:
                on_step: StepCallback | None = None, cancel: CancelHook = None, show_progress: bool = False,
                init_image: ImageInput | None = None, mask: ImageInput | None = None, strength: float | None = None,
                controls: Sequence[ControlSpec] = (), guess_mode: bool = False,
-               on_preview: PreviewCallback | None = None, preview: str = "auto") -> list[Image]:
+               on_preview: PreviewCallback | None = None, preview: str = "auto", hires_scale: float | None = None,
+               hires_size=None, hires_steps: int | None = None, hires_denoise: float | None = None,
+               hires_upscaler: str | None = None) -> list[Image]:
         """`count` runs of `batch` images, one run after another: batch x count `Image`s, in order, with seeds
         seed, seed + 1, ... (as A1111 numbers a batch); each image's noise is drawn from its own seed, so
         image i is the image `pipeline(..., seed=seed + i)` makes, pixel for pixel (and its PNG byte for
         byte). A run's batch goes through the denoiser in one call where the engines' shape profiles take
         it (recipe `profiles.batch`), else in as many calls as they need; the prompts are encoded once per
         run. `on_step(done, total)` counts each denoising loop's steps (one loop per call); `on_preview` shows
-        the first image of each call. The other settings as `__call__`."""
+        the first image of each call; under a hires fix each pass is a call. The other settings as `__call__`."""
         manifest = self.pipe.manifest
         sched, kind = check_settings(manifest, prompt, negative, steps, seed, guidance, scheduler, on_step, cancel,
                                      schedule)
@@ -335,6 +356,11 @@ class Pipeline:
         seed = int(seed)
         mode, strength = check_image_mode(manifest, init_image is not None, mask is not None, strength, steps, "api")
         family = family_of(manifest)
+        hires = check_hires(manifest, family, self.size, hires_scale, hires_size, hires_steps, hires_denoise,
+                            hires_upscaler, steps, "api")
+        if hires is not None and (mode != "txt2img" or controls or guess_mode):
+            raise UserError(f"{'hires_scale=' if hires.scale else 'hires_size='}: the hires fix is a txt2img option "
+                            "(A1111's): leave out init_image, mask and controls")
         used = sched or family.samplers[0]
         kind = kind or (family.schedules[used][0] if family.schedules else None)
         kwargs = {"negative": negative, "steps": steps, "guidance": guidance, "scheduler": used,
@@ -361,14 +387,52 @@ class Pipeline:
         unused = unused_negative(manifest) if negative else None
         warnings = [f"the negative prompt {unused}"] if unused else []
         pixels = []
+        self.pipe.tiled.clear()
         with _step_hooks(self.pipe, on_step, cancel, on_preview, method):
             for run in range(count):
-                first = seed + run * batch
-                pixels += list(self.pipe(prompt, seeds=list(range(first, first + batch)), **kwargs))
+                seeds = list(range(seed + run * batch, seed + (run + 1) * batch))
+                made = self._hires(prompt, seeds, kwargs, hires) if hires else self.pipe(prompt, seeds=seeds, **kwargs)
+                pixels += list(made)
         warnings += self.pipe.prompt_warnings(prompt, negative)
         made = self.made_with()
+        tiled = {k: v for k, v in self.pipe.tiled.items() if v}
+        tiling = {"forced": self.pipe.vae_tiling, "tile": self.pipe.vae_tile, **tiled} \
+            if tiled or self.pipe.vae_tiling is not None or self.pipe.vae_tile else None
+        record = {**hires.record(steps), "base": "{}x{}".format(*self.size)} if hires else None
         return [Image(px, prompt, negative, seed + i, steps, float(guidance), used, tuple(warnings), mode, strength,
-                      inputs, made, kind) for i, px in enumerate(pixels)]
+                      inputs, made, kind, record, tiling) for i, px in enumerate(pixels)]
+
+    def _hires(self, prompt: str, seeds: list[int], kwargs: dict, hires: Hires) -> np.ndarray:
+        """The hires fix for `seeds` (runtime/hires.py): the first pass here; its latents upscaled (a latent
+        upscaler) or its images decoded, rounded to uint8 and resized as img2img resizes an init image, then
+        encoded; the second pass img2img from those latents at the hires size, each image's noise from its seed
+        there. It runs on this pipeline's engines where they take the hires size (BundleModel.at_size), else on
+        the bundle's pipeline at that size."""
+        manifest, f = self.pipe.manifest, latent_factor(self.pipe.manifest)
+        w, h = hires.width, hires.height
+        encoder = not hires.latent
+        second = self.pipe.at_size(w, h, family_of(manifest).requests(manifest, 1, h, w)) \
+            if encoder <= getattr(self.pipe, "image_input", False) else None
+        if second is None:
+            if self._opener is None:
+                raise UserError(f"hires_size=({w}, {h}): this pipeline's engines do not take it; open it through "
+                                "bundle.pipeline(...) so the hires pass can open its own")
+            second = self._opener((w, h), encoder).pipe
+            second.tiled.clear()
+        first = self.pipe(prompt, seeds=seeds, decode=encoder, **kwargs)
+        if encoder:
+            init = np.concatenate([second.encode_image(image_tensor(to_uint8(px), w, h)) for px in first])
+        else:
+            init = upscale_latents(first, h // f, w // f, hires.upscaler)
+        hook, second.step_hook = second.step_hook, self.pipe.step_hook
+        try:
+            out = second(prompt, seeds=seeds, init_latents=init, strength=hires.denoise,
+                         **{**kwargs, "steps": hires.steps or kwargs["steps"]})
+        finally:
+            second.step_hook = hook
+        if second.tiled is not self.pipe.tiled:
+            self.pipe.tiled.update(second.tiled)
+        return out
 
     def made_with(self) -> dict:
         """The bundle and what ran where (runtime/metadata.made_with), as the images' PNGs record it."""

@@ -4,7 +4,7 @@ sides it allows, and whether its engines' shape profiles cover it.
 Owns: `latent_factor` (pixels per latent: 2 ** (VAE levels - 1)), `optimal_size` (the denoiser profile's
 opt: what generate and doctor default to), `image_size` / `parse_size` (a size given as WIDTHxHEIGHT or
 (width, height), checked against the bundle), MAX_SIDE, and `size_warning` (a size no prebuilt engine
-covers: compiled at run time). Standard library only.
+covers: compiled at run time; `outside_profiles`, what it says). Standard library only.
 """
 from __future__ import annotations
 
@@ -68,10 +68,10 @@ def parse_size(size: str | tuple[int, int], manifest, name: str = "--size") -> t
     return w, h
 
 
-def size_warning(manifest, width: int, height: int) -> str | None:
-    """One line when width x height lies outside every shape profile the denoiser's engines were built
-    for: no prebuilt engine takes it, so the ONNX is compiled at run time, on every run (seconds to
-    minutes); it names the profiles and a recipe profile that would cover the size."""
+def outside_profiles(manifest, width: int, height: int) -> tuple[str, str] | None:
+    """(what, fix) when width x height lies outside every shape profile the denoiser's engines were built for:
+    "outside every shape profile of this bundle's unet engines (512x512)" and the recipe profile that would
+    cover it; None when one covers it or the denoiser has no engines (its ONNX takes any size)."""
     name = next((c for c in DENOISERS if c in manifest.components), None)
     profiles = manifest.components[name].get("profiles") or [] if name else []
     if not profiles or not manifest.artifacts(name) or any(
@@ -86,6 +86,15 @@ def size_warning(manifest, width: int, height: int) -> str | None:
         lo, hi = min(lo, want), max(hi, want)
         return str(lo) if lo == hi else f"{{min: {lo}, opt: {opt}, max: {hi}}}"
     have = ", ".join(size(p, 1) if size(p, 0) == size(p, 2) else f"{size(p, 0)}..{size(p, 2)}" for p in profiles)
-    return (f"size {width}x{height} is outside every shape profile of this bundle's {name} engines ({have}): its "
-            "ONNX is compiled at run time instead, on every run (slow); to avoid that, rebuild with a recipe profile "
-            f"covering it, e.g. profiles: {{height: {widened('height', height)}, width: {widened('width', width)}}}")
+    return (f"outside every shape profile of this bundle's {name} engines ({have})",
+            f"a recipe profile covering it, e.g. profiles: {{height: {widened('height', height)}, "
+            f"width: {widened('width', width)}}}")
+
+
+def size_warning(manifest, width: int, height: int) -> str | None:
+    """One line when width x height lies outside every shape profile the denoiser's engines were built
+    for: no prebuilt engine takes it, so the ONNX is compiled at run time, on every run (seconds to
+    minutes); it names the profiles and a recipe profile that would cover the size."""
+    out = outside_profiles(manifest, width, height)
+    return None if out is None else (f"size {width}x{height} is {out[0]}: its ONNX is compiled at run time instead, "
+                                     f"on every run (slow); to avoid that, rebuild with {out[1]}")

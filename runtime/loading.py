@@ -2,7 +2,9 @@
 
 Owns: BundleModel (a bundle opened to generate: devices, assignment, selection, verified loading in
 loader threads or one at a time under a memory budget, the denoising loop's progress / hooks / timings,
-VAE decoding, step previews (the preview decoder loaded on first use, or runtime/previews.py's projection),
+VAE decoding and encoding (tiled where runtime/vae_tiling.py plans it), a model at another image size
+sharing its loaded engines (`at_size`, the hires fix's second pass), step previews (the preview decoder
+loaded on first use, or runtime/previews.py's projection),
 the report of what ran where, the sizes a chosen engine's profile takes, the prompt truncation warnings), the
 tokenizers a bundle carries, the text state a denoiser reads and the pixels' conversion (the image size is
 runtime/image_size.py's).
@@ -11,6 +13,7 @@ family module (they import this).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import os
@@ -22,17 +25,20 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .assign import assign_modules, module_of
-from .budgets import keep_shared_plan
+from .budgets import device_budget, keep_shared_plan
 from .devices import apply_device_override, discover_devices
 from .embeddings import read_bundle_embeddings, register_embeddings
 from .errors import UserError
+from .image_size import latent_factor
 from .manifest import Manifest, read_manifest
-from .previews import PREVIEW_DECODER, project, to_pixels
+from .previews import PREVIEW_DECODER, project, to_pixels, upscale
 from .progress import bar
 from .prompts import weighted_ids
-from .select import component_report, installed_backends, load_component, select_all, select_component
+from .select import component_report, covers, installed_backends, load_component, select_all, select_component
+from .llm_tokenizer import FOLDER_FILES as LLM_FILES, LLMTokenizer
 from .t5_tokenizer import FOLDER_FILES as T5_FILES, T5Tokenizer
 from .tokenizer import FOLDER_FILES as CLIP_FILES, ClipTokenizer
+from .vae_tiling import INPUTS as VAE_INPUTS, plan as tiling_plan, run_tiled, tile_requests
 from .verified import verify_mode
 
 TOKENIZER_FOLDER = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2", "text_encoder_3": "tokenizer_3"}
@@ -91,6 +97,18 @@ def load_t5_tokenizer(manifest, folder: str):
     return T5Tokenizer.from_folder(manifest.root / folder)
 
 
+def is_llm(manifest, comp: str) -> bool:
+    """An LLM text encoder (Z-Image's Qwen3): its input_ids run over `llm_sequence`."""
+    return any("llm_sequence" in (i.get("shape") or []) for i in manifest.components[comp].get("inputs", []))
+
+
+def load_llm_tokenizer(manifest, folder: str):
+    """The bundle's LLM tokenizer (tokenizer.json), checked against the manifest first."""
+    for name in LLM_FILES:
+        manifest.check_file(f"{folder}/{name}", required=name == "tokenizer.json")
+    return LLMTokenizer.from_folder(manifest.root / folder)
+
+
 def bundle_tokenizers(manifest, needed) -> tuple[dict, dict]:
     """({text encoder: tokenizer}, {text encoder: Embeddings}) for the text encoders in `needed`; each
     embedding file is checked and read once, then registered with every CLIP encoder's tokenizer
@@ -99,6 +117,9 @@ def bundle_tokenizers(manifest, needed) -> tuple[dict, dict]:
     for comp in (c for c in needed if c.startswith("text_encoder")):
         if is_t5(manifest, comp):
             tokenizers[comp] = load_t5_tokenizer(manifest, TOKENIZER_FOLDER[comp])
+            continue
+        if is_llm(manifest, comp):
+            tokenizers[comp] = load_llm_tokenizer(manifest, TOKENIZER_FOLDER[comp])
             continue
         tok = tokenizers[comp] = load_tokenizer(manifest, TOKENIZER_FOLDER[comp])
         if items is None:
@@ -154,7 +175,7 @@ class BundleModel:
 
     def __init__(self, manifest: Manifest, needed: tuple[str, ...], reqs: dict, backend: str | None,
                  params_backend: str | None, sysroot: str, env, verify: bool | str, strict: bool = False,
-                 later: tuple[str, ...] = ()):
+                 later: tuple[str, ...] = (), vae_tiling: bool | None = None, vae_tile: int | None = None):
         if verify_mode(verify) == "full":    # every file hashed again, tokenizers included; records refreshed
             manifest = manifest.with_verify("full")
         self.manifest, self.needed = manifest, needed
@@ -165,6 +186,10 @@ class BundleModel:
         self.stages: dict = {}
         self.run_stages: dict = {}      # the last call's: encode, first_step, denoise, wait_vae, decode
         self.batches: list[int] = []    # the last call's images per denoiser call
+        # VAE tiling (runtime/vae_tiling.py): None = when past the engine's profile or the memory budget; the
+        # tile's side in px; what the last passes did ({"decoder" / "encoder": record}, reset by the caller)
+        self.vae_tiling, self.vae_tile, self.tiled = vae_tiling, vae_tile, {}
+        reqs = tile_requests(manifest, reqs, vae_tiling, vae_tile, latent_factor(manifest))
         with timed(self.stages, "discover"):
             devices = discover_devices(sysroot, env)
             self.devices, self.device_warning = apply_device_override(devices, env)
@@ -336,40 +361,92 @@ class BundleModel:
 
     def decode(self, latents: np.ndarray) -> np.ndarray:
         """The VAE decoder's images, [N, H, W, 3] in its own range, as many per call as its engine's profile
-        takes: `run_stages` gets the seconds waited for its load (if it was still loading) and the decodes'."""
+        takes, in tiles where `vae_run` plans them: `run_stages` gets the seconds waited for its load (if it was
+        still loading) and the decodes'."""
         t0 = time.perf_counter()
-        session = self.component("vae_decoder").session
+        self.component("vae_decoder")
         t1 = time.perf_counter()
         per = self.batch_limit("vae_decoder", "latent_sample", len(latents))
-        decoded = [session.run({"latent_sample": latents[i:i + per].astype(np.float32)})["sample"].astype(np.float32)
-                   for i in range(0, len(latents), per)]
+        decoded = [self.vae_run("vae_decoder", latents[i:i + per]) for i in range(0, len(latents), per)]
         self.run_stages.update(wait_vae=round(t1 - t0, 3), decode=round(time.perf_counter() - t1, 3))
         return np.concatenate(decoded).transpose(0, 2, 3, 1)
 
-    _preview = None      # the preview decoder's session, once loaded
+    def vae_run(self, comp: str, x: np.ndarray) -> np.ndarray:
+        """The VAE decoder's `sample` of latents x, or the VAE encoder's first output of pixels x ([N, C, H, W]),
+        float32: in overlapping tiles (runtime/vae_tiling.py) when forced (`vae_tiling`) or when x is past the
+        loaded engine's profile or the memory its device has for it, else in one call; `tiled` says which."""
+        name, latent = VAE_INPUTS[comp]
+        session, f = self.component(comp).session, latent_factor(self.manifest)
+        out = "sample" if latent else None
+
+        def run(v: np.ndarray) -> np.ndarray:
+            result = session.run({name: v.astype(np.float32)})
+            return (result[out] if out else next(iter(result.values()))).astype(np.float32)
+        unit = 1 if latent else f
+        hw = (x.shape[2] // unit, x.shape[3] // unit)
+        ranges = [self.input_range(comp, name, axis) for axis in (2, 3)]
+        engine = None if None in ranges else tuple((lo // unit, hi // unit) for lo, hi in ranges)
+        tiling = tiling_plan(hw, engine, self.vae_tiling, self.vae_tile, f, self._vae_budget(comp),
+                             f"the VAE {comp[len('vae_'):]}'s engine")
+        self.tiled[comp[len("vae_"):]] = tiling.record(*hw, f) if tiling else None
+        return run_tiled(run, x, tiling, f, latent) if tiling else run(x)
+
+    def _vae_budget(self, comp: str) -> int | None:
+        """Bytes a VAE pass may take on its device: its budget (--params-backend DEVICE:SIZE, a GPU's memory;
+        the CPU's RAM) less the weights of the components selected there."""
+        choice = self.selections[comp].choice if comp in self.selections else None
+        if choice is None:
+            return None
+        placement = self.placements[module_of(comp)]
+        budget, _ = device_budget(choice.device, dict(placement.budgets), self.devices)
+        budget = budget if budget is not None else (choice.device.memory or None)
+        weights = sum((s.choice.memory or {}).get("weights", 0) for s in self.selections.values()
+                      if s.choice is not None and s.choice.device.id == choice.device.id)
+        return None if budget is None else budget - weights
+
+    def at_size(self, width: int, height: int, reqs: dict) -> "BundleModel | None":
+        """This model at width x height, sharing its loaded components, when every one's engine takes that
+        size's shapes `reqs` (the family's requests; the VAE's as tile_requests makes them), else None."""
+        reqs = tile_requests(self.manifest, reqs, self.vae_tiling, self.vae_tile, latent_factor(self.manifest))
+        for comp in self.needed:
+            loaded = self.loaded.get(comp)
+            artifact = next((a for a in self.manifest.artifacts(comp) if a.id == loaded.where.get("artifact")), None) \
+                if loaded is not None else (self.selections[comp].choice.artifact if self.selections[comp].choice
+                                            else None)
+            if artifact is not None and covers(artifact, reqs.get(comp, {})) is not None:
+                return None
+        other = copy.copy(self)
+        other.width, other.height = width, height
+        return other
+
+    _preview = None      # (latents' shape, the preview decoder's session loaded for it)
 
     def preview(self, latents: np.ndarray, method: str, rgb) -> np.ndarray:
-        """A step preview, uint8 [h, w, 3], of the first image of `latents` ([N, C, h, w] in the denoiser's
-        space): method "taesd" runs the bundle's preview decoder (a TAESD-style tiny autoencoder: the image's
-        size), "latent2rgb" projects with the family's LatentRGB `rgb` (runtime/previews.py: the latents'
-        size). `run_stages["preview"]` adds up their seconds."""
+        """A step preview, uint8 [H, W, 3] at the image's size, of the first image of `latents` ([N, C, h, w] in
+        the denoiser's space): method "taesd" runs the bundle's preview decoder (a TAESD-style tiny autoencoder, fed
+        the latents / its config's latent_scale + latent_shift: 1 and 0 for TAESD, which decodes the denoiser's
+        latents as they are), "latent2rgb" projects with the family's LatentRGB `rgb` (runtime/previews.py) and
+        upscales that, nearest. `run_stages["preview"]` adds up their seconds."""
         with timed(self.run_stages, "preview"):
             x = np.ascontiguousarray(latents[:1], dtype=np.float32)
             if method == "taesd":
+                cfg = self.manifest.components[PREVIEW_DECODER].get("config", {})
+                x = x / np.float32(cfg.get("latent_scale", 1.0)) + np.float32(cfg.get("latent_shift", 0.0))
                 return to_pixels(self.preview_decoder(x.shape).run({"latent_sample": x})["sample"][0].astype(np.float32))
-            return project(x[0], rgb.factors, rgb.bias)
+            return upscale(project(x[0], rgb.factors, rgb.bias), self.width // x.shape[3])
 
     def preview_decoder(self, shape: tuple):
         """The preview decoder's session, selected for latents of `shape` and loaded (verified as the run's
-        components are, fallbacks in order) on first use, on the VAE's device. It is no part of `needed`: a
-        run without its previews never loads it, and `report` leaves it out."""
-        if self._preview is None:
+        components are, fallbacks in order) on first use, on the VAE's device, again when the shape changes (a
+        hires pass). It is no part of `needed`: a run without its previews never loads it, and `report` leaves
+        it out."""
+        if self._preview is None or self._preview[0] != tuple(shape):
             placement = self.placements[module_of(PREVIEW_DECODER)]
             sel = select_component(self.manifest, PREVIEW_DECODER, placement, self.devices,
                                    {"latent_sample": tuple(shape)}, self.installed, self.verify_files)
             outputs = [o["name"] for o in self.manifest.components[PREVIEW_DECODER]["outputs"]]
-            self._preview = load_component(sel, outputs, placement.offload)[0]
-        return self._preview
+            self._preview = tuple(shape), load_component(sel, outputs, placement.offload)[0]
+        return self._preview[1]
 
     def report(self) -> dict:
         """What ran where, in the schema `doctor --json` shares (see README, "JSON output")."""

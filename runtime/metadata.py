@@ -2,8 +2,10 @@
 infotext civitai and the web UIs read) and precast's own record (JSON in a `precast` text chunk: the bundle,
 what ran where, the exact settings) that `precast generate --from-png` reruns.
 
-Owns: the chunks' keywords, A1111's sampler names for precast's (`a1111_sampler`), `parameters_text` (A1111's
-infotext: the prompt, "Negative prompt: ...", then "Key: value, ..." quoted as A1111 quotes), `manifest_sha256`,
+Owns: the chunks' keywords, A1111's sampler names for precast's (`a1111_sampler`) and its hires upscalers'
+(`A1111_UPSCALERS`), `parameters_text` (A1111's infotext: the prompt, "Negative prompt: ...", then "Key: value,
+..." quoted as A1111 quotes; a hires fix's "Hires upscale" / "Hires resize", "Hires steps", "Hires upscaler" and
+"Denoising strength"; VAE tiling only in precast's record, A1111 writes none), `manifest_sha256`,
 `made_with`
 (the bundle -- name, path, manifest sha256, family, source checkpoint sha256 -- the components' artifact,
 backend and device, the precast version), `record_text`, `pixels_digest` (what an input image is recorded
@@ -24,6 +26,8 @@ from .sampler_names import SAMPLERS, SCHEDULES, parse_sampler, parse_schedule
 PARAMETERS = "parameters"      # A1111's text chunk
 RECORD = "precast"             # precast's JSON record
 RECORD_VERSION = 1
+# the hires fix's upscalers (runtime/hires.py), precast's name -> A1111's "Hires upscaler"
+A1111_UPSCALERS = {"latent": "Latent", "latent-nearest-exact": "Latent (nearest-exact)", "bilinear": "Bilinear"}
 
 
 def a1111_sampler(name: str, schedule: str | None = None) -> tuple[str, str | None]:
@@ -50,12 +54,17 @@ def parameters_text(settings: dict, made: dict) -> str:
     model = made.get("bundle", {})
     cfg = model.get("guidance") != "distilled"
     sampler, schedule = a1111_sampler(settings["scheduler"], settings.get("schedule"))
+    hires = settings.get("hires") or {}
     fields = {"Steps": settings["steps"], "Sampler": sampler, "Schedule type": schedule,
               "CFG scale": float(settings["guidance"]) if cfg else 1.0,
               "Distilled CFG Scale": None if cfg else float(settings["guidance"]),
               "Seed": settings["seed"], "Size": settings["size"],
               "Model hash": (model.get("source_sha256") or "")[:10] or None, "Model": model.get("name"),
-              "Denoising strength": settings.get("strength"), "Version": f"precast {made.get('precast', '')}".strip()}
+              "Denoising strength": settings.get("strength") or hires.get("denoise"),
+              "Hires upscale": hires.get("scale"), "Hires resize": None if hires.get("scale") else hires.get("size"),
+              "Hires steps": hires.get("steps"),
+              "Hires upscaler": A1111_UPSCALERS.get(hires.get("upscaler"), hires.get("upscaler")),
+              "Version": f"precast {made.get('precast', '')}".strip()}
     negative = f"\nNegative prompt: {settings['negative']}" if settings.get("negative") else ""
     params = ", ".join(f"{k}: {_quote(v)}" for k, v in fields.items() if v is not None)
     return f"{settings['prompt']}{negative}\n{params}".strip()

@@ -3,7 +3,8 @@ runtime/cli.py), built on the Python API (runtime/api.py: open_bundle, Bundle.pl
 every option checked before anything loads, in the options' own words (runtime/checks.py and
 runtime/generate.py, the API's checks); their text and JSON reports; generate's images written one PNG
 each (OUT-0001.png ... for several) with their metadata, and `--from-png` (a PNG's precast record as
-the options, runtime/metadata.py).
+the options, runtime/metadata.py); the hires fix's and VAE tiling's options (runtime/hires.py,
+runtime/vae_tiling.py).
 """
 from __future__ import annotations
 
@@ -18,17 +19,18 @@ from click.core import ParameterSource
 from . import images
 from .assign import module_of, parse_assignment
 from .checks import (check_batch, check_count, check_guidance, check_out, check_seed, check_steps, check_text,
-                     write_image)
+                     check_vae_tiling, write_image)
 from .cli_support import run_cli
 from .control import parse_control, plan_controls
 from .errors import UserError
 from .families import FAMILIES, family_of
 from .generate import check_image_mode, check_scheduler, unused_negative
+from .hires import DEFAULTS as HIRES_DEFAULTS, UPSCALERS, check_hires
 from .sampler_names import SCHEDULES, parse_sampler, parse_schedule
 from .image_size import MAX_SIDE, latent_factor, optimal_size, parse_size, size_warning
 from .loading import timed
 from .metadata import manifest_sha256, png_record
-from .previews import METHODS, check_preview, upscale
+from .previews import METHODS, check_preview
 from .report import describe_where
 
 # every family's sampler names, for --scheduler's choices (checked against the bundle's family later)
@@ -74,14 +76,16 @@ def out_paths(out, n: int) -> list:
 
 
 RERUN = ("bundle", "prompt", "negative", "steps", "seed", "size", "guidance", "scheduler", "schedule", "strength",
-         "controlnet_names", "control_starts", "control_ends", "guess_mode", "backend")
+         "controlnet_names", "control_starts", "control_ends", "guess_mode", "backend", "hires_scale", "hires_size",
+         "hires_steps", "hires_denoise", "hires_upscaler", "vae_tiling", "vae_tile")
+HIRES_OPTIONS = {"hires_scale", "hires_size", "hires_steps", "hires_denoise", "hires_upscaler"}
 CONTROL_OPTIONS = {"controls", "controlnet_names", "control_starts", "control_ends", "guess_mode"}
 
 
 def rerun_options(record: dict, given: set[str], png: str) -> dict:
     """The options a --from-png record sets (runtime/metadata.py png_record): its settings, its bundle's path
-    and where each module ran (--backend MODULE=DEVICE:BACKEND), each unless given on the command line. The
-    record names input images by their pixels only: an img2img / inpainting / ControlNet run needs
+    and where each module ran (--backend MODULE=DEVICE:BACKEND), each unless given on the command line (a hires
+    option given replaces the recorded hires fix: its others keep their defaults). The record names input images by their pixels only: an img2img / inpainting / ControlNet run needs
     --init-image, --mask, --control given again (one UserError otherwise; check_recorded compares them)."""
     s = record["settings"]
     try:
@@ -97,6 +101,10 @@ def rerun_options(record: dict, given: set[str], png: str) -> dict:
                "control_starts": tuple(c["start"] for c in nets), "control_ends": tuple(c["end"] for c in nets),
                "guess_mode": bool(s.get("guess_mode")),
                "backend": ",".join(f"{m}={v}" for m, v in where.items()) or None}
+        hires, tiling = s.get("hires") or {}, s.get("vae_tiling") or {}
+        out.update(hires_scale=hires.get("scale"), hires_size=None if hires.get("scale") else hires.get("size"),
+                   hires_steps=hires.get("steps"), hires_denoise=hires.get("denoise"),
+                   hires_upscaler=hires.get("upscaler"), vae_tiling=tiling.get("forced"), vae_tile=tiling.get("tile"))
         scales = ", ".join(f"{c['controlnet']} at scale {c['scale']:g}" for c in nets)
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise UserError(f"--from-png {png}: its precast record is damaged ({type(e).__name__}: {e})") from None
@@ -104,6 +112,8 @@ def rerun_options(record: dict, given: set[str], png: str) -> dict:
         given = given | {"schedule"}
     if given & CONTROL_OPTIONS:
         given = given | CONTROL_OPTIONS
+    if given & HIRES_OPTIONS:
+        given = given | HIRES_OPTIONS
     missing = [option for option, key in (("--init-image", "init_image"), ("--mask", "mask"))
                if s.get(key) and key not in given]
     if missing:
@@ -159,7 +169,7 @@ def doctor_cmd(bundle, backend, params_backend, size, strict, sysroot, as_json, 
         if bundle:
             stages["manifest"] = 0.0
             with timed(stages, "manifest"):
-                api = open_bundle(bundle, verify=verify.lower(), sysroot=sysroot)
+                api = open_bundle(bundle, verify=verify.lower(), sysroot=sysroot, backend=backend, pull=load)
             w, h = _size(size, api.manifest)
         elif size:
             raise UserError("--size: checks a bundle's engines; give the BUNDLE too")
@@ -178,6 +188,7 @@ def doctor_cmd(bundle, backend, params_backend, size, strict, sysroot, as_json, 
                "installed_backends": installed, "strict": strict,
                "assignment": {mod: p.describe() for mod, p in placements.items()},
                "size": None, "components": {}, "missing_for_generate": [], "loaded": None,
+               "remote": api.remote.as_dict() if api is not None and api.remote else None,   # oci://: runtime/oci/store.py
                "stages": stages}   # one schema, with or without a bundle
         if report is not None:
             out["size"] = f"{w}x{h}"
@@ -206,6 +217,8 @@ def doctor_cmd(bundle, backend, params_backend, size, strict, sysroot, as_json, 
         if report is not None:
             click.echo(f"size      {out['size']}")
             describe_where(out, sys.stdout)
+            for line in api.remote.lines() if api.remote else ():
+                click.echo(line)
             if out["loaded"] is not None:
                 for c, r in out["loaded"].items():
                     click.echo(f"loaded    {c:<13} {r['artifact']} via {r['backend']} in {stages['load'][c]:.2f} s")
@@ -277,6 +290,29 @@ def doctor_cmd(bundle, backend, params_backend, size, strict, sysroot, as_json, 
               help="Fraction of the steps after which a ControlNet stops (per --control, default 1).")
 @click.option("--guess-mode", is_flag=True, help="ControlNet guess mode (diffusers'): control on the conditional "
                                                  "half only, residuals scaled from 0.1 (shallow) to 1.0 (mid).")
+@click.option("--hires-scale", "hires_scale", default=None, type=float,
+              help="Hires fix (A1111's 'Hires upscale'; SD 1.x/2.x/XL): make the image at --size, upscale it by this "
+                   "factor (floored to multiples of 8), then run img2img at that size. The bundle's denoiser "
+                   "profiles must cover it (refused otherwise).")
+@click.option("--hires-size", "hires_size", default=None, metavar="WIDTHxHEIGHT",
+              help="Hires fix to this size instead of a scale ('Hires resize'; another aspect ratio is "
+                   "centre-cropped).")
+@click.option("--hires-steps", "hires_steps", default=None, type=int,
+              help="The hires pass's steps, of which it runs int(steps x denoise) as img2img does (default: --steps).")
+@click.option("--hires-denoise", "hires_denoise", default=None, type=float,
+              help="The hires pass's denoising strength, more than 0 and at most 1 "
+                   f"(default {HIRES_DEFAULTS['denoise']}).")
+@click.option("--hires-upscaler", "hires_upscaler", default=None, metavar="NAME",
+              help=f"{', '.join(UPSCALERS)} (default {HIRES_DEFAULTS['upscaler']}): latent upscales the latents "
+                   "(bilinear, A1111's 'Latent'; nearest-exact: 'Latent (nearest-exact)'); bilinear decodes the image, "
+                   "resizes it (PIL's BILINEAR) and encodes it again (needs the VAE encoder). A1111's names work too.")
+@click.option("--vae-tiling/--no-vae-tiling", "vae_tiling", default=None,
+              help="Decode (and encode) with the VAE in overlapping, blended tiles. Default: only when the image is "
+                   "past the VAE engine's profile (its engine then decodes it in tiles, no rebuild) or its device's "
+                   "memory; --no-vae-tiling never.")
+@click.option("--vae-tile", "vae_tile", default=None, type=int, metavar="PIXELS",
+              help="The VAE tiles' side in pixels when tiling (default 512, within the engine's profile); they overlap "
+                   "by a quarter.")
 @click.option("--out", required=True, type=click.Path(),
               help="PNG file to write, with the generation's parameters (A1111's 'parameters' text chunk) and "
                    "precast's record ('precast', JSON); several images: OUT-0001.png, OUT-0002.png, ... (OUT "
@@ -299,7 +335,8 @@ def doctor_cmd(bundle, backend, params_backend, size, strict, sysroot, as_json, 
 def generate_cmd(bundle, prompt, negative, steps, seed, batch, count, from_png, size, guidance, scheduler, schedule,
                  init_image,
                  mask, strength, controls, controlnet_names, control_starts, control_ends, guess_mode, out,
-                 backend, params_backend, strict, sysroot, as_json, verify, preview, preview_method):
+                 backend, params_backend, strict, sysroot, as_json, verify, preview, preview_method, hires_scale,
+                 hires_size, hires_steps, hires_denoise, hires_upscaler, vae_tiling, vae_tile):
     """Text to image with BUNDLE (or img2img with --init-image, inpainting with --mask), each module on
     its device; prints what ran where."""
     ctx = click.get_current_context()
@@ -307,14 +344,16 @@ def generate_cmd(bundle, prompt, negative, steps, seed, batch, count, from_png, 
 
     def go():
         nonlocal bundle, prompt, negative, steps, seed, size, guidance, scheduler, schedule, strength, \
-            controlnet_names, control_starts, control_ends, guess_mode, backend
+            controlnet_names, control_starts, control_ends, guess_mode, backend, hires_scale, hires_size, \
+            hires_steps, hires_denoise, hires_upscaler, vae_tiling, vae_tile
         from .api import open_bundle              # the CLI's start does not load the API
         t_start = time.perf_counter()
         record = png_record(from_png) if from_png else None
         if record is not None:      # the recorded settings, each unless given on the command line
             rerun = rerun_options(record, given, from_png)
             bundle, prompt, negative, steps, seed, size, guidance, scheduler, schedule, strength, controlnet_names, \
-                control_starts, control_ends, guess_mode, backend = (rerun.get(k, ctx.params[k]) for k in RERUN)
+                control_starts, control_ends, guess_mode, backend, hires_scale, hires_size, hires_steps, \
+                hires_denoise, hires_upscaler, vae_tiling, vae_tile = (rerun.get(k, ctx.params[k]) for k in RERUN)
             if "bundle" in rerun and not os.path.isdir(bundle or ""):
                 raise UserError(f"--from-png {from_png}: was made with bundle {record['bundle'].get('name')!r} at "
                                 f"{bundle}, which is not here; give the BUNDLE")
@@ -334,7 +373,7 @@ def generate_cmd(bundle, prompt, negative, steps, seed, batch, count, from_png, 
         parse_assignment(params_backend, "--params-backend")
         check_text(prompt, "--prompt")
         check_text(negative, "--negative")
-        api = open_bundle(bundle, verify=verify.lower(), sysroot=sysroot)
+        api = open_bundle(bundle, verify=verify.lower(), sysroot=sysroot, backend=backend)
         manifest, family = api.manifest, family_of(api.manifest)
         other = [(f"--from-png {from_png} was made with another bundle ({record['bundle'].get('name')!r}, another "
                   "manifest.json): the image will differ")] \
@@ -361,6 +400,12 @@ def generate_cmd(bundle, prompt, negative, steps, seed, batch, count, from_png, 
             except UserError as e:
                 raise UserError(f"--init-image {init_image} sets the output size: {e}; give --size") from None
         sched, kind = check_scheduler(scheduler, manifest, schedule=schedule)
+        vae_tiling, vae_tile = check_vae_tiling(vae_tiling, vae_tile, latent_factor(manifest))
+        hires = check_hires(manifest, family, (w, h), hires_scale, hires_size, hires_steps, hires_denoise,
+                            hires_upscaler, family.steps if steps is None else steps)
+        if hires and (mode != "txt2img" or plan):
+            raise UserError(f"{'--hires-scale' if hires.scale else '--hires-size'}: the hires fix is a txt2img option "
+                            "(A1111's): leave out --init-image, --mask and --control")
         unused = unused_negative(manifest) if negative else None
         if unused:
             click.echo(f"warning: --negative {unused}", err=True)
@@ -369,8 +414,7 @@ def generate_cmd(bundle, prompt, negative, steps, seed, batch, count, from_png, 
         if preview:
             path, method = check_out(preview, "--preview"), check_preview(
                 preview_method, manifest.components, family.latent_rgb, "--preview-method ")
-            on_preview = lambda done, total, px: write_image(   # noqa: E731 (the output's size, nearest)
-                path, upscale(px, w // px.shape[1]), "--preview")
+            on_preview = lambda done, total, px: write_image(path, px, "--preview")   # noqa: E731
         elif "preview_method" in given:
             raise UserError("--preview-method: says how --preview FILE is made; give --preview too")
         slow = size_warning(manifest, w, h)     # said now, before the run-time compile it warns of
@@ -378,8 +422,9 @@ def generate_cmd(bundle, prompt, negative, steps, seed, batch, count, from_png, 
             click.echo(f"warning: {slow}", err=True)
         t0 = time.perf_counter()
         pipeline = api.pipeline(backend, params_backend=params_backend, size=(w, h), strict=strict,
-                                image_input=mode != "txt2img", controlnets=[c.component[len("controlnet_"):]
-                                                                            for c in plan])
+                                image_input=mode != "txt2img" or bool(hires and not hires.latent),
+                                controlnets=[c.component[len("controlnet_"):] for c in plan], vae_tiling=vae_tiling,
+                                vae_tile=vae_tile)
         t1 = time.perf_counter()
         made, batches = [], []
         for run in range(count):    # each run's images written as soon as they are made
@@ -388,7 +433,9 @@ def generate_cmd(bundle, prompt, negative, steps, seed, batch, count, from_png, 
                                     init_image=init_px, mask=mask_px, strength=strength,
                                     controls=[(c.component[len("controlnet_"):], px, c.scale, c.start, c.end)
                                               for c, px in zip(plan, control_px)], guess_mode=guess_mode,
-                                    on_preview=on_preview, preview=method)
+                                    on_preview=on_preview, preview=method, hires_scale=hires_scale,
+                                    hires_size=hires_size, hires_steps=hires_steps, hires_denoise=hires_denoise,
+                                    hires_upscaler=hires_upscaler)
             for shot in shots:
                 write_image(outs[len(made)], shot.to_uint8(), text=shot.text_chunks())
                 made.append(shot)
@@ -406,6 +453,7 @@ def generate_cmd(bundle, prompt, negative, steps, seed, batch, count, from_png, 
                   "mode": mode, "init_image": init_image, "mask": mask, "strength": used_strength,
                   "controls": [{"controlnet": c.component[len("controlnet_"):], "image": str(c.image), "scale": c.scale,
                                 "start": c.start, "end": c.end} for c in plan], "guess_mode": guess_mode,
+                  "hires": image.settings.get("hires"), "vae_tiling": image.vae_tiling,
                   "strict": strict, "warnings": [slow] * bool(slow) + warnings, **pipe.report(),
                   "seconds": {"check": round(t0 - t_start, 3), "load": round(t1 - t0, 3),
                               "generate": round(t2 - t1, 3), "total": round(t2 - t_start, 3),
@@ -415,13 +463,19 @@ def generate_cmd(bundle, prompt, negative, steps, seed, batch, count, from_png, 
         else:
             for line in ([pipe.device_warning] if pipe.device_warning else []) + warnings:
                 click.echo(f"warning: {line}", err=True)
+            for part, t in ((k, v) for k, v in (image.vae_tiling or {}).items() if isinstance(v, dict)):
+                click.echo(f"note: VAE {part} ran in {t['tiles']} tiles of {t['tile']} px, overlapping by "
+                           f"{t['overlap']} px ({t['why']})", err=True)
             describe_where(report, sys.stdout)
             how = "" if mode == "txt2img" else f"{mode} from {init_image}, strength {used_strength:g}, "
+            if hires:
+                how = (f"hires fix from {w}x{h}: {hires.upscaler}, {hires.steps or image.steps} steps at denoise "
+                       f"{hires.denoise:g}, ")
             wrote, seeds = (out, f"seed {seed}") if len(made) == 1 else (
                 f"{outs[0]} ... {outs[-1].name}",
                 f"{len(made)} images: batch {batch} x count {count}, seeds {seed}..{made[-1].seed}")
             sampler = " ".join(x for x in (image.scheduler, image.schedule) if x and x != "normal")
-            click.echo(f"wrote {wrote} ({how}{w}x{h}, {image.steps} steps, {seeds}, {sampler}, guidance "
+            click.echo(f"wrote {wrote} ({how}{image.size[0]}x{image.size[1]}, {image.steps} steps, {seeds}, {sampler}, guidance "
                        f"{image.guidance:g}) in {report['seconds']['load']:.1f} s load + "
                        f"{report['seconds']['generate']:.1f} s")
     run_cli(go, as_json)

@@ -70,7 +70,7 @@ def test_generate_bad_input(bundle, tmp_path):
     for args, words in ((["--size", "60x64"], "multiples of 8"), (["--size", "big"], "WIDTHxHEIGHT"),
                         (["--backend", "te=tpu0"], "unknown device 'tpu0'"),
                         (["--scheduler", "ddim9"], "'--scheduler': 'ddim9' is not one of 'euler', 'euler-a'"),
-                        (["--scheduler", "flow-euler"], "--scheduler flow-euler: is Flux / Chroma / SD3's")):
+                        (["--scheduler", "flow-euler"], "--scheduler flow-euler: is Flux / Chroma / SD3")):
         proc = precast("generate", path, "--prompt", "x", "--steps", "1", "--out", tmp_path / "x.png", *args)
         assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     proc = precast("generate", tmp_path, "--prompt", "x", "--out", tmp_path / "x.png")

@@ -14,21 +14,22 @@ RUNTIME_LAYERS = [
     # 0: standard library and numpy only
     {"errors", "fileops", "fingerprint", "cpu", "progress", "flow", "protobuf", "trt_header", "openvino_attention",
      "tokenizer", "prompts", "devices.device", "families.family", "sigmas", "multistep", "sampler_names", "previews",
-     "oci", "oci.ref"},
+     "oci", "oci.ref", "vae_tiling"},
     # 1: formats, records and one-file readers
     {"png", "verified", "schedulers", "sentencepiece_model", "onnx_header", "staging", "digests", "embeddings",
-     "cli_support", "metadata", "devices.sysfs", "devices.amd", "devices.intel", "devices.nvidia", "devices.macos",
-     "devices.windows", "oci.auth", "oci.client", "oci.stream"},
+     "llm_tokenizer", "cli_support", "metadata", "devices.sysfs", "devices.amd", "devices.intel", "devices.nvidia",
+     "devices.macos", "devices.windows", "oci.auth", "oci.transport", "oci.client", "oci.stream"},
     # 2: what a bundle and a machine are
     {"checks", "manifest_schema", "manifest", "t5_tokenizer", "images", "devices", "oci.artifact"},
     # 3: placing, choosing and opening what runs
-    {"assign", "image_size", "control", "sessions", "budgets", "select"},
+    {"assign", "image_size", "control", "sessions", "budgets", "select", "hires"},
     # 4: a bundle opened to generate
     {"loading"},
     # 5: the families
-    {"families", "families.flow_matching", "families.sd", "families.flux", "families.sd3"},
+    {"families", "families.flow_matching", "families.sd", "families.flux", "families.sd3", "families.zimage",
+     "families.flux2", "families.qwenimage"},
     # 6: the Python API
-    {"report", "generate", "api", "oci.push", "oci.pull"},
+    {"report", "generate", "api", "oci.push", "oci.pull", "oci.store"},
     # 7: the command line, and the package (which re-exports the API lazily)
     {"run_commands", "remote_commands", "cli", ""},
 ]

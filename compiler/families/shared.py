@@ -1,5 +1,5 @@
 """Parts several families share: the LDM VAE's two components, CLIP and T5 text-encoder components, the
-latent factor of a checkpoint's VAE, and the diffusers / transformers class names their folders name.
+latent factor and channels of a checkpoint's VAE, and the diffusers / transformers class names their folders name.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ VAES = {"vae_encoder": VAE_ENC, "vae_decoder": VAE_DEC}
 # diffusers / transformers classes, as model_index.json names them
 CLIP_TOKENIZER = ["transformers", "CLIPTokenizer"]
 T5_TOKENIZER = ["transformers", "T5TokenizerFast"]
+QWEN2_TOKENIZER = ["transformers", "Qwen2Tokenizer"]
 CLIP_MODEL = ["transformers", "CLIPTextModel"]
 CLIP_PROJECTED = ["transformers", "CLIPTextModelWithProjection"]
 T5_MODEL = ["transformers", "T5EncoderModel"]
@@ -49,3 +50,11 @@ def latent_factor_of(refs) -> int:
     8 when the checkpoint has no VAE."""
     levels = {int(m.group(1)) for k in refs if (m := re.match(re.escape(VAE) + r"(?:decoder\.up|encoder\.down)\.(\d+)\.", k))}
     return 2 ** (max(levels)) if levels else 8
+
+
+def latent_channels_of(refs) -> int | None:
+    """Channels of the model's latents, from its VAE's decoder (or encoder); None when the checkpoint has no VAE."""
+    for key, axis, per in (("decoder.conv_in.weight", 1, 1), ("encoder.conv_out.weight", 0, 2)):
+        if VAE + key in refs:
+            return refs[VAE + key].shape[axis] // per
+    return None

@@ -85,12 +85,14 @@ class Layers:
         self.widths[y] = self.shape(f"{module}.weight")[0]
         return y
 
-    def conv2d(self, x: str, module: str, stride: int = 1, pad: int | tuple[int, ...] | None = None) -> str:
-        """`pad`: one size for every side, or ONNX's (top, left, bottom, right); default kernel // 2."""
+    def conv2d(self, x: str, module: str, stride: int = 1, pad: int | tuple[int, ...] | None = None,
+               bias: bool = True) -> str:
+        """`pad`: one size for every side, or ONNX's (top, left, bottom, right); default kernel // 2.
+        `bias` False: a conv without one (torch's bias=False)."""
         out_ch, in_ch, kh, kw = self.shape(f"{module}.weight")
         self._check_channels(x, module, in_ch, "takes")
         pads = list(pad) if isinstance(pad, tuple) else [kh // 2 if pad is None else pad] * 4
-        ins = [x, self.param(f"{module}.weight"), self.param(f"{module}.bias")]
+        ins = [x, self.param(f"{module}.weight")] + ([self.param(f"{module}.bias")] if bias else [])
         y = self.op("Conv", *ins, strides=[stride, stride], pads=pads, kernel_shape=[kh, kw])
         self.channels[y] = out_ch
         return y

@@ -36,7 +36,8 @@ ALIGN_SMALL, ALIGN_LARGE, LARGE = 64, 4096, 1 << 20
 # unused checkpoint tensors that mean a known layout this builder does not write: (pattern, why)
 UNBUILT = [(r"(^|\.)(encoder\.down|decoder\.up)\.\d+\.attn\.", "Attention inside the VAE's down/up blocks "
             "(attn_resolutions; diffusers AttnDownEncoderBlock2D / AttnUpDecoderBlock2D) is not supported yet")]
-CHANNELS_KEPT = {"Add", "Sub", "Mul", "Div", "Sigmoid", "Cast", "Pad", "Resize", "GroupNormalization", "Identity"}
+CHANNELS_KEPT = {"Add", "Sub", "Mul", "Div", "Sigmoid", "Cast", "Pad", "Resize", "GroupNormalization", "Identity", "Relu",
+                 "Tanh"}
 # ops whose output has the last-axis width of their first input of known width (Linear input checks)
 WIDTH_KEPT = {"Add", "Sub", "Mul", "Div", "Sigmoid", "Cast", "Gelu", "Tanh", "LayerNormalization", "Identity", "Clip",
               "Where"}

@@ -5,9 +5,10 @@ Owns: FlowPipeline -- the size (2x2 latent patches of the VAE's scale), the T5 l
 bundle's schedule and defaults (the manifest's, else the family's), then per call: noise (each image's from
 its own seed, as many images per transformer call as its profile takes), a flow-matching sampler on that
 schedule (runtime/flow.py: Euler, Heun, DPM++ 2M) with classifier-free guidance where the family reads a
-negative prompt, the VAE's scale and shift; the step previews' estimate (x - sigma * v, unpacked). A family
-module gives its conditioning (`encode`), how the transformer reads latents (`to_transformer` /
-`from_transformer`), its timestep feed and any fixed feeds. Also `t5_length` and
+negative prompt, the VAE's scale and shift; the step previews' estimate (x - sigma * v, unpacked). A family module
+gives its conditioning (`encode`), how the transformer reads latents (`to_transformer` / `from_transformer`), its
+timestep feed, any fixed feeds and, where it differs from the usual, how guidance combines the two velocities
+(`guide`). Also `t5_length` and
 `txt2img_only` (these families run no img2img / inpainting: their one-line refusals).
 Imports numpy and the runtime's own modules; never the compiler.
 """
@@ -65,10 +66,12 @@ class FlowPipeline(BundleModel):
 
     def __init__(self, bundle: str | Path | Manifest, backend: str | None = None, params_backend: str | None = None,
                  width: int | None = None, height: int | None = None, sysroot: str = "/", env=None,
-                 verify: bool | str = True, strict: bool = False, lazy: bool = True):
+                 verify: bool | str = True, strict: bool = False, lazy: bool = True, vae_tiling: bool | None = None,
+                 vae_tile: int | None = None):
         """`width`/`height` default to the bundle's optimal size (its transformer profile's opt);
         `strict`: every module runs where `backend` assigns it, or a UserError (no fallback);
-        `lazy`: the VAE decoder goes on loading while the prompt is encoded and denoised."""
+        `lazy`: the VAE decoder goes on loading while the prompt is encoded and denoised;
+        `vae_tiling` / `vae_tile`: runtime/vae_tiling.py's (None: tiles when past the VAE engine's profile)."""
         env = os.environ if env is None else env
         manifest, manifest_s = open_manifest(bundle)
         info = manifest.info
@@ -84,7 +87,8 @@ class FlowPipeline(BundleModel):
         needed = self.spec.needs[:-2] + tuple(c for c in self.spec.optional if c in manifest.components) + \
             self.spec.needs[-2:]
         super().__init__(manifest, needed, self.spec.requests(manifest, 1, height, width), backend, params_backend,
-                         sysroot, env, verify, strict, later=("vae_decoder",) if lazy else ())
+                         sysroot, env, verify, strict, later=("vae_decoder",) if lazy else (), vae_tiling=vae_tiling,
+                         vae_tile=vae_tile)
         self.stages = {"manifest": manifest_s, **self.stages}
         self.latent_scale = float(info.latent_scale or self.spec.latent_scale)
         self.latent_shift = float(self.spec.latent_shift if info.latent_shift is None else info.latent_shift)
@@ -123,6 +127,10 @@ class FlowPipeline(BundleModel):
     def fixed_feeds(self, transformer, guidance: float) -> dict[str, np.ndarray]:
         """Inputs every step takes unchanged (position ids, distilled guidance)."""
         return {}
+
+    def guide(self, v: np.ndarray, v_neg: np.ndarray, guidance: float) -> np.ndarray:
+        """Classifier-free guidance of the prompt's velocity `v` against the negative prompt's."""
+        return v_neg + np.float32(guidance) * (v - v_neg)
 
     # ---- generation --------------------------------------------------------------------------------
     def __call__(self, prompt: str, negative: str = "", steps: int | None = None, seed: int = 0,
@@ -165,7 +173,7 @@ class FlowPipeline(BundleModel):
                 v = transformer.run({**step, **rows(cond)})["out_hidden_states"].astype(np.float32)
                 if cfg:
                     v_neg = transformer.run({**step, **rows(uncond)})["out_hidden_states"].astype(np.float32)
-                    v = v_neg + np.float32(guidance) * (v - v_neg)
+                    v = self.guide(v, v_neg, guidance)
                 seen[:] = x, j, v
                 return v
 

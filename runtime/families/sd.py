@@ -115,13 +115,14 @@ class Txt2Img(BundleModel):
     def __init__(self, bundle: str | Path | Manifest, backend: str | None = None, params_backend: str | None = None,
                  width: int | None = None, height: int | None = None, sysroot: str = "/", env=None,
                  verify: bool | str = True, strict: bool = False, lazy: bool = True, image_input: bool = False,
-                 controlnets: tuple[str, ...] = ()):
+                 controlnets: tuple[str, ...] = (), vae_tiling: bool | None = None, vae_tile: int | None = None):
         """`bundle`: a bundle folder, or its manifest already read (and so checked) by read_manifest.
         `width`/`height` default to the bundle's optimal size (optimal_size). `strict`: every module
         runs where `backend` assigns it, or a UserError (no fallback). `lazy`: the VAE decoder goes
         on loading while the prompt is encoded and denoised (False: everything loaded on return).
         `image_input`: the VAE encoder is loaded too (img2img and inpainting; the bundle must have it).
-        `controlnets`: the bundle's ControlNet components (controlnet_<name>) to load for `controls`."""
+        `controlnets`: the bundle's ControlNet components (controlnet_<name>) to load for `controls`.
+        `vae_tiling` / `vae_tile`: runtime/vae_tiling.py's (None: tiles when past the VAE engine's profile)."""
         env = os.environ if env is None else env
         manifest, manifest_s = open_manifest(bundle)
         family = self.family = manifest.info.family
@@ -131,7 +132,8 @@ class Txt2Img(BundleModel):
         needed = NEEDED[family] + (("vae_encoder",) if image_input else ()) + tuple(controlnets)
         self.image_input = image_input
         super().__init__(manifest, needed, requests(manifest, 1, height, width), backend, params_backend,
-                         sysroot, env, verify, strict, later=("vae_decoder",) if lazy else ())
+                         sysroot, env, verify, strict, later=("vae_decoder",) if lazy else (), vae_tiling=vae_tiling,
+                         vae_tile=vae_tile)
         self.stages = {"manifest": manifest_s, **self.stages}
         self.tokenizer = self.tokenizers.get("text_encoder") or self.tokenizers["text_encoder_2"]
         spec = BY_NAME[family]
@@ -233,9 +235,9 @@ class Txt2Img(BundleModel):
 
     def encode_image(self, pixels: np.ndarray) -> np.ndarray:
         """[1, 3, H, W] in [-1, 1] -> scaled latents [1, 4, H/f, W/f]: the VAE encoder's distribution's
-        MEAN (diffusers samples it by default; the mean is its mode, deterministic) x latent_scale."""
-        params = self.component("vae_encoder").session.run({"sample": pixels.astype(np.float32)})
-        params = next(iter(params.values())).astype(np.float32)
+        MEAN (diffusers samples it by default; the mean is its mode, deterministic) x latent_scale; in tiles
+        where runtime/vae_tiling.py plans them (BundleModel.vae_run)."""
+        params = self.vae_run("vae_encoder", pixels)
         return params[:, :params.shape[1] // 2] * np.float32(self.latent_scale)
 
     def __call__(self, prompt: str, negative: str = "", steps: int = 20, seed: int = 0, guidance: float = 7.5,
@@ -244,7 +246,8 @@ class Txt2Img(BundleModel):
                  aesthetic_score: float = 6.0, negative_aesthetic_score: float = 2.5,
                  init_image: np.ndarray | None = None, mask: np.ndarray | None = None,
                  strength: float | None = None, controls: list | None = None, guess_mode: bool = False,
-                 seeds: list[int] | None = None, schedule: str | None = None) -> np.ndarray:
+                 seeds: list[int] | None = None, schedule: str | None = None, init_latents: np.ndarray | None = None,
+                 decode: bool = True) -> np.ndarray:
         """Returns the decoded image as float32 [H, W, 3] in [0, 1]; with `seeds`, one image per seed,
         [N, H, W, 3], each from its own seed's noise (image i is the single image of seeds[i]), as many per
         UNet call as its engine's profile takes (the CFG halves in one call: 2 rows per image; `batches`:
@@ -255,11 +258,16 @@ class Txt2Img(BundleModel):
         `controls`: runtime/control.py Control entries (their nets loaded: `controlnets=` when opened);
         `guess_mode` as diffusers'. A ControlNet bundle's UNet gets zero residuals without controls.
         `scheduler` / `schedule`: the sampler and sigma schedule (runtime/schedulers.py make_sampler; the
-        samplers that add noise draw it from each image's seed)."""
+        samplers that add noise draw it from each image's seed). `init_latents`: img2img from these scaled
+        latents, one [4, h, w] row per image (or one for all), instead of an encoded init image (the hires fix's
+        second pass); `decode=False` returns the scaled latents [N, 4, h, w] undecoded."""
         check_steps(steps)
-        mode, strength = check_image_mode(self.manifest, init_image is not None, mask is not None, strength, steps,
-                                          "api")
-        if mode != "txt2img" and not self.image_input:
+        if init_latents is not None:
+            mode, strength = "img2img", check_strength(strength)
+        else:
+            mode, strength = check_image_mode(self.manifest, init_image is not None, mask is not None, strength,
+                                              steps, "api")
+        if mode != "txt2img" and init_latents is None and not self.image_input:
             raise UserError("img2img / inpainting need the VAE encoder loaded: open the pipeline with image_input=True")
         f = latent_factor(self.manifest)
         shape = (1, 4, self.height // f, self.width // f)
@@ -268,6 +276,9 @@ class Txt2Img(BundleModel):
         first, image_latents, m_lat, cond, from_noise = 0, None, None, [], mode == "txt2img"
         if mode != "txt2img":
             first = start_index(steps, strength)
+        if init_latents is not None:
+            image_latents = init_latents.astype(np.float32)
+        elif mode != "txt2img":
             pixels = image_tensor(init_image, self.width, self.height)
             m = mask_tensor(mask, self.width, self.height) if mask is not None else None
             if m is not None:       # the mask at latent size: torch's nearest interpolate (every f-th pixel)
@@ -299,7 +310,7 @@ class Txt2Img(BundleModel):
             sampler = make_sampler(scheduler, steps, NoiseSchedule(prediction_type=self.prediction), schedule,
                                    seeds[at:at + n])
             x = noise * np.float32(sampler.init_noise_sigma) if from_noise else \
-                sampler.add_noise(image_latents, noise, first)
+                sampler.add_noise(image_latents if len(image_latents) == 1 else image_latents[at:at + n], noise, first)
             context_n, extra_n = halves(context, n), {k: halves(v, n) for k, v in extra.items()}
             cond_n = [np.repeat(c, n, axis=0) for c in cond]
             zeros = zero_residuals(self.unet_inputs, 2 * n, shape[2], shape[3])
@@ -325,6 +336,8 @@ class Txt2Img(BundleModel):
             out.append(x)
             self.batches.append(n)
         del unet                 # one at a time: the VAE decoder may load only once the denoiser is released
+        if not decode:
+            return np.concatenate(out)
         image = np.clip(self.decode(np.concatenate(out) / np.float32(self.latent_scale)) / 2 + 0.5, 0.0, 1.0)
         return image[0] if single else image
 
