@@ -111,7 +111,7 @@ def child_precast(spec: dict) -> dict:
         from precast.runtime.assign import COMPONENT_MODULE, assign_modules
         from precast.runtime.devices import discover_devices
         from precast.runtime.manifest import read_manifest
-        from precast.runtime.loading import bundle_tokenizers
+        from precast.runtime.text_encoders import bundle_tokenizers
         from precast.runtime.select import installed_backends, load_component, select_all
         m = read_manifest(spec["bundle"])
         devices = discover_devices("/", os.environ)

@@ -50,8 +50,8 @@ def _refuse_extras(recipe: Recipe) -> None:
 
 
 def _config(comp: str, cfg: dict, vae_cfg: dict) -> dict:
-    """The config fields precast's runtime reads (runtime/loading.py, runtime/families/sd.py), from diffusers' /
-    transformers' config.json."""
+    """The config fields precast's runtime reads (runtime/loading.py, runtime/text_encoders.py,
+    runtime/families/sd.py), from diffusers' / transformers' config.json."""
     if comp.startswith("text_encoder"):
         keys = {"hidden": "hidden_size", "vocab": "vocab_size", "layers": "num_hidden_layers",
                 "max_positions": "max_position_embeddings"}

@@ -38,14 +38,14 @@ from .checks import check_strength, check_vae_tiling, is_int, shown
 from .devices import Device, apply_device_override, discover_devices
 from .errors import Cancelled, UserError
 from .families import family_of
-from .generate import (CancelHook, ControlSpec, Image, ImageInput, Pipeline, PreviewCallback, StepCallback,
-                       check_image_mode, check_settings, control_entries, preview_method)
+from .generate import ControlSpec, Image, ImageInput, Pipeline, check_image_mode, check_settings, control_entries
 from .hires import check_hires
 from .image_size import latent_factor, optimal_size, parse_size
 from .loading import timed
 from .manifest import Manifest, read_manifest
 from .report import ComponentPlan, Option, PassedOver, Report, plan_of, report_of
 from .select import component_report, installed_backends, load_component, nothing_runs, select_all, select_component
+from .step_hooks import CancelHook, PreviewCallback, StepCallback, preview_method
 from .embeddings import encoder_feeds, EXTRA_TOKENS_INPUT
 from .control import check_net
 

@@ -1,7 +1,7 @@
 """The `precast` command: the group, its dispatch and its exit codes.
 
-Owns: the top-level command group (`doctor`, `generate` -- runtime/run_commands.py -- need only the
-runtime's dependencies; `push`, `pull` -- runtime/remote_commands.py -- the remote extra, imported when run; `export`, `build`, `bundle`, ... are imported from precast.compiler.cli only
+Owns: the top-level command group (`doctor`, `generate` -- runtime/doctor_command.py,
+runtime/run_commands.py -- need only the runtime's dependencies; `push`, `pull` -- runtime/remote_commands.py -- the remote extra, imported when run; `export`, `build`, `bundle`, ... are imported from precast.compiler.cli only
 when invoked, and a build command on a runtime-only install is one line naming the extra to
 install), usage errors as one line, the exit codes: 0 ok, 1 failure, 2 bad input (one line, no
 traceback), and errors as {"error", "exit"} on stdout under --json (run_cli, shared with the
@@ -17,9 +17,10 @@ import signal
 import click
 
 from .cli_support import EXTRA_OF, command_path, fail, missing_dependency, run_cli, wants_json  # noqa: F401 (run_cli: the compiler's commands)
+from .doctor_command import doctor_cmd
 from .errors import Terminated
 from .remote_commands import pull_cmd, push_cmd
-from .run_commands import doctor_cmd, generate_cmd
+from .run_commands import generate_cmd
 
 BUILD_COMMANDS = ("bundle", "build", "cache", "compile", "demo-model", "export", "export-openvino-genai", "plan")
 # checked before any build command starts (onnxsim only where an ONNX Runtime target needs it)

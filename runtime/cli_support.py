@@ -4,8 +4,8 @@ Owns: `run_cli` (a command body run so that user mistakes and paths the OS refus
 exit 2, a missing build-side module one line naming the extra, a bug a trace and exit 1, SIGTERM /
 SIGHUP / Ctrl+C 143 / 129 / 130, a closed stdout 141), `fail`, errors as {"error", "exit"} on stdout
 under --json (`wants_json`), and the extra that installs each build-side module (EXTRA_OF,
-`missing_dependency`). Used by the runtime's commands (runtime/run_commands.py), the group (runtime/
-cli.py) and the compiler's commands.
+`missing_dependency`). Used by the runtime's commands (runtime/run_commands.py, runtime/doctor_command.py),
+the group (runtime/cli.py) and the compiler's commands.
 """
 from __future__ import annotations
 

@@ -5,18 +5,16 @@ Owns: `Pipeline` (a family's pipeline, loaded, called per image -- or per batch 
 seed, seed + 1, ... --: settings -> defaults from the family and the bundle -> image mode -> ControlNets ->
 the per-step hooks -> `Image`s; the hires fix's two passes, runtime/hires.py), `Image` (its pixels, the
 settings that made it, and the PNG with them: A1111's parameters and precast's record, runtime/metadata.py),
-the step hooks (a
-progress callback, a preview callback -- runtime/previews.py --, a cancel hook raising `Cancelled`), and the checks that need the bundle's family:
+and the checks that need the bundle's family:
 `check_scheduler` (sampler and sigma schedule), `check_image_mode` (the family's own), `check_settings`,
-`control_entries` (the API's `controls=`). Value checks are runtime/checks.py's; the pipelines are runtime/families/'s.
+`control_entries` (the API's `controls=`). Value checks are runtime/checks.py's; the step hooks (progress,
+preview and cancel callbacks) runtime/step_hooks.py's; the pipelines are runtime/families/'s.
 Imports numpy and the runtime's own modules; never the compiler.
 """
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
@@ -26,7 +24,7 @@ import numpy as np
 from .assign import module_of
 from .checks import (check_batch, check_count, check_guidance, check_number, check_out, check_seed, check_steps,
                      check_text, shown, write_image)
-from .errors import Cancelled, UserError
+from .errors import UserError
 from .families import FAMILIES, family_of
 from .loading import BundleModel, to_uint8
 from .report import Report, plan_of, report_of
@@ -36,14 +34,11 @@ from .image_size import latent_factor
 from .images import image_tensor, init_image
 from .metadata import PARAMETERS, RECORD, made_with, parameters_text, pixels_digest, record_text
 from .png import png_bytes
-from .previews import check_preview
 from .sampler_names import SCHEDULES, parse_sampler, parse_schedule
+from .step_hooks import CancelHook, PreviewCallback, StepCallback, preview_method, step_hooks, stop_check
 
 ImageInput = Union[str, os.PathLike, np.ndarray]     # a PNG path, or uint8 [H, W] / [H, W, C] (C 1 to 4)
 ControlSpec = tuple                                   # (ControlNet name, image[, scale[, start, end]])
-StepCallback = Callable[[int, int], None]             # (steps done, total steps)
-PreviewCallback = Callable[[int, int, np.ndarray], None]   # (steps done, total steps, uint8 [H, W, 3] preview)
-CancelHook = Union[Callable[[], bool], threading.Event, None]
 
 
 # ---- settings that depend on the family -----------------------------------------------------------
@@ -110,7 +105,7 @@ def check_settings(manifest, prompt, negative, steps, seed, guidance, scheduler,
         check_guidance(guidance, "guidance=")
     if on_step is not None and not callable(on_step):
         raise UserError(f"on_step={on_step!r}: expected a callable taking (steps done, total steps), or None")
-    _stop_check(cancel)
+    stop_check(cancel)
     return check_scheduler(scheduler, manifest, "scheduler=", schedule, "schedule=")
 
 
@@ -217,64 +212,6 @@ class Image:
     def text_chunks(self) -> dict[str, str]:
         """The PNG's text chunks: `parameters` (A1111's infotext) and `precast` (the record, JSON)."""
         return {PARAMETERS: self.parameters, RECORD: record_text(self.record)}
-
-
-# ---- the per-step hooks --------------------------------------------------------------------------
-def _stop_check(cancel: CancelHook) -> Callable[[], bool] | None:
-    if cancel is None:
-        return None
-    if isinstance(cancel, threading.Event) or hasattr(cancel, "is_set"):
-        return cancel.is_set
-    if callable(cancel):
-        return cancel
-    raise UserError(f"cancel={cancel!r}: expected a callable returning True to stop, or a threading.Event")
-
-
-def preview_method(manifest, on_preview, preview="auto") -> str:
-    """`on_preview` (a callable or None) and `preview` (runtime/previews.py METHODS) checked before anything
-    loads; the method a run with previews uses, "taesd" or "latent2rgb"."""
-    if on_preview is not None and not callable(on_preview):
-        raise UserError(f"on_preview={on_preview!r}: expected a callable taking (steps done, total steps, uint8 "
-                        "image [H, W, 3]), or None")
-    if on_preview is None and preview == "auto":
-        return "auto"            # no previews asked for: none to check against the bundle
-    return check_preview(preview, manifest.components, family_of(manifest).latent_rgb, "preview=")
-
-
-@dataclass
-class _StepHook:
-    """BundleModel.step_hook for one call: `stop` asked before each step and before decoding
-    (Cancelled if it says stop), `on_step(done, total)` called after each step, then `on_preview(done,
-    total, image)` with the step's preview (`preview`: latents -> image) where the loop gives its estimate."""
-    stop: Callable[[], bool] | None
-    on_step: StepCallback | None
-    on_preview: PreviewCallback | None = None
-    preview: Callable[[np.ndarray], np.ndarray] | None = None
-
-    def before(self, i: int, total: int) -> None:
-        if self.stop is not None and self.stop():
-            raise Cancelled(i, total)
-
-    def after(self, done: int, total: int, latents: Callable[[], np.ndarray] | None = None) -> None:
-        if self.on_step is not None:
-            self.on_step(done, total)
-        if self.on_preview is not None and latents is not None:
-            self.on_preview(done, total, self.preview(latents()))
-
-
-@contextmanager
-def _step_hooks(pipe: BundleModel, on_step: StepCallback | None, cancel: CancelHook,
-                on_preview: PreviewCallback | None = None, method: str = "latent2rgb") -> Iterator[None]:
-    """The pipeline's step_hook set for one call (none when there is nothing to call)."""
-    stop = _stop_check(cancel)
-    rgb = family_of(pipe.manifest).latent_rgb
-    make = (lambda x0: pipe.preview(x0, method, rgb)) if on_preview is not None else None    # noqa: E731
-    pipe.step_hook = _StepHook(stop, on_step, on_preview, make) \
-        if on_step is not None or stop is not None or on_preview is not None else None
-    try:
-        yield
-    finally:
-        pipe.step_hook = None
 
 
 # ---- the pipeline --------------------------------------------------------------------------------
@@ -388,7 +325,7 @@ class Pipeline:
         warnings = [f"the negative prompt {unused}"] if unused else []
         pixels = []
         self.pipe.tiled.clear()
-        with _step_hooks(self.pipe, on_step, cancel, on_preview, method):
+        with step_hooks(self.pipe, on_step, cancel, on_preview, method):
             for run in range(count):
                 seeds = list(range(seed + run * batch, seed + (run + 1) * batch))
                 made = self._hires(prompt, seeds, kwargs, hires) if hires else self.pipe(prompt, seeds=seeds, **kwargs)

@@ -6,7 +6,7 @@ latent -> RGB projection (`project`: a family's LatentRGB factors and bias, as C
 stable-diffusion.cpp apply them; at the latents' resolution), a decoder's [-1, 1] output as uint8 pixels
 (`to_pixels`, ComfyUI's preview_to_image), nearest upscaling to the image's size (`upscale`) and the check of
 the method against a bundle (`check_preview`). Running a preview decoder (a TAESD-style tiny autoencoder, the
-bundle's `preview_decoder`) is runtime/loading.py's; calling the previews each step is runtime/generate.py's.
+bundle's `preview_decoder`) is runtime/loading.py's; calling the previews each step is runtime/step_hooks.py's.
 """
 from __future__ import annotations
 

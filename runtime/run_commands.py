@@ -1,10 +1,9 @@
-"""The runtime's own commands, `precast doctor` and `precast generate` (registered on the group in
-runtime/cli.py), built on the Python API (runtime/api.py: open_bundle, Bundle.plan, Bundle.pipeline):
-every option checked before anything loads, in the options' own words (runtime/checks.py and
-runtime/generate.py, the API's checks); their text and JSON reports; generate's images written one PNG
-each (OUT-0001.png ... for several) with their metadata, and `--from-png` (a PNG's precast record as
-the options, runtime/metadata.py); the hires fix's and VAE tiling's options (runtime/hires.py,
-runtime/vae_tiling.py).
+"""The runtime's `precast generate` (registered on the group in runtime/cli.py; `precast doctor` is
+runtime/doctor_command.py's), built on the Python API (runtime/api.py: open_bundle, Bundle.pipeline): every
+option checked before anything loads, in the options' own words (runtime/checks.py and runtime/generate.py, the
+API's checks); its text and JSON reports; its images written one PNG each (OUT-0001.png ... for several) with
+their metadata, and `--from-png` (a PNG's precast record as the options: runtime/rerun.py); the hires fix's and
+VAE tiling's options (runtime/hires.py, runtime/vae_tiling.py); the help texts and size default doctor shares.
 """
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ import click
 from click.core import ParameterSource
 
 from . import images
-from .assign import module_of, parse_assignment
+from .assign import parse_assignment
 from .checks import (check_batch, check_count, check_guidance, check_out, check_seed, check_steps, check_text,
                      check_vae_tiling, write_image)
 from .cli_support import run_cli
@@ -28,10 +27,10 @@ from .generate import check_image_mode, check_scheduler, unused_negative
 from .hires import DEFAULTS as HIRES_DEFAULTS, UPSCALERS, check_hires
 from .sampler_names import SCHEDULES, parse_sampler, parse_schedule
 from .image_size import MAX_SIDE, latent_factor, optimal_size, parse_size, size_warning
-from .loading import timed
 from .metadata import manifest_sha256, png_record
 from .previews import METHODS, check_preview
 from .report import describe_where
+from .rerun import RERUN, rerun_options, rerun_warnings
 
 # every family's sampler names, for --scheduler's choices (checked against the bundle's family later)
 SCHEDULERS = list(dict.fromkeys(s for f in FAMILIES.values() for s in f.samplers))
@@ -62,7 +61,7 @@ VERIFY_HELP = ("auto: hash each bundle file once per file state (a recorded matc
                "the records).")
 
 
-def _size(size: str | None, manifest) -> tuple[int, int]:
+def size_of(size: str | None, manifest) -> tuple[int, int]:
     return parse_size(size, manifest) if size else optimal_size(manifest)
 
 
@@ -73,161 +72,6 @@ def out_paths(out, n: int) -> list:
     if n == 1:
         return [path]
     return [check_out(str(path.with_name(f"{path.stem}-{i:04d}{path.suffix}"))) for i in range(1, n + 1)]
-
-
-RERUN = ("bundle", "prompt", "negative", "steps", "seed", "size", "guidance", "scheduler", "schedule", "strength",
-         "controlnet_names", "control_starts", "control_ends", "guess_mode", "backend", "hires_scale", "hires_size",
-         "hires_steps", "hires_denoise", "hires_upscaler", "vae_tiling", "vae_tile")
-HIRES_OPTIONS = {"hires_scale", "hires_size", "hires_steps", "hires_denoise", "hires_upscaler"}
-CONTROL_OPTIONS = {"controls", "controlnet_names", "control_starts", "control_ends", "guess_mode"}
-
-
-def rerun_options(record: dict, given: set[str], png: str) -> dict:
-    """The options a --from-png record sets (runtime/metadata.py png_record): its settings, its bundle's path
-    and where each module ran (--backend MODULE=DEVICE:BACKEND), each unless given on the command line (a hires
-    option given replaces the recorded hires fix: its others keep their defaults). The record names input images by their pixels only: an img2img / inpainting / ControlNet run needs
-    --init-image, --mask, --control given again (one UserError otherwise; check_recorded compares them)."""
-    s = record["settings"]
-    try:
-        nets = s.get("controls") or []
-        where: dict[str, str] = {}
-        for comp, w in (record.get("components") or {}).items():
-            if w.get("device") and w.get("backend"):
-                where.setdefault(module_of(comp), f"{w['device']}:{w['backend']}")
-        out = {"bundle": record["bundle"].get("path"), "prompt": s["prompt"], "negative": s.get("negative", ""),
-               "steps": s.get("steps"), "seed": s.get("seed", 0), "size": s.get("size"),
-               "guidance": s.get("guidance"), "scheduler": s.get("scheduler"), "schedule": s.get("schedule"),
-               "strength": s.get("strength"), "controlnet_names": tuple(c["controlnet"] for c in nets),
-               "control_starts": tuple(c["start"] for c in nets), "control_ends": tuple(c["end"] for c in nets),
-               "guess_mode": bool(s.get("guess_mode")),
-               "backend": ",".join(f"{m}={v}" for m, v in where.items()) or None}
-        hires, tiling = s.get("hires") or {}, s.get("vae_tiling") or {}
-        out.update(hires_scale=hires.get("scale"), hires_size=None if hires.get("scale") else hires.get("size"),
-                   hires_steps=hires.get("steps"), hires_denoise=hires.get("denoise"),
-                   hires_upscaler=hires.get("upscaler"), vae_tiling=tiling.get("forced"), vae_tile=tiling.get("tile"))
-        scales = ", ".join(f"{c['controlnet']} at scale {c['scale']:g}" for c in nets)
-    except (AttributeError, KeyError, TypeError, ValueError) as e:
-        raise UserError(f"--from-png {png}: its precast record is damaged ({type(e).__name__}: {e})") from None
-    if "scheduler" in given:        # a sampler given anew takes its own default schedule (or the one it names)
-        given = given | {"schedule"}
-    if given & CONTROL_OPTIONS:
-        given = given | CONTROL_OPTIONS
-    if given & HIRES_OPTIONS:
-        given = given | HIRES_OPTIONS
-    missing = [option for option, key in (("--init-image", "init_image"), ("--mask", "mask"))
-               if s.get(key) and key not in given]
-    if missing:
-        raise UserError(f"--from-png {png}: was made by {s.get('mode')} from images its record names only by their "
-                        f"pixels' sha256; give {' '.join(f'{o} FILE' for o in missing)} again")
-    if nets and "controls" not in given:
-        raise UserError(f"--from-png {png}: was made with ControlNets ({scales}), whose control images its record "
-                        "names by their pixels only; give --control IMAGE:SCALE (and --controlnet, --control-start, "
-                        "--control-end, --guess-mode as then) again")
-    return {k: v for k, v in out.items() if k not in given}
-
-
-def rerun_warnings(record: dict, image, png: str) -> list[str]:
-    """What differs from the run a --from-png record names, one line each: a component that ran elsewhere
-    (another artifact, backend or device), an input image with other pixels; the image may differ."""
-    now = image.made_with.get("components", {})
-    out = []
-    for comp, then in (record.get("components") or {}).items():
-        if comp in now and now[comp] != then:
-            out.append(f"--from-png {png}: {comp} ran {now[comp].get('artifact')} via {now[comp].get('backend')} on "
-                       f"{now[comp].get('device')}, not {then.get('artifact')} via {then.get('backend')} on "
-                       f"{then.get('device')} as recorded: the image may differ")
-    then, given = record["settings"], image.inputs
-    pairs = [("--init-image", then.get("init_image"), given.get("init_image")), ("--mask", then.get("mask"),
-             given.get("mask"))] + [("--control", (a or {}).get("image"), (b or {}).get("image")) for a, b in
-                                    zip(then.get("controls") or [], given.get("controls") or [])]
-    out += [f"--from-png {png}: {option} has other pixels than the image it was made from: the image will differ"
-            for option, a, b in pairs if a and b and a.get("sha256") != b.get("sha256")]
-    return out
-
-
-@click.command("doctor")
-@click.argument("bundle", required=False, type=click.Path())
-@click.option("--backend", default=None, help=BACKEND_HELP)
-@click.option("--params-backend", default=None, help="Where weights live, e.g. cpu (offload); memory budgets as DEVICE:SIZE, e.g. cuda0:8G,cpu:16G.")
-@click.option("--size", default=None, help="WIDTHxHEIGHT to check engines against (default: the bundle's optimal "
-                                           "size, its denoiser profile's opt).")
-@click.option("--strict", is_flag=True, help=STRICT_HELP)
-@click.option("--verify", "verify", default="auto", show_default=True,
-              type=click.Choice(["auto", "full"], case_sensitive=False), help=VERIFY_HELP)
-@click.option("--load", "load", is_flag=True, help="Also load what generate needs (as generate does: each component "
-                                                   "in its own thread) and report the seconds each load took.")
-@click.option("--sysroot", default="/", hidden=True, help="Read devices from a recorded tree (tests).")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (errors too).")
-def doctor_cmd(bundle, backend, params_backend, size, strict, sysroot, as_json, verify, load):
-    """Show devices, installed backends, and what in BUNDLE would load where, and why."""
-    def go():
-        from .api import machine, open_bundle     # the CLI's start does not load the API
-        stages = dict.fromkeys(["manifest", "discover", "assign", "backends", "select", "verify", "load", "open",
-                                "total"])
-        t_start = time.perf_counter()
-        api = None
-        if bundle:
-            stages["manifest"] = 0.0
-            with timed(stages, "manifest"):
-                api = open_bundle(bundle, verify=verify.lower(), sysroot=sysroot, backend=backend, pull=load)
-            w, h = _size(size, api.manifest)
-        elif size:
-            raise UserError("--size: checks a bundle's engines; give the BUNDLE too")
-        if load and not bundle:
-            raise UserError("--load: loads a bundle's engines; give the BUNDLE too")
-        if api is not None:
-            report = api.plan(backend, params_backend=params_backend, size=(w, h), strict=strict)
-            here = report.devices, report.device_warning, report.installed_backends, report.placements
-            stages.update(report.stages)
-        else:
-            m = machine(sysroot, backend, params_backend, strict)
-            here, report = (m.devices, m.warning, m.installed, m.placements), None
-            stages.update(m.stages)
-        devices, warning, installed, placements = here
-        out = {"bundle": bundle, "devices": [d.describe() for d in devices], "device_warning": warning,
-               "installed_backends": installed, "strict": strict,
-               "assignment": {mod: p.describe() for mod, p in placements.items()},
-               "size": None, "components": {}, "missing_for_generate": [], "loaded": None,
-               "remote": api.remote.as_dict() if api is not None and api.remote else None,   # oci://: runtime/oci/store.py
-               "stages": stages}   # one schema, with or without a bundle
-        if report is not None:
-            out["size"] = f"{w}x{h}"
-            out["components"] = {c: p.record() for c, p in report.components.items()}
-            out["missing_for_generate"] = list(report.missing_for_generate)
-            if load and not out["missing_for_generate"]:
-                pipe = api.pipeline(backend, params_backend=params_backend, size=(w, h), strict=strict).pipe
-                pipe.wait_loaded()
-                stages["load"], stages["open"] = pipe.stages["load"], pipe.stages["open"]
-                out["loaded"] = {c: {k: r[k] for k in ("device", "backend", "artifact", "passed_over")}
-                                 for c, r in pipe.report()["components"].items()}
-        stages["total"] = round(time.perf_counter() - t_start, 3)
-        if as_json:
-            click.echo(json.dumps(out, indent=2))
-            return
-        if warning:
-            click.echo(f"warning: {warning}", err=True)
-        for i, d in enumerate(devices):
-            mem = f"{d.memory / 2**30:.1f} GiB" if d.memory else "? GiB"
-            click.echo(f"device {i}  {d.id:<7} {d.kind:<10} {d.arch:<14} {mem:>9}  {d.name}"
-                       + (f"  driver {d.driver}" if d.driver else ""))
-        click.echo("backends  " + (", ".join(f"{k} {v}" for k, v in sorted(installed.items())) or "none"))
-        for m_, p in placements.items():
-            click.echo(f"assign    {m_:<10} -> {p.target}" + (f" (weights on {p.params.id})" if p.offload else "")
-                       + (f"  (fell back: {p.fallback})" if p.fallback else ""))
-        if report is not None:
-            click.echo(f"size      {out['size']}")
-            describe_where(out, sys.stdout)
-            for line in api.remote.lines() if api.remote else ():
-                click.echo(line)
-            if out["loaded"] is not None:
-                for c, r in out["loaded"].items():
-                    click.echo(f"loaded    {c:<13} {r['artifact']} via {r['backend']} in {stages['load'][c]:.2f} s")
-                click.echo(f"opened in {stages['open']:.2f} s (components loaded side by side)")
-            if out["missing_for_generate"]:
-                click.echo(f"warning: `precast generate` needs {', '.join(out['missing_for_generate'])}, which this "
-                           "bundle lacks (built with --only / --shard?): build them too, or merge the shards' bundles "
-                           "with `precast bundle merge`", err=True)
-    run_cli(go, as_json)
 
 
 @click.command("generate")
@@ -392,7 +236,7 @@ def generate_cmd(bundle, prompt, negative, steps, seed, batch, count, from_png, 
             init_px = images.init_image(init_image)
             mask_px = images.mask_image(mask, init_px) if mask is not None else None
         if size or init_px is None:
-            w, h = _size(size, manifest)
+            w, h = size_of(size, manifest)
         else:                       # the init image's own size
             iw, ih = images.output_size(init_px, "--init-image", init_image, latent_factor(manifest))
             try:

@@ -294,13 +294,13 @@ def test_optimum_sd3_pipeline_matches(sd3, tool, which, tmp_path):
 
 def test_precast_reads_its_state_by_name_not_position(tmp_path):
     """With every hidden state an output, precast's runtime picks the one the export recorded
-    (runtime/loading.py text_state_name), never the first hidden_states.* output: the penultimate by
+    (runtime/text_encoders.py text_state_name), never the first hidden_states.* output: the penultimate by
     default, the clip_skip layer when asked (SDXL CLIP-G, 3 layers: clip_skip 2 reads hidden_states.1);
     an export without the record (an older precast one, a foreign optimum one) falls back to the only
     hidden state, or hidden_states.{layers - 1}."""
     import onnxruntime as ort
     from precast.compiler.demo_model import TINY_SDXL, write_demo_model
-    from precast.runtime.loading import text_state_name
+    from precast.runtime.text_encoders import text_state_name
     ckpt = tmp_path / "xl.safetensors"
     write_demo_model(str(ckpt), TINY_SDXL)
     comps = ["text_encoder", "text_encoder_2"]

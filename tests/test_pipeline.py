@@ -189,7 +189,7 @@ def test_sdxl_embedding_files_are_checked_and_read_once_for_both_encoders(monkey
     registered with both encoders' tokenizers."""
     from pathlib import Path
     from types import SimpleNamespace
-    from precast.runtime import embeddings, loading as pipeline
+    from precast.runtime import embeddings, text_encoders as pipeline
 
     class Tok:
         def __init__(self):

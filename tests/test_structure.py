@@ -22,16 +22,16 @@ RUNTIME_LAYERS = [
     # 2: what a bundle and a machine are
     {"checks", "manifest_schema", "manifest", "t5_tokenizer", "images", "devices", "oci.artifact"},
     # 3: placing, choosing and opening what runs
-    {"assign", "image_size", "control", "sessions", "budgets", "select", "hires"},
+    {"assign", "image_size", "control", "sessions", "budgets", "select", "hires", "text_encoders"},
     # 4: a bundle opened to generate
     {"loading"},
     # 5: the families
     {"families", "families.flow_matching", "families.sd", "families.flux", "families.sd3", "families.zimage",
      "families.flux2", "families.qwenimage"},
     # 6: the Python API
-    {"report", "generate", "api", "oci.push", "oci.pull", "oci.store"},
+    {"report", "step_hooks", "generate", "api", "oci.push", "oci.pull", "oci.store"},
     # 7: the command line, and the package (which re-exports the API lazily)
-    {"run_commands", "remote_commands", "cli", ""},
+    {"run_commands", "doctor_command", "rerun", "remote_commands", "cli", ""},
 ]
 
 

@@ -25,9 +25,10 @@ import numpy as np
 from ..checks import check_steps, check_strength, shown
 from ..errors import UserError
 from ..image_size import image_size, latent_factor
-from ..loading import BundleModel, open_manifest, text_state_name
+from ..loading import BundleModel, open_manifest
 from ..manifest import Manifest
 from ..schedulers import SAMPLERS, NoiseSchedule, make_sampler, start_index
+from ..text_encoders import text_state_name
 from .family import Family, LatentRGB
 from ..embeddings import encoder_feeds
 from ..prompts import CHUNK, CLIP_TOKENS, Chunk, clip_chunks, emphasize, make_chunk
@@ -153,7 +154,7 @@ class Txt2Img(BundleModel):
         return {k: v.astype(np.float32) for k, v in out.items()}
 
     def _hidden(self, comp: str, out: dict[str, np.ndarray]) -> np.ndarray:
-        """The hidden state the UNet reads, by name (runtime/loading.py text_state_name): last_hidden_state
+        """The hidden state the UNet reads, by name (runtime/text_encoders.py text_state_name): last_hidden_state
         (SD 1.x/2.x) or the penultimate hidden_states.N-1 (SDXL) among every layer's output."""
         config = self.manifest.components[comp].get("config", {})
         return out[text_state_name(out, config, penultimate=self.family.startswith("sdxl"))]

@@ -17,8 +17,8 @@ import numpy as np
 
 from ..errors import UserError
 from ..image_size import latent_factor
-from ..loading import text_state_name
 from ..manifest import Manifest
+from ..text_encoders import text_state_name
 from .family import Family, Flow, LatentRGB
 from .flow_matching import FLOW_SAMPLERS, FlowPipeline, t5_length, txt2img_only
 from ..embeddings import encoder_feeds
