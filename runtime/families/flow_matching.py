@@ -184,7 +184,7 @@ class FlowPipeline(BundleModel):
                 x = sampler.step(velocity, i, x)
             out.append(self.from_transformer(x))
             self.batches.append(n)
-        del transformer          # one at a time: the VAE decoder may load only once the denoiser is released
+        transformer = None       # one at a time: the VAE decoder may load only once the denoiser is released
         image = self.decode(np.concatenate(out) / np.float32(self.latent_scale) + np.float32(self.latent_shift))
         image = np.clip(image / 2 + 0.5, 0.0, 1.0)
         return image[0] if single else image

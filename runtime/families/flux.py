@@ -105,7 +105,25 @@ def image_ids(rows: int, cols: int) -> np.ndarray:
     return ids.reshape(rows * cols, 3)
 
 
-class FluxTxt2Img(FlowPipeline):
+class PackedFlowPipeline(FlowPipeline):
+    """A flow-matching pipeline whose transformer reads 2x2 patches of latents as tokens (Flux, Chroma, FLUX.2,
+    Qwen-Image): noise drawn at the latents' shape, packed on the way in and unpacked on the way out. A
+    subclass sets `channels`, `rows` and `cols` (the packed grid)."""
+    def noise(self, seed: int) -> np.ndarray:
+        shape = (1, self.channels, 2 * self.rows, 2 * self.cols)
+        return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+    def to_transformer(self, latents: np.ndarray) -> np.ndarray:
+        return pack(latents)
+
+    def from_transformer(self, x: np.ndarray) -> np.ndarray:
+        return unpack(x, self.rows, self.cols)
+
+    def image_tokens(self, x: np.ndarray) -> int:
+        return x.shape[1]
+
+
+class FluxTxt2Img(PackedFlowPipeline):
     """Text-to-image over a Flux or Chroma bundle."""
     refusal = "the DiT pipeline runs Flux and Chroma bundles"
     size_why = "{family} packs 2x2 latents of the VAE's 1/{f} scale"
@@ -155,19 +173,6 @@ class FluxTxt2Img(FlowPipeline):
         return feeds
 
     # ---- how the transformer is fed --------------------------------------------------------------
-    def noise(self, seed: int) -> np.ndarray:
-        shape = (1, self.channels, 2 * self.rows, 2 * self.cols)
-        return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-
-    def to_transformer(self, latents: np.ndarray) -> np.ndarray:
-        return pack(latents)
-
-    def from_transformer(self, x: np.ndarray) -> np.ndarray:
-        return unpack(x, self.rows, self.cols)
-
-    def image_tokens(self, x: np.ndarray) -> int:
-        return x.shape[1]
-
     def fixed_feeds(self, transformer, guidance: float) -> dict[str, np.ndarray]:
         fixed = {"img_ids": image_ids(self.rows, self.cols)}
         if "guidance" in transformer.input_names:     # dev's distilled guidance, fed as its raw scale

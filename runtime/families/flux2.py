@@ -24,8 +24,8 @@ from ..errors import UserError
 from ..image_size import latent_factor
 from ..manifest import Manifest
 from .family import Family, Flow
-from .flow_matching import FLOW_SAMPLERS, FlowPipeline, t5_length, txt2img_only
-from .flux import pack, packed_grid, unpack
+from .flow_matching import FLOW_SAMPLERS, t5_length, txt2img_only
+from .flux import PackedFlowPipeline, pack, packed_grid, unpack
 
 # Qwen3's chat template as Flux2KleinPipeline renders it (one user message, add_generation_prompt=True,
 # enable_thinking=False: an empty think block)
@@ -99,7 +99,7 @@ def text_ids(length: int) -> np.ndarray:
     return ids
 
 
-class Flux2Txt2Img(FlowPipeline):
+class Flux2Txt2Img(PackedFlowPipeline):
     """Text-to-image over a FLUX.2 bundle."""
     refusal = "the FLUX.2 pipeline runs FLUX.2 bundles"
     size_why = "{family} packs 2x2 latents of the VAE's 1/{f} scale"
@@ -142,19 +142,6 @@ class Flux2Txt2Img(FlowPipeline):
         return {"encoder_hidden_states": states, "txt_ids": text_ids(length)}
 
     # ---- how the transformer is fed --------------------------------------------------------------
-    def noise(self, seed: int) -> np.ndarray:
-        shape = (1, self.channels, 2 * self.rows, 2 * self.cols)
-        return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-
-    def to_transformer(self, latents: np.ndarray) -> np.ndarray:
-        return pack(latents)
-
-    def from_transformer(self, x: np.ndarray) -> np.ndarray:
-        return unpack(x, self.rows, self.cols)
-
-    def image_tokens(self, x: np.ndarray) -> int:
-        return x.shape[1]
-
     def fixed_feeds(self, transformer, guidance: float) -> dict[str, np.ndarray]:
         fixed = {"img_ids": latent_ids(self.rows, self.cols)}
         if "guidance" in transformer.input_names:

@@ -23,8 +23,8 @@ from ..errors import UserError
 from ..image_size import latent_factor
 from ..manifest import Manifest
 from .family import Family, Flow
-from .flow_matching import FLOW_SAMPLERS, FlowPipeline, t5_length, txt2img_only
-from .flux import pack, packed_grid, unpack
+from .flow_matching import FLOW_SAMPLERS, t5_length, txt2img_only
+from .flux import PackedFlowPipeline, packed_grid
 
 TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
             "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{prompt}<|im_end|>\n"
@@ -92,7 +92,7 @@ def text_ids(length: int, rows: int, cols: int) -> np.ndarray:
     return np.repeat((max(rows // 2, cols // 2) + np.arange(length, dtype=np.float32))[:, None], 3, axis=1)
 
 
-class QwenImageTxt2Img(FlowPipeline):
+class QwenImageTxt2Img(PackedFlowPipeline):
     """Text-to-image over a Qwen-Image bundle."""
     refusal = "the Qwen-Image pipeline runs Qwen-Image bundles"
     size_why = "{family} packs 2x2 latents of the VAE's 1/{f} scale"
@@ -153,19 +153,6 @@ class QwenImageTxt2Img(FlowPipeline):
                 "txt_ids": text_ids(rows, self.rows, self.cols)}
 
     # ---- how the transformer is fed --------------------------------------------------------------
-    def noise(self, seed: int) -> np.ndarray:
-        shape = (1, self.channels, 2 * self.rows, 2 * self.cols)
-        return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-
-    def to_transformer(self, latents: np.ndarray) -> np.ndarray:
-        return pack(latents)
-
-    def from_transformer(self, x: np.ndarray) -> np.ndarray:
-        return unpack(x, self.rows, self.cols)
-
-    def image_tokens(self, x: np.ndarray) -> int:
-        return x.shape[1]
-
     def fixed_feeds(self, transformer, guidance: float) -> dict[str, np.ndarray]:
         return {"img_ids": latent_ids(self.rows, self.cols)}
 

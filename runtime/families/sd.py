@@ -336,7 +336,7 @@ class Txt2Img(BundleModel):
                     x = ((1 - m_lat) * kept + m_lat * x).astype(np.float32)
             out.append(x)
             self.batches.append(n)
-        del unet                 # one at a time: the VAE decoder may load only once the denoiser is released
+        unet = None              # one at a time: the VAE decoder may load only once the denoiser is released
         if not decode:
             return np.concatenate(out)
         image = np.clip(self.decode(np.concatenate(out) / np.float32(self.latent_scale)) / 2 + 0.5, 0.0, 1.0)
