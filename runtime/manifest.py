@@ -109,13 +109,20 @@ class Manifest:
         """Files a pull left out by design (a pulled bundle's `pulled.left_out`): path -> record."""
         return (self.data.get("pulled") or {}).get("left_out") or {}
 
-    def onnx_left_out(self, component: str) -> str | None:
-        """Why the component's ONNX is not in this bundle by design (a pull left it out), or None."""
+    def onnx_left_out(self, component: str, module: str = "all") -> str | None:
+        """Why the component's ONNX is not in this bundle by design (a pull left it out) and how to add it, or
+        None: `precast pull` again with --with-onnx, or for a reference opened in place (the store's), open it
+        with `--backend MODULE=onnxruntime` (`module`: the component's, in the --backend grammar)."""
         comp = self.data["components"].get(component) or {}
-        if any(rel in self.left_out for rel in comp.get("files", ())):
-            return (f"the bundle's ONNX was left out by `precast pull` from {self.data['pulled']['ref']} (an engine "
-                    "served this component on the machine it was pulled for): pull again with --with-onnx to add it")
-        return None
+        if not any(rel in self.left_out for rel in comp.get("files", ())):
+            return None
+        ref = self.data["pulled"]["ref"]
+        if self.data["pulled"].get("in_store"):
+            return (f"the bundle's ONNX was left out when {ref} was opened in place (an engine served this component "
+                    f"on this machine): open it with --backend {module}=onnxruntime (open_bundle's backend=) to add it "
+                    f"to the store, or `precast pull {ref} --with-onnx --out DIR` for a folder that holds it")
+        return (f"the bundle's ONNX was left out by `precast pull` from {ref} (an engine served this component on the "
+                f"machine it was pulled for): `precast pull {ref} --with-onnx --out {self.root}` adds it")
 
     def check_file(self, rel: str, required: bool = True) -> None:
         """Raise a UserError naming `rel` unless it matches its record (size, sha256). A file the

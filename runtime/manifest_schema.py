@@ -5,7 +5,7 @@ with IO and shape profiles, artifacts with fingerprint spec, files with size, sh
 so a damaged manifest is one ManifestError naming the field; an artifact's `sha256` and `size` must agree
 with its files' records; a pulled bundle's `pulled` record -- the ref and digest it came from, the files
 `precast pull` left out with their records (which a component's file list may name without the bundle
-holding them), the artifacts it left out), `path_problem` (a bundle-relative path that is safe to
+holding them), the artifacts it left out, whether the store laid it out), `path_problem` (a bundle-relative path that is safe to
 join), and the limits (SCHEMA, PREDICTIONS, MAX_PROFILE_SIDE). Standard library only.
 """
 from __future__ import annotations
@@ -113,7 +113,8 @@ def check_record(check: "_Checker", rec, field: str) -> None:
 
 def _check_pulled(check: "_Checker", data: dict, files: dict) -> dict:
     """A pulled bundle's record (runtime/oci/pull.py): {ref, digest, left_out: {path: file record},
-    artifacts_left_out: [id]}; the files left out, which only a component's file list may name."""
+    artifacts_left_out: [id], in_store: true (optional)}; the files left out, which only a component's file
+    list may name."""
     pulled = check.of(data, "pulled", dict, optional=True)
     if pulled is None:
         return {}
@@ -127,6 +128,7 @@ def _check_pulled(check: "_Checker", data: dict, files: dict) -> dict:
         check_record(check, rec, f"pulled.left_out[{rel!r}]")
     if not all(isinstance(a, str) for a in check.of(pulled, "artifacts_left_out", list, "pulled")):
         check.fail("pulled.artifacts_left_out", "holds a non-string; expected artifact ids")
+    check.of(pulled, "in_store", bool, "pulled", optional=True)
     return left_out
 
 

@@ -255,7 +255,8 @@ def select_component(manifest: Manifest, component: str, placement: Placement, d
     cpu = next(d for d in devices if d.kind == "cpu")
     comp = manifest.components.get(component)
     if comp is not None and manifest.onnx_left_out(component):       # a pulled bundle without it, by design
-        sel.refused.append(passed(manifest.onnx_left_out(component), "onnx", None, cpu.id))
+        module = COMPONENT_MODULE.get(component, "diffusion")
+        sel.refused.append(passed(manifest.onnx_left_out(component, module), "onnx", None, cpu.id))
     elif comp is not None and (not placement.strict or placement.device.kind == "cpu"):
         onnx_files = [f for f in comp["files"]]
         # With an engine ahead of it, the fallback ONNX (GBs for a UNet) is hashed only if it gets loaded.

@@ -1,8 +1,9 @@
 """Bundles in a real OCI registry (Debian's docker-registry, started by tests/registry.py on 127.0.0.1):
 `precast push` then `precast pull` for each recorded machine (only its artifacts cross the wire, the pulled
 bundle verifies and generates the original's PNG), pulls killed and resumed, a blob damaged in the
-registry's storage refused, concurrent pulls, the registry going away, chunked and skipped uploads,
-auth + TLS against a second registry with htpasswd (bcrypt) and a CA made here, and `oci://` refs opened in place
+registry's storage refused, concurrent pulls, the registry going away, a disk too small or filling (a real tmpfs),
+chunked and skipped uploads, auth + TLS against a second registry with htpasswd (bcrypt) and a CA made here, a
+bearer-token registry with its token service, and `oci://` refs opened in place
 through the local store (generate, doctor, the Python API; offline; a second model sharing blobs; concurrent opens)."""
 import base64
 import hashlib
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, build_recipe, flip_byte, precast
-from registry import BINARY, Registry, Relay, free_port, htpasswd, make_ca
+from registry import BINARY, Registry, Relay, TokenServer, free_port, htpasswd, make_ca
 
 pytestmark = pytest.mark.skipif(not os.path.exists(BINARY), reason=f"{BINARY} is not installed (Debian's "
                                 "docker-registry package: `make test-setup` installs it)")
@@ -163,7 +164,8 @@ def test_a_pulled_bundle_says_its_onnx_was_left_out(bundle, pushed, tmp_path, en
     out = tmp_path / "rtx"
     precast("pull", pushed, "--out", out, "--sysroot", recorded(tmp_path, "rtx3060-desktop"), env=env, check=True)
     proc = precast("generate", out, "--prompt", "x", "--steps", "1", "--out", tmp_path / "x.png", env=env)
-    assert proc.returncode == 2 and "left out by `precast pull`" in proc.stderr and "--with-onnx" in proc.stderr
+    assert proc.returncode == 2 and "left out by `precast pull`" in proc.stderr, proc.stderr
+    assert f"`precast pull {pushed} --with-onnx --out {out}` adds it" in proc.stderr, proc.stderr
     data = json.loads((out / "manifest.json").read_text())
     assert data["pulled"]["ref"] == pushed and data["pulled"]["digest"].startswith("sha256:")
     assert "onnx/unet/model.onnx" in data["pulled"]["left_out"] and len(data["pulled"]["artifacts_left_out"]) == 6
@@ -234,6 +236,67 @@ def test_a_blob_damaged_in_the_registry_is_refused(registry, pushed, bundle, tmp
     assert rel in line and "sha256" in line and "refused" in line
     assert not (tmp_path / "bad").exists()
     assert not [p for p in (tmp_path / ".bad.pull").iterdir() if p.name.startswith(m["files"][rel]["sha256"])]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 1 MiB file system (tmpfs; grown with `remount`); skipped where it cannot be mounted (as
+    tests/test_bundle.py's)."""
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command here to make a small tmpfs")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", mnt], capture_output=True, text=True,
+                          check=False)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {(proc.stderr or proc.stdout).strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", mnt], check=True)
+
+
+def test_a_disk_too_small_or_filling_during_a_pull(registry, pushed, small_disk, tmp_path, env):
+    """A pull onto a real 1 MiB tmpfs: refused before a byte is downloaded, one line naming --out and the bytes
+    needed. Grown to twice that, the disk then filled by another file while a throttled pull streams: one line
+    naming --out and the bytes still needed, nothing at --out, the partial files kept in .NAME.pull/; with the
+    space back, the same command resumes them and the bundle verifies."""
+    out, work = small_disk / "sd15", small_disk / ".sd15.pull"
+    line = one_line_error(precast("pull", pushed, "--out", out, env=env))
+    assert line.startswith(f"error: --out {out}: not enough disk space: "), line
+    need = int(line.split(" more bytes")[0].rsplit(" ", 1)[1])
+    assert need > 1 << 20, line
+    assert "are free; free space there or give an --out on a disk with room; nothing was downloaded" in line, line
+    assert list(small_disk.iterdir()) == []
+    subprocess.run(["mount", "-o", f"remount,size={2 * need}", small_disk], check=True)
+    relay = Relay(("127.0.0.1", registry.port), rate=2 << 20)
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "precast.runtime.cli", "pull",
+                              pushed.replace(registry.host, relay.host), "--out", out], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, **env})
+        deadline = time.time() + 30
+        while not any(p.stat().st_size for p in work.glob("*.partial")) and time.time() < deadline:
+            time.sleep(0.02)
+        with open(small_disk / "filler", "wb") as f:         # another program fills the disk
+            try:
+                while True:
+                    f.write(bytes(1 << 20))
+                    f.flush()
+            except OSError:
+                pass
+        _, err = p.communicate(timeout=60)
+    finally:
+        relay.close()
+    line = one_line_error(subprocess.CompletedProcess(p.args, p.returncode, "", err))
+    assert line.startswith(f"error: --out {out}: the disk filled during the pull: ") and " more bytes (" in line, line
+    assert f"what was downloaded stays in {work} and the same command resumes from it (remove {work} to drop it)" \
+        in line, line
+    partial = sum(p.stat().st_size for p in work.iterdir())
+    assert not out.exists() and 0 < partial < need
+    (small_disk / "filler").unlink()
+    res = json.loads(precast("pull", pushed, "--out", out, "--json", env=env, check=True).stdout)
+    assert need <= res["bytes_total"] and res["bytes_downloaded"] == need - partial, (res, need, partial)
+    assert precast("bundle", "verify", out).returncode == 0 and not work.exists()
 
 
 def test_concurrent_pulls_agree_and_share_an_out_safely(pushed, tmp_path, env):
@@ -322,6 +385,40 @@ def test_auth_and_tls(bundle, secure, tmp_path, env):
     assert precast("bundle", "verify", tmp_path / "b").returncode == 0
 
 
+def test_a_bearer_token_registry(bundle, tmp_path, env):
+    """A registry with `auth: token` (the scheme of GHCR, Docker Hub, Harbor) and its token service: without
+    credentials the service hands out an anonymous token that grants nothing, and the refusal is one line saying
+    how to log in; wrong credentials are refused by the token service, one line naming the source tried; the
+    right ones push (chunked: POST, PATCHes and the final PUT under a pull,push token) and pull, and so does an
+    identity token from Docker's config (exchanged as an OAuth2 refresh token)."""
+    tokens = TokenServer(tmp_path / "tokens", {USER: PASSWORD})
+    reg = Registry.start(tmp_path / "registry", token=tokens)
+    ref = f"oci://{reg.host}/team/sd15:v1"
+    try:
+        line = one_line_error(precast("pull", ref, "--out", tmp_path / "x", env=env))
+        assert reg.host in line and "none were found" in line and f"docker login {reg.host}" in line, line
+        wrong = {**env, "PRECAST_REGISTRY_USERNAME": USER, "PRECAST_REGISTRY_PASSWORD": "wrong"}
+        line = one_line_error(precast("push", bundle, ref, env=wrong))
+        assert f"refused the credentials from PRECAST_REGISTRY_USERNAME/PRECAST_REGISTRY_PASSWORD, user '{USER}'" \
+            in line and f"from {tokens.url}" in line and reg.host in line, line
+        right = {**env, "PRECAST_REGISTRY_USERNAME": USER, "PRECAST_REGISTRY_PASSWORD": PASSWORD}
+        precast("push", bundle, ref, "--chunk-size", "4M", env=right, check=True)
+        pushed = json.loads(precast("push", bundle, ref, "--json", env=right, check=True).stdout)
+        assert pushed["uploaded"] == 0
+        res = json.loads(precast("pull", ref, "--out", tmp_path / "pulled", "--json", env=right, check=True).stdout)
+        assert res["artifacts"] and precast("bundle", "verify", tmp_path / "pulled").returncode == 0
+        (Path(env["DOCKER_CONFIG"]) / "config.json").write_text(json.dumps(     # an identity token, as docker login keeps
+            {"auths": {reg.host: {"identitytoken": f"refresh-{USER}"}}}))
+        precast("pull", ref, "--out", tmp_path / "pulled", "--with-onnx", env=env, check=True)
+    finally:
+        reg.stop()
+        tokens.stop()
+    scopes = {s for user, asked in tokens.seen if user == USER for s in asked}
+    assert {"repository:team/sd15:pull", "repository:team/sd15:pull,push"} <= scopes, tokens.seen
+    assert (None, ["repository:team/sd15:pull"]) in tokens.seen and len(tokens.seen) < 40, tokens.seen
+    assert tokens.seen[-1] == (USER, ["repository:team/sd15:pull"])              # the identity token's exchange
+
+
 def test_bundle_merge_takes_refs_and_pushes_the_merged_bundle(bundle, registry, pushed, tmp_path, env):
     """A shard in the registry and one on disk merged into a registry tag: the blobs the registry has are
     not sent again (only manifest.json and onnx/'s pipeline JSON the merge writes anew)."""
@@ -366,6 +463,27 @@ def test_generate_from_a_ref_matches_the_bundle_and_reopens_offline(bundle, regi
     line = one_line_error(precast("generate", ref.replace(":v1", ":v2"), "--prompt", "x", "--out", tmp_path / "n.png",
                                   env=env))
     assert f"{relay.host} is unreachable" in line and "never pulled" in line
+
+
+def test_an_onnx_left_out_in_the_store_says_how_to_add_it(bundle, pushed, tmp_path, env, monkeypatch):
+    """A ref opened in place keeps only the engines this machine selects; when one then fails (its file damaged in
+    the store), the error says how to add the ONNX for a reference (--backend MODULE=onnxruntime, or precast pull
+    --with-onnx), not "pull again", and doing what it says runs."""
+    from precast.runtime.api import open_bundle
+    for k, v in {**env, "PRECAST_CACHE": str(tmp_path / "cache")}.items():
+        monkeypatch.setenv(k, v)
+    folder = open_bundle(pushed).path
+    engine = next(p for p in (folder / "artifacts/unet").rglob("*") if p.is_file() and p.stat().st_size > 1 << 20)
+    flip_byte(engine, 1000)
+    args = ("generate", pushed, "--prompt", "a red fox", "--steps", "1", "--out", tmp_path / "fox.png")
+    proc = precast(*args)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: unet: nothing in the bundle can run here"), proc.stderr
+    line = next(line for line in proc.stderr.splitlines() if line.strip().startswith("onnx on cpu: "))
+    assert f"ONNX was left out when {pushed} was opened in place" in line and "pull again" not in line, line
+    assert f"open it with --backend diffusion=onnxruntime (open_bundle's backend=) to add it to the store, or " \
+           f"`precast pull {pushed} --with-onnx --out DIR`" in line, line
+    proc = precast(*args, "--backend", "diffusion=onnxruntime")
+    assert proc.returncode == 0 and (folder / "onnx/unet/model.onnx").is_file(), proc.stderr
 
 
 def test_doctor_a_ref_says_what_would_download_and_downloads_no_artifact(bundle, registry, pushed, tmp_path, env):

@@ -27,7 +27,8 @@ import requests
 
 from .ref import Ref
 from .stream import Download, parallel
-from .transport import _TRANSIENT, Interrupted, RegistryError, Transport, Unreachable, _error_text, _transient_status
+from .transport import (_TRANSIENT, Interrupted, RegistryError, Transport, Unreachable, _asked, _error_text,
+                        _transient_status)
 
 __all__ = ["Registry", "RegistryError", "Interrupted", "Unreachable", "OCI_MANIFEST", "MANIFEST_TYPES", "MAX_MANIFEST",
            "CHUNK"]
@@ -140,7 +141,7 @@ class Registry(Transport):
                   on_bytes=None) -> str:
         """Upload `source` (a file, or bytes) as blob `digest` unless the repository has it: 'exists', 'uploaded'
         (one PUT) or 'chunked' (PATCHes of `chunk` bytes from a file; a lost connection resumes from the
-        registry's offset). The registry checks the digest when the upload closes."""
+        registry's offset; a token that expired on the way is fetched again). The registry checks the digest when the upload closes."""
         if self.blob_exists(repo, digest) is not None:
             return "exists"
         start = self.request("POST", f"/v2/{repo}/blobs/uploads/", repo, ok=(202,), what=f"upload of {name}",
@@ -153,7 +154,7 @@ class Registry(Transport):
             if on_bytes:
                 on_bytes(size)
             return "uploaded"
-        offset, attempt = 0, 0
+        offset, attempt, answered = 0, 0, set()
         with open(source, "rb") as f:
             while offset < size:
                 f.seek(offset)
@@ -168,6 +169,11 @@ class Registry(Transport):
                     offset, location = self._upload_offset(repo, location, name)
                     continue
                 with r:
+                    challenge = r.headers.get("WWW-Authenticate") if r.status_code == 401 else None
+                    if challenge and _asked(challenge) not in answered:    # a token that expired or fell short
+                        answered.add(_asked(challenge))
+                        self._answer(challenge, repo)
+                        continue
                     if r.status_code == 416 or _transient_status(r.status_code):
                         self._wait(attempt, name, f"HTTP {r.status_code}")
                         attempt += 1

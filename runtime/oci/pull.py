@@ -7,7 +7,8 @@ follow: the chosen artifacts' files, the ONNX of components nothing else serves 
 and what every bundle needs -- tokenizers, configs, embeddings, onnx/'s pipeline JSON -- i.e. every file
 no artifact and no component's ONNX owns), `read_remote` (a ref's OCI manifest and manifest.json: all
 that choosing needs), `pulled_manifest` (manifest.json listing only what is there, with a `pulled`
-record: ref, digest, the files left out with their records, the artifacts left out) and `pull_bundle`.
+record: ref, digest, the files left out with their records, the artifacts left out, `in_store` for a
+reference opened in place) and `pull_bundle`.
 
 Where bytes go: blobs download into `.NAME.pull/` beside `--out` (named by digest; `<hex>.partial` while
 streaming, resumed with HTTP Range by the next run, renamed only once its sha256 matched), a few at a
@@ -15,8 +16,10 @@ time. Files the folder at `--out` already holds with the same record are reused 
 pull that adds --with-onnx or another machine's engines downloads only what is new. The bundle is then
 laid out in a staging folder (runtime/staging.py: hard links from `.NAME.pull/`) and put in place whole;
 `.NAME.pull/` is removed. One pull into a given `--out` runs at a time (a second waits for the first's
-lock). A full disk keeps the partial file for the next run (the error says where); a blob whose bytes
-do not match is removed and refused, never opened. With `store=` (runtime/oci/store.py: references
+lock). A pull that does not fit the disk's free space is refused before it downloads (one line: the
+folder, the bytes needed and free); a disk that fills during it keeps the partial files for the next run
+(the error says where and how many bytes are still needed); a blob whose bytes do not match is removed
+and refused, never opened. With `store=` (runtime/oci/store.py: references
 opened in place) the blobs go to that shared folder instead and stay there, each fetched under a lock
 of its own (`.locks/<hex>.lock`, so pulls of two references that share a blob fetch it once), and `.NAME.pull/`
 is only the lock.
@@ -48,6 +51,7 @@ from ..staging import Staging
 from .artifact import Layer, read_oci_manifest
 from .client import Registry, RegistryError
 from .ref import Ref
+from .stream import DiskFull
 
 
 @dataclass
@@ -115,7 +119,10 @@ def plan_files(m: Manifest, arts: set[str], onnx: set[str]) -> tuple[dict[str, d
             {rel: rec for rel, rec in sorted(m.files.items()) if rel not in keep})
 
 
-def pulled_manifest(data: dict, keep: dict, left_out: dict, arts: set[str], ref: Ref, digest: str) -> dict:
+def pulled_manifest(data: dict, keep: dict, left_out: dict, arts: set[str], ref: Ref, digest: str,
+                    in_store: bool = False) -> dict:
+    """`in_store`: laid out in the store for a reference opened in place (runtime/oci/store.py), not by `precast
+    pull` (the hints for what was left out differ)."""
     earlier = (data.get("pulled") or {})
     out = {**data, "files": dict(keep), "artifacts": sorted((a for a in data["artifacts"] if a["id"] in arts),
                                                             key=lambda a: a["id"])}
@@ -123,6 +130,8 @@ def pulled_manifest(data: dict, keep: dict, left_out: dict, arts: set[str], ref:
                      "left_out": dict(sorted({**earlier.get("left_out", {}), **left_out}.items())),
                      "artifacts_left_out": sorted({*earlier.get("artifacts_left_out", ()),
                                                    *(a["id"] for a in data["artifacts"] if a["id"] not in arts)})}
+    if in_store:
+        out["pulled"]["in_store"] = True
     return out
 
 
@@ -212,6 +221,8 @@ def _fetch_and_lay_out(ref, out, registry, work, keep, left_out, data, arts, dig
     (work / ".locks" if shared else work).mkdir(parents=True, exist_ok=True)
     blobs = _gather(work, out, keep, result)
     missing = {rec["sha256"]: (rel, rec["size"]) for rel, rec in keep.items() if not (work / rec["sha256"]).exists()}
+    if _left(work, missing) > shutil.disk_usage(work).free:
+        raise _no_room(out, work, missing, shared, during=False)
 
     def fetch(kv):
         hexd, (rel, size) = kv
@@ -220,7 +231,10 @@ def _fetch_and_lay_out(ref, out, registry, work, keep, left_out, data, arts, dig
                 return 0
             return registry.fetch_blob(ref.repository, "sha256:" + hexd, size, work / hexd, rel, on_bytes=meter.update)
     with bar(sum(size for _, size in missing.values()), f"pull {ref}", enabled=progress) as meter:
-        got = registry.parallel(fetch, sorted(missing.items(), key=lambda kv: -kv[1][1]), workers)
+        try:
+            got = registry.parallel(fetch, sorted(missing.items(), key=lambda kv: -kv[1][1]), workers)
+        except DiskFull:
+            raise _no_room(out, work, missing, shared, during=True) from None
     result.downloaded, result.bytes_downloaded = sum(1 for n in got if n), sum(got)
     with Staging(out, "pulling") as stage:
         result.notes += stage.recovered
@@ -228,9 +242,31 @@ def _fetch_and_lay_out(ref, out, registry, work, keep, left_out, data, arts, dig
             dest = stage.path / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
             _link(blobs.get(rel, work / rec["sha256"]), dest)
-        (stage.path / MANIFEST).write_text(json.dumps(pulled_manifest(data, keep, left_out, arts, ref, digest),
+        (stage.path / MANIFEST).write_text(json.dumps(pulled_manifest(data, keep, left_out, arts, ref, digest, shared),
                                                       indent=2, sort_keys=True) + "\n")
         stage.commit()
+
+
+def _left(work: Path, missing: dict) -> int:
+    """Bytes still to download of `missing` (hex -> (path, size)): what their .partial files hold is done."""
+    def have(hexd: str) -> int:
+        try:
+            return (work / f"{hexd}.partial").stat().st_size
+        except OSError:
+            return 0
+    return sum(max(size - have(h), 0) for h, (_, size) in missing.items() if not (work / h).exists())
+
+
+def _no_room(out: Path, work: Path, missing: dict, shared: bool, during: bool) -> UserError:
+    """One line: the folder, the bytes still needed there and those free, and what became of the partial files."""
+    need, free = _left(work, missing), shutil.disk_usage(work).free
+    where, elsewhere = ((f"the store {work}", "point PRECAST_CACHE at") if shared else
+                        (f"--out {out}", "give an --out on"))
+    return UserError(f"{where}: {'the disk filled during the pull' if during else 'not enough disk space'}: {need} more "
+                     f"bytes ({need / 1e6:.1f} MB) are needed there and {free} ({free / 1e6:.1f} MB) are free; free "
+                     f"space there or {elsewhere} a disk with room; " + (
+                         f"what was downloaded stays in {work} and the same command resumes from it"
+                         + ("" if shared else f" (remove {work} to drop it)") if during else "nothing was downloaded"))
 
 
 def _earlier(out: Path, digest: str) -> Manifest | None:

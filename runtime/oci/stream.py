@@ -2,12 +2,13 @@
 
 Owns: `Download` (a `.partial` file appended to by the thread that reads the socket -- each block received
 straight into one of a few reused buffers -- and hashed by another, so the hash overlaps the transfer;
-bytes already in the file are hashed first; a disk error such as ENOSPC is one UserError line, not
-retried, the partial file kept for the next run) and `parallel` (a few transfers at once; the first error
-stops the rest). Standard library only.
+bytes already in the file are hashed first; a disk error is one UserError line -- `DiskFull` for ENOSPC
+or a quota --, not retried, the partial file kept for the next run) and `parallel` (a few transfers at
+once; the first error stops the rest). Standard library only.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import queue
@@ -16,6 +17,10 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from ..errors import UserError
+
+class DiskFull(UserError):
+    """The disk under a download filled (ENOSPC, or a quota): the partial file is kept for the next run."""
+
 
 _RESTART = object()          # a Download's queued "start the file over" (the registry ignored a Range)
 
@@ -85,8 +90,9 @@ class Download:
             while view:
                 view = view[os.write(self.fd, view):]
         except OSError as e:
-            raise UserError(f"{self.path}: {e.strerror or e} while writing the download; the part downloaded is kept "
-                            "there and a later run resumes it (free space, or remove the folder, and run again)") from None
+            cls = DiskFull if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)) else UserError
+            raise cls(f"{self.path}: {e.strerror or e} while writing the download; the part downloaded is kept "
+                      "there and a later run resumes it (free space, or remove the folder, and run again)") from None
 
     def restart(self) -> None:
         os.ftruncate(self.fd, 0)        # O_APPEND: the next write lands at 0

@@ -12,8 +12,9 @@ distribution API's verbs on it.
 Authentication: the registry's challenge decides -- Basic with the credentials runtime/oci/auth.py
 finds, or Bearer: a token from the challenge's realm for its service and scope (anonymous when no
 credentials are found; an identity token is exchanged as an OAuth2 refresh token), cached per
-repository and fetched again when a request asks for another scope. Retries: a connection lost, a
-timeout, 429 or 5xx is retried RETRIES times with doubling waits (PRECAST_REGISTRY_RETRIES; a transfer
+repository and fetched again when a request asks for another scope -- for the union of the scopes asked,
+so a push's pull,push token is not narrowed by a pull's challenge on another thread. Retries: a connection
+lost, a timeout, 429 or 5xx is retried RETRIES times with doubling waits (PRECAST_REGISTRY_RETRIES; a transfer
 goes on from the bytes it has), then one line saying that running the command again resumes. A host
 never reached is not retried: unknown host and connection refused are said at once (`unreachable`
 tells those apart from a refusal by a registry that answered).
@@ -73,7 +74,7 @@ class Transport:
         self._lock = threading.Lock()
         self._reached = False
         self._basic: tuple[str, str] | None = None
-        self._tokens: dict[str, tuple[str, str]] = {}     # repository -> (scope, token)
+        self._tokens: dict[str, tuple[frozenset, str]] = {}   # repository -> (the scope's atoms asked for, token)
         self._found: tuple[Credentials | None, list[str]] | None = None
         self.stop = threading.Event()                      # set: transfers in flight give up (parallel)
 
@@ -150,9 +151,10 @@ class Transport:
             self._reached = True
             if r.status_code == 401 and r.headers.get("WWW-Authenticate"):
                 challenge = r.headers["WWW-Authenticate"]
-                if challenge in answered:
+                asked = _asked(challenge)
+                if asked in answered:        # the token or password we gave was not enough for it
                     raise self._denied(r, repo)
-                answered.add(challenge)
+                answered.add(asked)
                 r.close()
                 self._answer(challenge, repo)
                 continue
@@ -203,11 +205,13 @@ class Transport:
             return
         if scheme != "bearer" or not params.get("realm"):
             raise RegistryError(f"{self.registry}: unsupported authentication challenge {challenge[:80]!r}")
-        scope = params.get("scope") or f"repository:{repo}:pull"
-        query = {k: v for k, v in (("service", params.get("service")), ("scope", scope)) if v}
+        held = self._tokens.get(repo)         # a push's token is not narrowed by a pull's challenge beside it
+        atoms = _atoms(params.get("scope") or f"repository:{repo}:pull") | (held[0] if held else frozenset())
+        query = {k: v for k, v in (("service", params.get("service")), ("scope", _scopes(atoms))) if v}
         try:
             if creds is not None and creds.identity_token:
-                r = self.session.post(params["realm"], data={**query, "grant_type": "refresh_token",
+                r = self.session.post(params["realm"], data={**query, "scope": " ".join(query["scope"]),
+                                                             "grant_type": "refresh_token",
                                                              "refresh_token": creds.secret, "client_id": "precast"},
                                       timeout=(10, 60), verify=self.verify)
             else:
@@ -223,20 +227,49 @@ class Transport:
         if not token:
             raise RegistryError(f"{self.registry}: the token service {params['realm']} answered HTTP {r.status_code} "
                                 "without a token")
-        self._tokens[repo] = (scope, token)
+        with self._lock:                      # keep a broader token another thread stored meanwhile
+            now = self._tokens.get(repo)
+            if now is None or atoms >= now[0] or not now[0] >= atoms:
+                self._tokens[repo] = (atoms, token)
 
     def _denied(self, r: requests.Response, repo: str, token_service: str | None = None) -> RegistryError:
         creds, tried = self._credentials()
         if creds is None:
             what = f"asks for credentials and none were found (looked in {', '.join(tried)})"
-        elif r.status_code == 403:
-            what = f"denied access with the credentials from {creds.source}"
         else:
-            what = f"refused the credentials from {creds.source}"
+            who = creds.source + ("" if creds.identity_token else f", user {creds.username!r}")
+            what = (f"denied access with the credentials from {who}" if r.status_code == 403 else
+                    f"refused the credentials from {who}")
         return RegistryError(f"{self.registry}/{repo}: {what} (HTTP {r.status_code}"
                              f"{' from ' + token_service if token_service else ''}): "
                              + ("check that the account may push/pull this repository, or " if creds else "")
                              + login_hint(self.registry))
+
+
+def _atoms(scope: str) -> frozenset:
+    """A challenge's scope as one item per action: 'repository:a/b:pull,push' -> {'repository:a/b:pull',
+    'repository:a/b:push'} (several scopes are space-separated)."""
+    out = set()
+    for item in scope.split():
+        head, _, actions = item.rpartition(":")
+        out |= {f"{head}:{a}" for a in actions.split(",") if a} if head else {item}
+    return frozenset(out)
+
+
+def _scopes(atoms) -> list[str]:
+    """The token request's `scope` values: one per resource, its actions joined ('repository:a/b:pull,push')."""
+    grouped: dict[str, list[str]] = {}
+    for atom in sorted(atoms):
+        head, _, action = atom.rpartition(":")
+        grouped.setdefault(head, []).append(action)
+    return [f"{head}:{','.join(actions)}" for head, actions in grouped.items()]
+
+
+def _asked(challenge: str) -> tuple:
+    """What a challenge asks for -- scheme, realm, service, scope -- without its `error` (a bearer registry
+    adds error="insufficient_scope" once a token fell short: the same request, answered already)."""
+    scheme, params = parse_challenge(challenge)
+    return scheme, params.get("realm"), params.get("service"), params.get("scope")
 
 
 def _error_text(r: requests.Response) -> str:
