@@ -30,7 +30,7 @@ def test_a_vae_of_another_latent_width_is_refused_at_export(demo_ckpt, flux_file
 
 def test_a_text_encoder_file_is_refused_for_sd(demo_ckpt, flux_file, tmp_path):
     err = _one_line(precast("export", demo_ckpt, "--out", tmp_path / "o", "--text-encoder", flux_file))
-    assert "--text-encoder" in err and "Flux, Chroma and SD3" in err and "drop the flag" in err
+    assert "--text-encoder" in err and "Flux, Chroma, SD3" in err and "drop the flag" in err
 
 
 def test_reexporting_one_component_keeps_the_rest_of_the_same_model(demo_ckpt, tmp_path):
