@@ -102,15 +102,15 @@ class _Progress:
     """IProgressMonitor -> the phase and step as the note of the compile step's heartbeat (a
     spinner on a terminal, plain lines in a log: runtime/progress.py); and Ctrl-C: a
     KeyboardInterrupt raised inside TensorRT's callbacks is swallowed by TensorRT, so during a
-    build SIGINT only sets `interrupted` (`catching_sigint`), the next step cancels the build, and
+    build SIGINT only sets `stop.interrupted` (`catching_sigint`), the next step cancels the build, and
     the caller raises KeyboardInterrupt after it."""
 
-    def __new__(cls, trt, beat=None):
+    def __new__(cls, trt, beat=None, stop=None):
         class Monitor(trt.IProgressMonitor):
             def __init__(self):
                 trt.IProgressMonitor.__init__(self)
                 self.steps = {}
-                self.interrupted = False
+                self.stop = stop if stop is not None else _Stop()
 
             def _note(self, text):
                 if beat is not None:
@@ -124,7 +124,7 @@ class _Progress:
                 done, total = self.steps.get(phase_name, (0, 0))
                 self.steps[phase_name] = (done + 1, total)
                 self._note(f"{phase_name} {done + 1}/{total}")
-                return not self.interrupted       # False cancels the build
+                return not self.stop.interrupted  # False cancels the build
 
             def phase_finish(self, phase_name):
                 self.steps.pop(phase_name, None)
@@ -132,10 +132,16 @@ class _Progress:
         return Monitor()
 
 
+class _Stop:
+    """Whether SIGINT / SIGTERM came during a TensorRT-RTX build (set by `catching_sigint`, read by the monitor)."""
+    interrupted = False
+
+
 @contextlib.contextmanager
 def catching_sigint(monitor):
-    """SIGINT / SIGTERM set monitor.interrupted instead of raising in the middle of TensorRT's C++ build
-    (which then stops at its next step), and are raised after it (in the main thread only; elsewhere, as is)."""
+    """SIGINT / SIGTERM set monitor.interrupted instead of raising in the middle of TensorRT's C++ parser or
+    build (which then stops at its next step), and are raised after it -- in place of whatever error the
+    stopped build ended with (in the main thread only; elsewhere, as is)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -147,6 +153,9 @@ def catching_sigint(monitor):
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
+    except Exception:
+        if not caught:
+            raise
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
@@ -233,6 +242,13 @@ class TensorRtRtxTarget:
             return {**meta, "weights": {"format": weights, **info}}
 
     def _build(self, job: BuildJob, spec: TargetSpec, folder: Path) -> dict:
+        # SIGINT / SIGTERM caught from the first TensorRT call on: a KeyboardInterrupt raised in a callback
+        # while the parser or the builder runs (its logger) would be swallowed by TensorRT and the build go on
+        stop = _Stop()
+        with catching_sigint(stop):
+            return self._build_caught(job, spec, folder, stop)
+
+    def _build_caught(self, job: BuildJob, spec: TargetSpec, folder: Path, stop: "_Stop") -> dict:
         trt = self._trt()
         preflight(spec)
         refit = bool(spec.get("refittable", False)) or bool(spec.get("strip_weights", False))
@@ -257,14 +273,15 @@ class TensorRtRtxTarget:
             config.set_flag(trt.BuilderFlag.WEIGHT_STREAMING)
         if refit:
             config.set_flag(trt.BuilderFlag.STRIP_PLAN if spec.get("strip_weights") else trt.BuilderFlag.REFIT)
-        monitor = config.progress_monitor = _Progress(trt, job.extra.get("heartbeat"))
+        config.progress_monitor = _Progress(trt, job.extra.get("heartbeat"), stop)
+        if stop.interrupted:        # before the build: nothing to cancel (catching_sigint raises the signal's error)
+            raise RuntimeError("interrupted before the TensorRT-RTX build")
         engine = folder / "model.engine"
         with open(engine, "wb") as f:
             # streamed to the file chunk by chunk: no whole serialized engine held in memory
             # (SD 1.5 UNet fp32: peak RSS 10.9 -> 10.55 GB, same bytes)
             writer = _FileWriter(trt, f)
-            with catching_sigint(monitor):
-                built = builder.build_serialized_network_to_stream(network, config, writer)
+            built = builder.build_serialized_network_to_stream(network, config, writer)
         if writer.error is not None:
             raise OSError(f"writing the TensorRT-RTX engine {engine}: {writer.error}") from writer.error
         if not built:
