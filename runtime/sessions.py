@@ -5,7 +5,8 @@ was built for, importing that backend lazily (the runtime depends only on numpy)
 `open_candidate`: the session for what selection chose (an artifact, or the bundle's ONNX compiled
 or loaded at run time by OpenVINO, ONNX Runtime or one of its device EPs, ONNX_ON_DEVICE).
 OpenVINO blobs are imported with the compile config recorded at build time (an imported blob
-does not remember its precision hint).
+does not remember its precision hint). Memory: a blob's pages are released once it is imported
+(`release_pages`), ONNX Runtime runs without its CPU arena (measured: benchmarks/memory.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from .cpu import default_precision
 
 import mmap
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
@@ -42,6 +44,10 @@ class OnnxRuntimeSession:
         model cached in `cache_dir`. Both written against ONNX Runtime's documented API; not run here."""
         import onnxruntime as ort
         opts = ort.SessionOptions()
+        # no CPU arena: it keeps every call's largest activations (its chunks grow by powers of two, the memory
+        # pattern's block on top): SD 1.5 UNet 512x512 peak RSS 6.74 -> 4.95 GiB, step time within 3%
+        # (benchmarks/memory.py --options)
+        opts.enable_cpu_mem_arena = False
         providers: list = ["CPUExecutionProvider"]
         if provider == "onnxruntime-directml":
             opts.enable_mem_pattern = False
@@ -96,6 +102,7 @@ class OpenVinoSession:
             # UNet. The compiled model keeps using the mapped memory, so the map lives as long as it does.
             self._blob = np.memmap(path, dtype=np.uint8, mode="c")
             self._cm = core.import_model(ov.Tensor(self._blob, shared_memory=True), device, config)
+            release_pages(self._blob)
         self.input_names = [_port_name(p) for p in self._cm.inputs]
         self.input_shapes = {n: [d.get_length() if d.is_static else None for d in p.get_partial_shape()]
                              for n, p in zip(self.input_names, self._cm.inputs)}
@@ -119,6 +126,28 @@ class OpenVinoSession:
             arr = np.array(res[port])
             out[name] = from_bf16_bits(arr.view(np.uint16)) if name in self._bf16 else arr
         return out
+
+
+def release_pages(blob: np.memmap) -> bool:
+    """Drop an imported blob's pages from this process (madvise DONTNEED). import_model reads the whole blob and
+    copies most weights into the plugin's own layouts, so those pages are a second copy in RSS (SD 1.5's text
+    encoder 0.89 -> 0.43 GiB; its UNet while denoising 8.84 -> 6.66 GiB, same step time: benchmarks/memory.py);
+    what the compiled model still reads in place (the Winograd-transformed constants) comes back from the page
+    cache on first use. Only while the copy-on-write map
+    has no written page (those DONTNEED would discard): /proc/self/smaps says; False when nothing was dropped."""
+    start, size = blob.ctypes.data, blob.nbytes
+    try:
+        smaps = Path("/proc/self/smaps").read_text()
+    except OSError:     # not Linux: the pages stay
+        return False
+    dirty = 0
+    for m in re.finditer(r"^([0-9a-f]+)-([0-9a-f]+) [^\n]*\n((?:[A-Z][\w]*:[^\n]*\n)+)", smaps, re.MULTILINE):
+        if int(m.group(1), 16) < start + size and int(m.group(2), 16) > start:
+            dirty += sum(int(k) for k in re.findall(r"^Private_Dirty:\s+(\d+)", m.group(3), re.MULTILINE))
+    if dirty or blob._mmap is None:
+        return False
+    blob._mmap.madvise(mmap.MADV_DONTNEED)
+    return True
 
 
 def openvino_gpu_memory(budget: int, max_alloc: int | None) -> dict[str, str]:
