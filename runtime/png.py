@@ -85,20 +85,16 @@ class PngError(ValueError):
 def read_png(path: str | os.PathLike, what: str = "") -> np.ndarray:
     """The PNG file's pixels, uint8 [H, W, C] (see the module doc). `what` prefixes the error line
     (e.g. "--init-image"). Raises UserError (one line) for a file that cannot be read or decoded."""
-    name = f"{what} {path}" if what else str(path)
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise UserError(f"{name}: cannot read ({e.strerror or e})") from None
-    try:
-        return decode_png(data)
-    except PngError as e:
-        raise UserError(f"{name}: {e}") from None
+    return _read(path, what, decode_png)
 
 
 def read_png_text(path: str | os.PathLike, what: str = "") -> dict[str, str]:
     """The PNG file's text chunks (keyword -> text; see png_text); UserError (one line) as read_png."""
+    return _read(path, what, png_text)
+
+
+def _read(path, what: str, parse):
+    """parse(the file's bytes), with a file that cannot be read or parsed as one UserError line."""
     name = f"{what} {path}" if what else str(path)
     try:
         with open(path, "rb") as f:
@@ -106,7 +102,7 @@ def read_png_text(path: str | os.PathLike, what: str = "") -> dict[str, str]:
     except OSError as e:
         raise UserError(f"{name}: cannot read ({e.strerror or e})") from None
     try:
-        return png_text(data)
+        return parse(data)
     except PngError as e:
         raise UserError(f"{name}: {e}") from None
 

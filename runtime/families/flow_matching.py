@@ -32,6 +32,17 @@ SCHEDULER = "flow-euler"      # the default sampler of these families (runtime/f
 FLOW_SAMPLERS = tuple(SAMPLERS)       # the --scheduler names these families take (flow-euler first)
 
 
+def check_latent_stats(cfg: dict, keys: tuple[str, str], n: int, field: str, what: str) -> None:
+    """A VAE config's per-channel latent statistics (mean key, std key): n finite numbers each, the stds
+    positive; else one UserError naming `field`.KEY and `what` they should be."""
+    for key in keys:
+        values = cfg.get(key)
+        if not isinstance(values, list) or len(values) != n or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) for v in values) or \
+                (key == keys[1] and min(values) <= 0):
+            raise UserError(f"{field}.{key}: not the {n} {what}; rebuild or re-download the bundle")
+
+
 def t5_length(manifest: Manifest) -> int:
     """The T5 length to run with: the model's own (e.g. Flux dev 512, schnell 256) where a profile of the
     transformer covers it, else the longest its profiles were built for (padding to more tokens

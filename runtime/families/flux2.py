@@ -24,7 +24,7 @@ from ..errors import UserError
 from ..image_size import latent_factor
 from ..manifest import Manifest
 from .family import Family, Flow
-from .flow_matching import FLOW_SAMPLERS, t5_length, txt2img_only
+from .flow_matching import FLOW_SAMPLERS, check_latent_stats, t5_length, txt2img_only
 from .flux import PackedFlowPipeline, pack, packed_grid, unpack
 
 # Qwen3's chat template as Flux2KleinPipeline renders it (one user message, add_generation_prompt=True,
@@ -59,13 +59,8 @@ def check_io(manifest: Manifest) -> None:
     vae = manifest.components.get("vae_decoder")
     if vae is not None:
         cfg, n = vae.get("config") or {}, inputs["hidden_states"][-1]
-        for key in ("latents_bn_mean", "latents_bn_std"):
-            values = cfg.get(key)
-            if not isinstance(values, list) or len(values) != n or not all(
-                    isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) for v in values) or \
-                    (key == "latents_bn_std" and min(values) <= 0):
-                raise UserError(f"{where}.vae_decoder.config.{key}: not the {n} batch-norm statistics of a FLUX.2 "
-                                "VAE's latents; rebuild or re-download the bundle")
+        check_latent_stats(cfg, ("latents_bn_mean", "latents_bn_std"), n, f"{where}.vae_decoder.config",
+                           "batch-norm statistics of a FLUX.2 VAE's latents")
 
 
 def flux2_requests(manifest: Manifest, batch: int, height: int, width: int) -> dict:

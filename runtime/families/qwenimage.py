@@ -23,7 +23,7 @@ from ..errors import UserError
 from ..image_size import latent_factor
 from ..manifest import Manifest
 from .family import Family, Flow
-from .flow_matching import FLOW_SAMPLERS, t5_length, txt2img_only
+from .flow_matching import FLOW_SAMPLERS, check_latent_stats, t5_length, txt2img_only
 from .flux import PackedFlowPipeline, packed_grid
 
 TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
@@ -57,13 +57,8 @@ def check_io(manifest: Manifest) -> None:
     vae = manifest.components.get("vae_decoder")
     if vae is not None:
         cfg = vae.get("config") or {}
-        for key in ("latents_mean", "latents_std"):
-            values = cfg.get(key)
-            if not isinstance(values, list) or len(values) != shape[-1] // 4 or not all(
-                    isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) for v in values) or \
-                    (key == "latents_std" and min(values) <= 0):
-                raise UserError(f"{where}.vae_decoder.config.{key}: not the {shape[-1] // 4} per-channel statistics of "
-                                "a Qwen-Image VAE's latents; rebuild or re-download the bundle")
+        check_latent_stats(cfg, ("latents_mean", "latents_std"), shape[-1] // 4, f"{where}.vae_decoder.config",
+                           "per-channel statistics of a Qwen-Image VAE's latents")
 
 
 def qwenimage_requests(manifest: Manifest, batch: int, height: int, width: int) -> dict:
