@@ -6,7 +6,9 @@
    sha256 while streaming, written to disk) against the limit, a plain `requests` GET of the same blob from the
    same registry written to disk, and `curl -o`; best of --rounds, the order alternating per round. Prints the ratio
    (floor 0.8x) and, as what bounds it, the CPU seconds per GiB each spent (the client's, and the registry's:
-   all three share this machine's cores) and sha256's own speed on one core (hashlib, the hash precast runs).
+   all three share this machine's cores) and sha256's own speed on one core (hashlib, the hash precast runs), and
+   from them the bound on a pull that verifies while it streams: the cores over the CPU seconds per GiB that
+   client and registry spend together, and no faster than sha256 on one core (a digest is one sequential hash).
 
 The work folder (registry storage, the blob, the bundles) is deleted at the end (--keep keeps it).
 Usage: .venv/bin/python benchmarks/registry.py [--gib 1.5] [--rounds 5] [--work DIR] [--json OUT] [--keep]
@@ -115,11 +117,16 @@ def throughput(work: Path, host: str, gib: float, rounds: int, server_pid: int) 
             cpu[name].append(((_cpu_seconds() - c0) * (1 << 30) / size, (_cpu_seconds(server_pid) - s0) * (1 << 30) / size))
             out.unlink()
     mbs = {k: round(size / v / 1e6) for k, v in best.items()}
-    return {"bytes": size, "push_seconds": round(push_s, 2), "MB/s": mbs, "sha256_MB/s": sha256_speed(),
-            "cpu_s_per_GiB": {k: {"client": round(sorted(c for c, _ in v)[len(v) // 2], 2),
-                                  "registry": round(sorted(r for _, r in v)[len(v) // 2], 2)} for k, v in cpu.items()},
+    sha = sha256_speed()
+    per_gib = {k: (sorted(c for c, _ in v)[len(v) // 2], sorted(r for _, r in v)[len(v) // 2]) for k, v in cpu.items()}
+    # What bounds a verified pull here: the CPU seconds per GiB of the client and the registry together, spread over
+    # every core, and the sha256, which runs on one core (a digest is one sequential hash): MB/s at best.
+    bound = min(os.cpu_count() / sum(per_gib["precast"]), sha * 1e6 / (1 << 30)) * (1 << 30) / 1e6
+    return {"bytes": size, "push_seconds": round(push_s, 2), "MB/s": mbs, "sha256_MB/s": sha, "verified_bound_MB/s": round(bound),
+            "cpu_s_per_GiB": {k: {"client": round(c, 2), "registry": round(r, 2)} for k, (c, r) in per_gib.items()},
             "load_average": os.getloadavg()[0],
             "ratio_vs_requests": round(mbs["precast"] / mbs["requests"], 2),
+            "bound_vs_requests": round(bound / mbs["requests"], 2), "of_bound": round(mbs["precast"] / bound, 2),
             "ratio_vs_curl": round(mbs["precast"] / mbs["curl"], 2)}
 
 
@@ -153,6 +160,8 @@ def main() -> None:
                                                                 for k, v in c.items())
           + f"; sha256 on one core {blob['sha256_MB/s']} MB/s; load average {blob['load_average']:.1f} on "
           f"{os.cpu_count()} cores")
+    print(f"bound for a pull that hashes what it receives, on these {os.cpu_count()} cores: {blob['verified_bound_MB/s']} MB/s "
+          f"= {blob['bound_vs_requests']:.2f}x the GET (precast reaches {blob['of_bound']:.2f} of it)")
     if a.json:
         Path(a.json).write_text(json.dumps({"cpu": cpu_name(), "bundle": rows, "blob": blob}, indent=2))
 

@@ -1,7 +1,8 @@
 """`precast bundle`: merge, pack, unpack, verify and inspect engine bundles.
 
 Owns: the bundle subcommands' output (a line, a table, or JSON with --json), and merge's registry
-references (shards pulled whole, the merged bundle pushed: runtime/oci/); the work is
+references (shards in --out's registry merged there, others pulled whole, the merged bundle pushed:
+runtime/oci/); the work is
 compiler/bundle_merge.py's, bundle_archive.py's and runtime/manifest.py's, imported when a command runs.
 """
 from __future__ import annotations
@@ -44,8 +45,10 @@ def bundle_group():
 @click.option("--json", "as_json", is_flag=True)
 def bundle_merge(bundles, out, ca, plain_http, as_json):
     """Join shard bundles of one recipe into one bundle. Shards and --out may be folders or registry
-    references (oci://...): a shard pushed by `precast push` is pulled whole first (into a temporary
-    folder), and a merged bundle for a registry is pushed (blobs the registry has are skipped)."""
+    references (oci://...). Shards pushed by `precast push` to the registry --out names are merged there:
+    only their manifests are read and their blobs mounted into --out's repository (nothing downloaded).
+    Otherwise a shard in a registry is pulled whole first (into a temporary folder), and a merged bundle for
+    a registry is pushed (blobs the registry has are skipped)."""
     def go():
         from .bundle_merge import merge_bundles
         from ..runtime.oci.ref import is_ref
@@ -53,18 +56,26 @@ def bundle_merge(bundles, out, ca, plain_http, as_json):
             r = merge_bundles(list(bundles), out)
         else:
             r = _merge_refs(merge_bundles, list(bundles), out, ca, plain_http, as_json)
-        click.echo(json.dumps(r) if as_json else f"merged {_count(len(bundles), 'bundle')} -> {out} ({_count(r['artifacts'], 'artifact')})")
+        there = (f"; merged in the registry: {_count(r['mounted'], 'blob')} mounted, {_count(r['copied'], 'blob')} "
+                 f"copied through here, {r['bytes_downloaded'] / 1e6:.1f} MB downloaded") if r.get("in_registry") else ""
+        click.echo(json.dumps(r) if as_json else f"merged {_count(len(bundles), 'bundle')} -> {out} "
+                                                 f"({_count(r['artifacts'], 'artifact')}{there})")
     _run(go)
 
 
 def _merge_refs(merge_bundles, bundles: list[str], out: str, ca, plain_http, as_json) -> dict:
-    """merge_bundles with shards pulled from registries (--all) and the result pushed when --out is one."""
+    """Shards and --out all in one registry: merged there (bundle_merge.merge_in_registry: nothing downloaded).
+    Else merge_bundles with the shards that are references pulled (--all) and the result pushed when --out is one."""
     import tempfile
     from pathlib import Path
     from ..runtime.oci.client import Registry
     from ..runtime.oci.pull import pull_bundle
     from ..runtime.oci.push import push_bundle
     from ..runtime.oci.ref import is_ref, parse_ref
+    if is_ref(out) and all(map(is_ref, bundles)) and {parse_ref(b).registry for b in bundles} == {parse_ref(out).registry}:
+        from .bundle_merge import merge_in_registry
+        ref = parse_ref(out)
+        return merge_in_registry([parse_ref(b) for b in bundles], ref, Registry.for_ref(ref, ca=ca, plain_http=plain_http))
     with tempfile.TemporaryDirectory(prefix="precast-merge-") as tmp:
         local = []
         for i, b in enumerate(bundles):

@@ -98,15 +98,24 @@ def cache_rm(keys, as_json):
               help="Also remove least recently used entries until the cache holds at most this much "
                    "(e.g. 500M, 20G; K, M, G, T are powers of 1024, so 100M = 104.9 MB as sizes are shown). "
                    "Default: no size limit.")
+@click.option("--store-max-size", default=None,
+              help="Also remove the references opened least recently (oci://, in the store under the cache) until "
+                   "the store holds at most this much (sizes as --max-size). Default: every reference stays.")
 @click.option("--json", "as_json", is_flag=True,
-              help="Print {removed, reasons, stale_temp_folders, stale_locks, bundle_leftovers, max_size, entries, size}.")
-def cache_gc(max_size, as_json):
+              help="Print {removed, reasons, stale_temp_folders, stale_locks, bundle_leftovers, max_size, entries, size, "
+                   "store: {store, blobs_removed, bytes_freed, references_removed, partial_removed, skipped, size}}.")
+def cache_gc(max_size, store_max_size, as_json):
     """Remove damaged entries, temp folders abandoned by killed builds and what killed bundle builds left beside
     their --out (a bundle a kill caught mid-swap is put back); with --max-size, also least
-    recently used entries down to that size. Without --max-size no size limit applies: verified entries stay."""
+    recently used entries down to that size. Without --max-size no size limit applies: verified entries stay.
+    In the store of oci:// references opened in place: blobs no reference holds any more and partial
+    downloads; with --store-max-size, also the references opened least recently."""
     def go():
         from .cache import Cache, parse_size
-        result = Cache().gc(parse_size(max_size) if max_size else None)
+        from ..runtime.oci.store_gc import collect
+        cache = Cache()
+        result = cache.gc(parse_size(max_size) if max_size else None)
+        result["store"] = collect(cache.root / "oci", parse_size(store_max_size) if store_max_size else None)
         if as_json:
             click.echo(json.dumps(result, indent=2))
             return
@@ -119,4 +128,10 @@ def cache_gc(max_size, as_json):
         click.echo(f"removed {_count(damaged, 'damaged entry')}, {_count(result['stale_temp_folders'], 'stale temp folder')}"
                    f", {_count(result['stale_locks'], 'stale lock file')}; {limit}; "
                    f"{_count(result['entries'], 'entry')}, {result['size'] / 1e6:.1f} MB left")
+        st = result["store"]
+        if st["size"] or st["bytes_freed"]:
+            click.echo(f"store {st['store']}: removed {_count(st['blobs_removed'], 'blob')} no reference holds, "
+                       f"{_count(len(st['references_removed']), 'reference')}, "
+                       f"{_count(st['partial_removed'], 'partial download')} ({st['bytes_freed'] / 1e6:.1f} MB); "
+                       f"{st['size'] / 1e6:.1f} MB left" + (f"; {st['skipped']}" if st["skipped"] else ""))
     _run(go, as_json=as_json)

@@ -13,7 +13,7 @@ import os
 
 import click
 
-from ..runtime.cli_support import run_cli as _run  # user mistakes -> one line + exit 2; bugs -> trace + exit 1
+from ..runtime.cli_support import registry_options, run_cli as _run  # user mistakes -> one line + exit 2; bugs -> trace + exit 1
 from .demo_families import DEFAULT as DEMO_DEFAULT
 from .demo_families import FAMILIES as DEMO_FAMILIES
 from .demo_families import write_demo_file
@@ -150,7 +150,9 @@ COMPILE_JSON_HELP = ("Print one JSON document on stdout: {\"artifacts\": [one re
 
 
 def remote_cache_options(fn):
-    """--remote-cache REF, --[no-]remote-cache-push, --remote-cache-strict (compiler/remote_cache.py)."""
+    """--remote-cache REF, --[no-]remote-cache-push, --remote-cache-strict (compiler/remote_cache.py), and the
+    registry's --ca / --plain-http."""
+    fn = registry_options(fn)
     fn = click.option("--remote-cache-strict", "remote_strict", is_flag=True,
                       help="Make the remote cache's warnings (registry unreachable, credentials refused, a damaged "
                            "entry) errors; also PRECAST_REMOTE_CACHE_STRICT=1.")(fn)

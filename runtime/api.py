@@ -374,7 +374,7 @@ class Bundle:
 
 
 def open_bundle(path: str | os.PathLike, *, verify: Verify = "auto", sysroot: str = "/", backend: str | None = None,
-                pull: bool = True) -> Bundle:
+                pull: bool = True, ca: str | None = None, plain_http: bool = False) -> Bundle:
     """Reads and checks a bundle's manifest (UserError, one line, if it is not a bundle). `verify`, as
     `--verify`: "auto" hashes each file once per file state (records trusted while the file is
     unchanged), "full" hashes every file again on every load. `sysroot`: read devices from a recorded
@@ -382,7 +382,9 @@ def open_bundle(path: str | os.PathLike, *, verify: Verify = "auto", sysroot: st
     machine selects -- under `backend`, the --backend grammar, when given -- is pulled into the local store
     (runtime/oci/store.py: one copy of each blob whatever the references) and opened from there; with the
     registry unreachable, a reference pulled before opens as it was (a note on stderr). `pull=False`
-    downloads no engine: `plan()` says what would run once pulled, `Bundle.remote.files` what a pull fetches."""
+    downloads no engine: `plan()` says what would run once pulled, `Bundle.remote.files` what a pull fetches.
+    `ca` (a PEM file) and `plain_http`: the registry's TLS, as --ca / --plain-http (default: the system store,
+    PRECAST_REGISTRY_CA, PRECAST_REGISTRY_PLAIN_HTTP)."""
     if not isinstance(path, (str, os.PathLike)):
         raise UserError(f"path={path!r}: expected the bundle's folder (a str or os.PathLike), e.g. 'build/demo/bundle'")
     mode = str(verify).lower()
@@ -394,6 +396,7 @@ def open_bundle(path: str | os.PathLike, *, verify: Verify = "auto", sysroot: st
         from .oci.store import open_ref
         _check_backends(backend, None)
         opened = open_ref(path, machine(sysroot, backend, None, False, DEFAULT_MODULES + tuple(
-            dict.fromkeys(m for m in COMPONENT_MODULE.values() if m not in DEFAULT_MODULES))), pull=pull)
+            dict.fromkeys(m for m in COMPONENT_MODULE.values() if m not in DEFAULT_MODULES))), pull=pull, ca=ca,
+            plain_http=plain_http)
         return Bundle(Path(opened.folder), opened.manifest(), mode if opened.local else False, sysroot, remote=opened)
     return Bundle(Path(path), read_manifest(path), mode, sysroot)

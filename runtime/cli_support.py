@@ -4,11 +4,13 @@ Owns: `run_cli` (a command body run so that user mistakes and paths the OS refus
 exit 2, a missing build-side module one line naming the extra, a bug a trace and exit 1, SIGTERM /
 SIGHUP / Ctrl+C 143 / 129 / 130, a closed stdout 141), `fail`, errors as {"error", "exit"} on stdout
 under --json (`wants_json`), and the extra that installs each build-side module (EXTRA_OF,
-`missing_dependency`). Used by the runtime's commands (runtime/run_commands.py, runtime/doctor_command.py),
+`missing_dependency`), `registry_options` (--ca / --plain-http for commands that may open oci://
+references). Used by the runtime's commands (runtime/run_commands.py, runtime/doctor_command.py),
 the group (runtime/cli.py) and the compiler's commands.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -97,3 +99,25 @@ def wants_json(args) -> bool:
     """Whether a command line asks for JSON on stdout: --json, or `--format json|github` (plan)."""
     formats = [v for k, v in zip(args, args[1:]) if k == "--format"] + [a[9:] for a in args if a.startswith("--format=")]
     return "--json" in args or any(f in ("json", "github") for f in formats)
+
+
+CA_HELP = ("CA certificate (PEM) a registry's TLS certificate is checked against (default: the system store; "
+           "also PRECAST_REGISTRY_CA).")
+PLAIN_HELP = ("Talk plain HTTP to the registry (localhost and 127.0.0.1 fall back to it by themselves; also "
+              "PRECAST_REGISTRY_PLAIN_HTTP=1, or =HOST:PORT,... for some registries only).")
+
+
+def registry_options(command):
+    """--ca and --plain-http on a command that takes oci:// references anywhere in its work (a bundle opened
+    in place, a remote build cache): for this run, the same as PRECAST_REGISTRY_CA and
+    PRECAST_REGISTRY_PLAIN_HTTP=1, which every registry client of the process reads."""
+    @click.option("--ca", "registry_ca", default=None, type=click.Path(), help=CA_HELP)
+    @click.option("--plain-http", "registry_plain_http", is_flag=True, help=PLAIN_HELP)
+    @functools.wraps(command)
+    def with_registry(*args, registry_ca=None, registry_plain_http=False, **kwargs):
+        if registry_ca:
+            os.environ["PRECAST_REGISTRY_CA"] = registry_ca
+        if registry_plain_http:
+            os.environ["PRECAST_REGISTRY_PLAIN_HTTP"] = "1"
+        return command(*args, **kwargs)
+    return with_registry

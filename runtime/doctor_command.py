@@ -11,7 +11,7 @@ import time
 
 import click
 
-from .cli_support import run_cli
+from .cli_support import registry_options, run_cli
 from .errors import UserError
 from .loading import timed
 from .report import describe_where
@@ -31,6 +31,7 @@ from .run_commands import BACKEND_HELP, STRICT_HELP, VERIFY_HELP, size_of
                                                    "in its own thread) and report the seconds each load took.")
 @click.option("--sysroot", default="/", hidden=True, help="Read devices from a recorded tree (tests).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (errors too).")
+@registry_options
 def doctor_cmd(bundle, backend, params_backend, size, strict, sysroot, as_json, verify, load):
     """Show devices, installed backends, and what in BUNDLE would load where, and why."""
     def go():

@@ -9,13 +9,10 @@ import re
 
 import click
 
-from .cli_support import run_cli
+from .cli_support import CA_HELP, PLAIN_HELP, run_cli
 from .errors import UserError
 
 REF_HELP = "oci://HOST[:PORT]/REPO:TAG (or @sha256:DIGEST)"
-CA_HELP = ("CA certificate (PEM) the registry's TLS certificate is checked against (default: the system store; "
-           "also PRECAST_REGISTRY_CA).")
-PLAIN_HELP = "Talk plain HTTP to the registry (localhost and 127.0.0.1 fall back to it by themselves)."
 
 
 def _registry(ref_text: str, ca, plain_http):

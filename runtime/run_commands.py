@@ -19,7 +19,7 @@ from . import images
 from .assign import parse_assignment
 from .checks import (check_batch, check_count, check_guidance, check_out, check_seed, check_steps, check_text,
                      check_vae_tiling, write_image)
-from .cli_support import run_cli
+from .cli_support import registry_options, run_cli
 from .control import parse_control, plan_controls
 from .errors import UserError
 from .families import FAMILIES, family_of
@@ -176,6 +176,7 @@ def out_paths(out, n: int) -> list:
               type=click.Choice(["auto", "full"], case_sensitive=False), help=VERIFY_HELP)
 @click.option("--sysroot", default="/", hidden=True)
 @click.option("--json", "as_json", is_flag=True, help="Print what ran where, and the settings, as JSON (errors too).")
+@registry_options
 def generate_cmd(bundle, prompt, negative, steps, seed, batch, count, from_png, size, guidance, scheduler, schedule,
                  init_image,
                  mask, strength, controls, controlnet_names, control_starts, control_ends, guess_mode, out,

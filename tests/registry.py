@@ -200,16 +200,17 @@ class TokenServer:
 
 
 class Relay:
-    """127.0.0.1:PORT relaying to `target` (host, port), at most `rate` bytes/s per connection (None: as fast as
-    it goes); `received`: bytes the target sent through it; `cut()` closes every connection and refuses new
-    ones until `resume()`."""
+    """BIND:PORT (127.0.0.1, or another loopback address that precast does not take for one, as a registry
+    elsewhere on the network would be) relaying to `target` (host, port), at most `rate` bytes/s per connection
+    (None: as fast as it goes); `received`: bytes the target sent through it; `cut()` closes every connection and
+    refuses new ones until `resume()`."""
 
-    def __init__(self, target: tuple[str, int], rate: int | None = None):
-        self.target, self.rate, self.received = target, rate, 0
+    def __init__(self, target: tuple[str, int], rate: int | None = None, bind: str = "127.0.0.1"):
+        self.target, self.rate, self.received, self.bind = target, rate, 0, bind
         self._count = threading.Lock()
         self.server = socket.socket()
         self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.server.bind(("127.0.0.1", 0))
+        self.server.bind((bind, 0))
         self.server.listen(64)
         self.port = self.server.getsockname()[1]
         self.open = threading.Event()
@@ -234,7 +235,7 @@ class Relay:
 
     @property
     def host(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.bind}:{self.port}"
 
     def _pipe(self, src, dst, downstream):
         try:

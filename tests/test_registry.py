@@ -430,6 +430,41 @@ def test_bundle_merge_takes_refs_and_pushes_the_merged_bundle(bundle, registry, 
     assert tree_digests(tmp_path / "m").keys() == tree_digests(bundle).keys()
 
 
+def test_shards_in_one_registry_merge_there_downloading_nothing(bundle, registry, pushed, tmp_path, env):
+    """Two shards pushed to repositories of their own, merged into a third through a relay that counts what the
+    registry sends: only manifests and manifest.json files cross it (no artifact's bytes), the blobs are mounted
+    across repositories, and the merged reference pulls (--all) into the bundle built unsharded, manifest.json
+    byte for byte. A shard missing from the registry is one line naming it."""
+    cache = {"PRECAST_CACHE": str(bundle.parent / "cache")}          # the bundle's own cache: shards are hits
+    relay = Relay(("127.0.0.1", registry.port))
+    refs = [f"oci://{relay.host}/shards/part{i}:v1" for i in (1, 2)]
+    try:
+        for i, ref in enumerate(refs, 1):
+            precast("build", bundle.parent / "bundle.yaml", "--out", tmp_path / f"shard{i}", "--shard", f"{i}/2",
+                    env=cache, check=True)
+            precast("push", tmp_path / f"shard{i}", ref, env=env, check=True)
+        before, out = relay.received, f"oci://{relay.host}/shards/merged:v1"
+        proc = precast("bundle", "merge", *refs, "--out", out, env=env, check=True)
+        assert "merged in the registry: " in proc.stdout and "0.0 MB downloaded" in proc.stdout, proc.stdout
+        shard_manifests = sum((tmp_path / f"shard{i}/manifest.json").stat().st_size for i in (1, 2))
+        artifacts = sum(rec["size"] for rec in json.loads((bundle / "manifest.json").read_text())["files"].values())
+        got = relay.received - before       # manifest.json twice, the OCI manifests, the HEADs' answers
+        assert got < shard_manifests + 50_000 < artifacts // 100, (got, shard_manifests, artifacts)
+        r = json.loads(precast("bundle", "merge", *refs, "--out", out, "--json", env=env, check=True).stdout)
+        assert r["in_registry"] and r["copied"] == 0 and r["mounted"] > 0 and r["bytes_downloaded"] == 0, r
+        precast("pull", out, "--out", tmp_path / "m", "--all", env=env, check=True)
+        line = one_line_error(precast("bundle", "merge", refs[0], f"oci://{relay.host}/shards/part3:v1", "--out",
+                                      out, env=env))
+        assert "shards/part3:v1" in line and "no such tag" in line, line
+    finally:
+        relay.close()
+    pulled = json.loads((tmp_path / "m/manifest.json").read_text())
+    pulled.pop("pulled", None)
+    assert pulled == json.loads((bundle / "manifest.json").read_text())
+    assert tree_digests(tmp_path / "m").keys() - {"manifest.json"} == tree_digests(bundle).keys() - {"manifest.json"}
+    assert precast("bundle", "verify", tmp_path / "m").returncode == 0
+
+
 # ---- oci:// references opened in place: the local store (runtime/oci/store.py) ---------------------------------
 
 def store_blobs(cache: Path) -> dict:
@@ -514,6 +549,33 @@ def test_doctor_a_ref_says_what_would_download_and_downloads_no_artifact(bundle,
     assert {s[3] for s in shown} == set(listed) and f"downloads {len(listed)} files" in text
 
 
+def test_a_plain_http_registry_elsewhere_needs_asking_for(bundle, registry, pushed, tmp_path, env):
+    """A registry on another host that speaks plain HTTP (here: 127.0.0.2, a loopback address precast does not
+    take for one): https is tried and refused in one line naming --plain-http; `doctor --plain-http`,
+    PRECAST_REGISTRY_PLAIN_HTTP naming that registry (generate: the local bundle's image) and
+    open_bundle(plain_http=True) reach it; the variable naming another registry changes nothing."""
+    from precast.runtime.api import open_bundle
+    relay = Relay(("127.0.0.1", registry.port), bind="127.0.0.2")
+    ref, env = pushed.replace(registry.host, relay.host), {**env, "PRECAST_CACHE": str(tmp_path / "cache")}
+    try:
+        line = one_line_error(precast("doctor", ref, env=env))
+        assert relay.host in line and "TLS failed" in line and "--plain-http" in line, line
+        other = {**env, "PRECAST_REGISTRY_PLAIN_HTTP": "127.0.0.2:1,registry.example:5000"}
+        assert "--plain-http" in one_line_error(precast("doctor", ref, env=other))
+        report = json.loads(precast("doctor", ref, "--plain-http", "--json", env=env, check=True).stdout)
+        assert report["remote"]["files"] and report["remote"]["bytes_needed"] > 0
+        asked = {**env, "PRECAST_REGISTRY_PLAIN_HTTP": f"registry.example:5000, {relay.host}"}
+        assert png(ref, tmp_path / "ref.png", env=asked) == png(bundle, tmp_path / "local.png")
+        os.environ["PRECAST_CACHE"] = str(tmp_path / "api-cache")
+        try:
+            opened = open_bundle(ref, plain_http=True, pull=False)
+        finally:
+            del os.environ["PRECAST_CACHE"]
+        assert opened.remote.bytes_needed == report["remote"]["bytes_needed"]
+    finally:
+        relay.close()
+
+
 def test_a_second_ref_sharing_the_vae_downloads_none_of_it(bundle, registry, pushed, tmp_path, env, monkeypatch):
     """A second model (the same checkpoint with a LoRA: other text encoder and UNet, the same VAE, built with the
     first's cache) opened after the first through the Python API: the VAE's engine and every other shared blob come
@@ -544,6 +606,51 @@ def test_a_second_ref_sharing_the_vae_downloads_none_of_it(bundle, registry, pus
     assert other.remote.pulled.reused == len(b) - len(new)
     assert os.stat(first.path / vae[0]).st_ino == os.stat(other.path / vae[0]).st_ino     # linked from one blob
     assert other.txt2img("a red fox", steps=1, size=(64, 64)).size == (64, 64)
+
+
+def test_cache_gc_reclaims_the_store(bundle, registry, tmp_path, env):
+    """`precast cache gc` in the store: a blob no reference holds (the manifest.json doctor read) and a partial
+    download go; references' blobs stay and still verify. With an open running (another process holding the
+    store's lock shared) it removes nothing and says so. --store-max-size removes the reference opened least
+    recently first (the blobs the other still links stay), then the other, and the store is empty."""
+    env = {**env, "PRECAST_CACHE": str(tmp_path / "cache")}
+    refs = [f"oci://{registry.host}/tiny/gc:{tag}" for tag in ("a", "b")]
+    for ref in refs:
+        precast("push", bundle, ref, env=env, check=True)
+    precast("doctor", refs[0], env=env, check=True)                       # the store: manifest.json's blob only
+    for ref in refs:                                                      # a, then b: b is the one opened last
+        precast("doctor", ref, "--load", env=env, check=True)
+        time.sleep(0.05)
+    store = tmp_path / "cache/oci"
+    held = {n for n, size in store_blobs(tmp_path / "cache").items()}
+    (store / "blobs/sha256" / ("ab" * 32 + ".partial")).write_bytes(b"x" * 1000)
+    (store / "blobs/sha256" / ("cd" * 32)).write_bytes(b"y" * 500)       # a blob that nothing links
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, pathlib\n"
+                               "from precast.runtime.oci.store_gc import store_lock\n"
+                               f"with store_lock(pathlib.Path({str(store)!r}), exclusive=False):\n"
+                               "    print('held', flush=True); sys.stdin.read()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        r = json.loads(precast("cache", "gc", "--json", env=env, check=True).stdout)["store"]
+        assert r["skipped"].startswith("another precast process has the store open") and r["blobs_removed"] == 0
+        assert r["partial_removed"] == 1 and ("cd" * 32) in store_blobs(tmp_path / "cache")
+    finally:
+        holder.communicate("")
+    proc = precast("cache", "gc", env=env, check=True)
+    assert "store " in proc.stdout and "removed 2 blobs no reference holds, 0 references" in proc.stdout, proc.stdout
+    assert set(store_blobs(tmp_path / "cache")) == held - {hashlib.sha256((bundle / "manifest.json").read_bytes())
+                                                           .hexdigest()}
+    folders = [store / f"refs/{registry.host.replace(':', '_')}/tiny/gc/{t}" for t in ("a", "b")]
+    assert all(precast("bundle", "verify", f).returncode == 0 for f in folders)
+    size = json.loads(precast("cache", "gc", "--json", env=env, check=True).stdout)["store"]["size"]
+    r = json.loads(precast("cache", "gc", "--store-max-size", str(size - 1), "--json", env=env, check=True).stdout)
+    assert r["store"]["references_removed"] == [f"{registry.host.replace(':', '_')}/tiny/gc/a"], r["store"]
+    assert r["store"]["blobs_removed"] == 0 and not folders[0].exists()
+    assert precast("bundle", "verify", folders[1]).returncode == 0
+    r = json.loads(precast("cache", "gc", "--store-max-size", "0", "--json", env=env, check=True).stdout)["store"]
+    assert r["size"] == 0 and not store_blobs(tmp_path / "cache") and not folders[1].exists()
+    assert png(refs[1], tmp_path / "again.png", env=env) == png(bundle, tmp_path / "local.png")   # pulled again
 
 
 def test_concurrent_opens_of_one_ref_agree(bundle, registry, pushed, tmp_path, env):

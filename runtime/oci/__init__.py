@@ -24,7 +24,7 @@ Modules: ref.py (the reference grammar), auth.py (credential sources and their o
 connection: sessions, TLS, authentication, retries, errors), client.py (the distribution API's verbs on
 it), artifact.py (media types, annotations, the OCI manifest of a bundle), stream.py (a download written
 and hashed side by side; parallel transfers), push.py, pull.py, store.py (the local content-addressed
-store that `oci://` references open from). docs/registries.md documents the format and the commands.
+store that `oci://` references open from), store_gc.py (its space reclaimed: `precast cache gc`). docs/registries.md documents the format and the commands.
 """
 from __future__ import annotations
 

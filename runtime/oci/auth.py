@@ -30,6 +30,7 @@ from pathlib import Path
 from ..errors import UserError
 
 ENV_USER, ENV_PASSWORD, ENV_CA = "PRECAST_REGISTRY_USERNAME", "PRECAST_REGISTRY_PASSWORD", "PRECAST_REGISTRY_CA"
+ENV_PLAIN = "PRECAST_REGISTRY_PLAIN_HTTP"   # "1" (every registry) or HOST[:PORT],...: plain HTTP, as --plain-http
 TOKEN_USER = "<token>"          # a helper's or auths' identity token: an OAuth2 refresh token, not a password
 _DOCKER_HUB = {"docker.io", "index.docker.io", "registry-1.docker.io"}
 

@@ -80,6 +80,25 @@ class Registry(Transport):
         r.close()
         return int(r.headers.get("Content-Length") or 0) if r.status_code == 200 else None
 
+    def mount_blob(self, repo: str, digest: str, source_repo: str, name: str) -> bool:
+        """Whether `repo` has blob `digest` now: already, or mounted from `source_repo` of the same registry
+        (the distribution API's cross-repository mount: no byte sent). False where the registry would not
+        mount it (the upload session it opened instead is cancelled): the caller sends the bytes."""
+        if self.blob_exists(repo, digest) is not None:
+            return True
+        if repo == source_repo:
+            return False
+        r = self.request("POST", f"/v2/{repo}/blobs/uploads/?{urlencode({'mount': digest, 'from': source_repo})}",
+                         repo, ok=(201, 202), headers={"Content-Length": "0"}, what=f"mount of {name}")
+        r.close()
+        if r.status_code == 202 and r.headers.get("Location"):
+            try:
+                self.request("DELETE", urljoin(r.url, r.headers["Location"]), repo, ok=(204, 200, 404, 405),
+                             what=f"upload of {name}").close()
+            except RegistryError:
+                pass
+        return r.status_code == 201
+
     def blob_bytes(self, repo: str, digest: str, size: int, name: str, limit: int = 64 << 20) -> bytes:
         if size > limit:
             raise RegistryError(f"{name}: {size} bytes, over the {limit >> 20} MiB read into memory; refused")

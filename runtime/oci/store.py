@@ -16,8 +16,10 @@ downloads nothing for it. Opening a reference asks the registry for its manifest
 and pulls what is missing (runtime/oci/pull.py, `store=`: the per-reference lock, per-blob locks, staging
 put in place whole); a reference whose folder already holds what this machine selects downloads nothing
 but the manifest. Registry unreachable: a reference pulled before opens from its folder with a one-line
-note; one never pulled is one line naming the registry. Nothing here removes blobs (delete the folder to
-reclaim the space: every reference is pulled again on its next open).
+note; one never pulled is one line naming the registry.
+
+Opens hold the store's lock shared (store_gc.py's `store_lock`), so that `precast cache gc` (store_gc.py's
+`collect`) removes nothing an open is using; each open marks its reference's folder as used now (mtime).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from ..manifest import MANIFEST, Manifest, read_manifest
 from .client import Registry, Unreachable
 from .pull import PullResult, choose, plan_files, pull_bundle, read_remote
 from .ref import Ref, parse_ref
+from .store_gc import store_lock
 
 
 @dataclass
@@ -88,14 +91,22 @@ def ref_folder(root: Path, ref: Ref) -> Path:
     return root / "refs" / ref.registry.replace(":", "_").strip("[]") / ref.repository / name
 
 
-def open_ref(text: str, machine, *, pull: bool = True, env=os.environ, progress: bool = True) -> Opened:
+def open_ref(text: str, machine, *, pull: bool = True, env=os.environ, progress: bool = True, ca: str | None = None,
+             plain_http: bool = False) -> Opened:
     """`text` (oci://...) through the store at store_root(): with `pull`, what `machine`'s selection needs is
     downloaded there (a pull's choice, widened by what the folder holds from the same manifest); without,
-    nothing but the manifest and manifest.json is read and `Opened.files` says what a pull would fetch."""
+    nothing but the manifest and manifest.json is read and `Opened.files` says what a pull would fetch.
+    `ca`, `plain_http`: the registry's, as --ca / --plain-http (the environment's otherwise)."""
     ref = parse_ref(text)
     root = store_root(env)
     blobs, folder = root / "blobs" / "sha256", ref_folder(root, ref)
-    registry = Registry.for_ref(ref, env=env)
+    registry = Registry.for_ref(ref, env=env, ca=ca, plain_http=plain_http)
+    with store_lock(root, exclusive=False):
+        return _open(ref, root, folder, blobs, registry, machine, pull, progress)
+
+
+def _open(ref: Ref, root: Path, folder: Path, blobs: Path, registry: Registry, machine, pull: bool,
+          progress: bool) -> Opened:
     try:
         remote = read_remote(ref, registry, blobs)
     except Unreachable as e:
@@ -110,6 +121,7 @@ def open_ref(text: str, machine, *, pull: bool = True, env=os.environ, progress:
     if pull:
         opened.pulled = pull_bundle(ref, folder, registry, machine=machine, progress=progress, store=blobs,
                                     remote=remote)
+        os.utime(folder)                # when it was last opened: what collect's size limit goes by
         if opened.pulled.bytes_downloaded:
             _say(f"pulled {ref} into the store ({root}): {_mb(opened.pulled.bytes_downloaded)} downloaded, "
                  f"{opened.pulled.reused} of {opened.pulled.files} files already there")
@@ -126,6 +138,10 @@ def _offline(ref: Ref, root: Path, folder: Path, e: Unreachable) -> Opened:
     note = (f"{ref.registry} is unreachable ({e.reason}): opening {ref} as pulled before"
             f"{f' ({digest[:19]}...)' if digest else ''} from the store, {folder}")
     _say(note)
+    try:
+        os.utime(folder)
+    except OSError:
+        pass
     return Opened(str(ref), str(root), str(folder), digest, data, note=note)
 
 

@@ -2,7 +2,8 @@
 
 Owns: `Transport` (one registry, `HOST[:PORT]`: a requests session per thread; the scheme -- https with the
 system store (requests' certifi bundle, or REQUESTS_CA_BUNDLE) or a CA file (`ca=`: --ca /
-PRECAST_REGISTRY_CA), plain http only when asked (`plain_http=True`) or for a loopback host (localhost,
+PRECAST_REGISTRY_CA), plain http only when asked (`plain_http=True`: --plain-http; or PRECAST_REGISTRY_PLAIN_HTTP
+naming the registry, `plain_http_asked`) or for a loopback host (localhost,
 127.0.0.1, [::1]) whose https handshake fails while http answers, as docker does --; `request`, one
 request answered through the registry's authentication challenge and retried; `stop`, the event that
 makes transfers in flight give up), `RegistryError` and `Interrupted` (one line naming the registry, the
@@ -29,7 +30,7 @@ import requests
 import urllib3
 
 from ..errors import UserError
-from .auth import ENV_CA, Credentials, find_credentials, login_hint, parse_challenge
+from .auth import ENV_CA, ENV_PLAIN, Credentials, find_credentials, login_hint, parse_challenge
 
 RETRIES = 4
 _TRANSIENT = (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
@@ -53,6 +54,15 @@ class Unreachable(RegistryError):
         self.reason = reason
 
 
+def plain_http_asked(registry: str, env=os.environ) -> bool:
+    """Whether PRECAST_REGISTRY_PLAIN_HTTP asks plain HTTP for `registry` (HOST[:PORT]): "1" / "true" / "*" for
+    every registry, else a comma-separated list of registries (docker's insecure-registries, as a variable)."""
+    text = (env.get(ENV_PLAIN) or "").strip()
+    if text.lower() in ("1", "true", "yes", "*"):
+        return True
+    return registry in {h.strip().removeprefix("http://").rstrip("/") for h in text.split(",") if h.strip()}
+
+
 def _transient_status(code: int) -> bool:
     return code == 429 or 500 <= code < 600
 
@@ -68,7 +78,7 @@ class Transport:
             raise RegistryError(f"--ca / {ENV_CA} {self.ca}: no such file (give the CA certificate in PEM form "
                                 "that signed the registry's certificate)")
         self.verify = self.ca or True     # per request too: requests lets REQUESTS_CA_BUNDLE override a session's
-        self.scheme = "http" if plain_http else None
+        self.scheme = "http" if plain_http or plain_http_asked(registry, env) else None
         self.retries = retries if retries is not None else int(env.get("PRECAST_REGISTRY_RETRIES") or RETRIES)
         self._local = threading.local()
         self._lock = threading.Lock()
