@@ -5,8 +5,9 @@ z_image_turbo_bf16.safetensors carries them: fused `attention.qkv`, `x_embedder`
 names) and of a Qwen3 text model (HF `Qwen3Model` names), the ComfyUI all-in-one file layout
 (`model.diffusion_model.`, `text_encoders.qwen3_4b.transformer.model.`, `vae.` with the FLUX.1 VAE of
 demo_dit.py), and the tiny tokenizer the demo carries in its metadata (compiler/sources/llm_tokenizer_files.py
-reads it): byte-level BPE with Qwen2's pre-tokenizer (its split pattern, NFC, ByteLevel without prefix space)
-and special tokens, trained with the `tokenizers` library on a fixed corpus. numpy + ml_dtypes (+ tokenizers).
+reads it): byte-level BPE in Qwen2's pipeline (that module's qwen2_tokenizer: its split pattern, NFC, ByteLevel
+without prefix space) and special tokens, trained with the `tokenizers` library on a fixed corpus. numpy +
+ml_dtypes (+ tokenizers).
 """
 from __future__ import annotations
 
@@ -15,13 +16,10 @@ from dataclasses import dataclass
 from .demo_dit import TINY_VAE16, VAE_PREFIX, vae16_layout
 from .demo_model import _lin
 from .demo_weights import Component, write_components
-from .sources.llm_tokenizer_files import DEMO_KEY
+from .sources.llm_tokenizer_files import DEMO_KEY, qwen2_tokenizer
 
 DIT_PREFIX = "model.diffusion_model."
 LLM_PREFIX = "text_encoders.qwen3_4b.transformer.model."     # ComfyUI's Qwen3-4B text encoder, HF names after it
-# Qwen2's pre-tokenizer split (tokenizer.json of every Qwen2 / Qwen2.5 / Qwen3 model)
-QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
 SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
 CORPUS = ("A photo of a cat sitting on a red sofa, soft light, 35mm film.",
           "一只猫坐在红色沙发上，柔和的光线。",
@@ -122,14 +120,8 @@ def qwen3_layout(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
 def tiny_tokenizer_json(vocab: int = TINY_QWEN3.vocab) -> str:
     """A byte-level BPE tokenizer.json built as Qwen2's is (pre-tokenizer, normalizer, decoder, special tokens),
     its merges trained on CORPUS: `vocab` ids in all, the special tokens last."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    from tokenizers import models, pre_tokenizers, trainers
+    tok = qwen2_tokenizer(models.BPE())
     trainer = trainers.BpeTrainer(vocab_size=vocab - len(SPECIAL), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(list(CORPUS) * 4, trainer=trainer)

@@ -268,6 +268,41 @@ def test_diffusers_folder_exports(demo, reference, tmp_path):
                           _session(tmp_path / "sx" / "transformer").run(None, feeds)[0])
 
 
+def test_diffusers_folder_without_tokenizer_json(reference, tmp_path):
+    """Qwen/Qwen-Image's tokenizer/ ships vocab.json + merges.txt (its added tokens in tokenizer_config.json), no
+    tokenizer.json: the diffusers folder builds all the same, and its bundle generates the image the folder with
+    tokenizer.json gives (2 steps); with neither, the build stops on one line naming the folder and the files."""
+    import shutil
+    from PIL import Image
+    from conftest import build_recipe
+    from test_llm_tokenizer_files import write_slow_files
+    folder = tmp_path / "folder"
+    reference.save_pretrained(folder)
+    cfg = folder / "transformer" / "config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "axes_dims_rope": AXES}))
+    recipe = (f"model: {{source: '{folder}'}}\ncomponents: [text_encoder, transformer, vae_decoder]\nprecision: fp32\n"
+              "profiles: {batch: 1, height: 64, width: 64, t5_tokens: {min: 16, opt: 64, max: 256}}\n"
+              "targets: [onnxruntime]\n")
+    images = []
+    for name in ("with", "without"):
+        if name == "without":
+            tokenizer_json = (folder / "tokenizer" / "tokenizer.json").read_text()
+            shutil.rmtree(folder / "tokenizer")
+            write_slow_files(tokenizer_json, folder / "tokenizer")
+        bundle = build_recipe(tmp_path, recipe, name)
+        out = tmp_path / f"{name}.png"
+        precast("generate", bundle, "--prompt", "<think>一只猫, 2 cats   on a sofa!", "--steps", "2", "--out", out,
+                check=True)
+        images.append(np.asarray(Image.open(out)))
+    assert images[0].std() > 1 and np.array_equal(images[0], images[1])
+    for name in ("vocab.json", "merges.txt", "tokenizer_config.json"):
+        (folder / "tokenizer" / name).unlink()
+    (tmp_path / "none.yaml").write_text(recipe)
+    _one_line(precast("build", tmp_path / "none.yaml", "--out", tmp_path / "none",
+                      env={"PRECAST_CACHE": str(tmp_path / "cache")}),
+              str(folder / "tokenizer"), "no tokenizer.json (nor vocab.json + merges.txt)")
+
+
 def test_schedule_matches_diffusers():
     """Qwen-Image's released schedule (dynamic shift to 0.9 at 8192 tokens, stretched to a last sigma of 0.02) as
     runtime/flow.py samples it equals FlowMatchEulerDiscreteScheduler's as QwenImagePipeline sets it."""
