@@ -23,6 +23,8 @@ EXPORTS = {
     "flux-schnell": {"transformer": {"axes_dims_rope": [4, 6, 6]}},
     "chroma": {"transformer": {"axes_dims_rope": [4, 6, 6]}},
     "z-image": {"transformer": {"axes_dims_rope": [4, 6, 6]}},
+    "flux2-klein": {"transformer": {"axes_dims_rope": [4, 4, 4, 4]}},
+    "qwen-image": {"transformer": {"axes_dims_rope": [4, 6, 6]}},
     "controlnet": {}, "lora": {},
 }
 

@@ -8,6 +8,22 @@ import pytest
 from family_outputs import EXPORTS, export_digests
 
 RECORDED = {
+    "flux2-klein": {     # recorded when added (issue 32), at 2c7191e
+        "scheduler": "efc2fc82b31dda5cc00a2264bf5d357290d0bb0aff144ad8f998467fc3210fec",
+        "text_encoder": "0271287446d8b414ba6cecd4ccb6a1963fb7fc761c38260c676ad8b686e83c49",
+        "tokenizer": "07ac6ce07e248a57b35e9531ddcdf27c04d978af83fed70494500e7b3cf3add1",
+        "transformer": "6b38bfdf0bcdc6be9adc64d529b40ad40fd30147beae469bb626d776c97af87d",
+        "vae_decoder": "aefc286e595e71bd59de37123a52f0d2f8672b234b513a864a0682c295de5e71",
+        "vae_encoder": "21cb044c1beb2387327eb97cb1b092ea645fb952ff6667768831f7c3a31bf964",
+    },
+    "qwen-image": {      # recorded when added (issue 32), at 2c7191e
+        "scheduler": "36e2f6c0b2131b5293df60a8d310f058166f9f0cc7fccbf7d6daabc32892c209",
+        "text_encoder": "2f69a68278307a5733eb8ba2044d1080b64883a6ca6d9e29d0d8a0513f3a0b99",
+        "tokenizer": "07ac6ce07e248a57b35e9531ddcdf27c04d978af83fed70494500e7b3cf3add1",
+        "transformer": "543dee04145dbebb05a080567d4223ce9826575f36c6aad1497ac1f05b347834",
+        "vae_decoder": "3f80b4753f1cdf01dbb215daab4d53d10d2cb0d79259ef563c18ce65b889b088",
+        "vae_encoder": "ca3cc4a4efa9c40c5a1770a70f41f20add070169e2f56c50ec2cce48f7dcfd60",
+    },
     "chroma": {
         "scheduler": "efc2fc82b31dda5cc00a2264bf5d357290d0bb0aff144ad8f998467fc3210fec",
         "text_encoder": "2c102093a0b0afa47e4d69d36b0022569d85e18d6e84f1e84a0d2c4c955ff4b5",
