@@ -19,18 +19,22 @@ the weights' own bytes and stable-diffusion.cpp, and what each session option co
 3. options (--options): the SD 1.5 UNet alone (batch 2, 512x512), one fresh process per session option:
    peak RSS while the session is created and while it runs (anonymous / file-backed), the median of
    --unet-calls calls after one warm-up, wall and process CPU seconds (steadier on a shared machine).
-   OpenVINO: the bundle's blob as the runtime imports it (memory-mapped, its pages released after the import:
-   sessions.release_pages), the same with its pages kept (as before), a blob built without the Winograd
-   rewrite (a second `precast build` with `winograd: false`). ONNX Runtime, the bundle's optimized artifact:
+   OpenVINO: the bundle's blob as the runtime imports it (memory-mapped, its pages released while it is imported
+   and after: sessions.import_blob), the same with its pages released only after the import, or kept (as
+   before), a blob built without the Winograd rewrite (a second `precast build` with `winograd: false`), its
+   pages released during or only after the import. ONNX Runtime, the bundle's optimized artifact:
    with the CPU arena (as before), without it (the runtime's), without the memory pattern, without both; and
    with the arena: without prepacking, initializers on the device allocator, the graph saved again with its
    prepacked weights in the external data file (session.save_external_prepacked_constant_initializers).
+
+--low-memory SIZE adds the low-memory plan to 1: `--params-backend cpu:SIZE` (each component loaded when its stage
+comes and freed after it), OpenVINO on a second bundle built without the Winograd rewrite (`winograd: false`).
 
 Full-size runs wait until MemAvailable >= --min-available GiB (the machine is shared) and never overlap.
 The work folder (default benchmarks/results/work/memory: checkpoint 2.1 GB, cache and bundles ~15 GB) is
 deleted at the end unless --keep.
 
-Usage: .venv/bin/python benchmarks/memory.py [--backends openvino,onnxruntime] [--options] [--no-generate]
+Usage: .venv/bin/python benchmarks/memory.py [--backends openvino,onnxruntime] [--options] [--no-generate] [--low-memory 3.5G]
            [--sdcpp BIN | --sdcpp-src DIR] [--steps 4] [--unet-calls 2] [--work DIR] [--keep] [--json OUT]
 """
 from __future__ import annotations
@@ -254,6 +258,8 @@ def open_variant(spec: dict):
         from precast.runtime import sessions
         if variant.get("keep_pages"):      # as before release_pages: the imported blob's pages stay mapped in
             sessions.release_pages = lambda blob: False
+        if variant.get("release_after"):  # as before import_blob: the pages dropped once the import is done
+            sessions.RELEASE_EVERY = 1e9
         s = sessions.open_artifact(folder, meta)
         return s.run
     import onnxruntime as ort
@@ -441,6 +447,8 @@ def main() -> None:
     ap.add_argument("--sdcpp", type=Path, help="a stable-diffusion.cpp sd-cli binary")
     ap.add_argument("--sdcpp-src", type=Path, help="stable-diffusion.cpp source (ggml/ filled in), built in the work folder")
     ap.add_argument("--sdcpp-types", default="f32,f16", help="stable-diffusion.cpp weight types to run ('' none)")
+    ap.add_argument("--low-memory", default=None, metavar="SIZE", help="also generate with --params-backend cpu:SIZE "
+                    "(components one at a time; OpenVINO on a blob built without Winograd), e.g. 3.5G")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--unet-calls", type=int, default=2)
     ap.add_argument("--only", action="append", help="options: only the variants whose name holds this (repeatable)")
@@ -476,6 +484,22 @@ def main() -> None:
                 report = json.loads(text[text.index("{"):])
                 r["seconds"] = report["seconds"]
                 r["where"] = {c: (w["backend"], w["artifact"]) for c, w in report["components"].items()}
+        if opts.low_memory:          # one component at a time under a budget: the low-memory plan
+            plain = ensure_bundle(work, ckpt, "bundle-nowinograd", "  - openvino: {device: CPU, winograd: false}\n",
+                                  opts.min_available)
+            for folder, backend in ((plain, "openvino"), (bundle, "onnxruntime")):
+                if backend not in opts.backends.split(","):
+                    continue
+                name = f"{backend} cpu:{opts.low_memory}"       # openvino: the blob without Winograd
+                argv = ["generate", str(folder), "--prompt", PROMPT, "--steps", str(opts.steps), "--guidance", "7",
+                        "--seed", "0", "--size", "512x512", "--backend", f"all={backend}", "--params-backend",
+                        f"cpu:{opts.low_memory}", "--out", str(runs / f"{backend}-low.png"), "--json"]
+                gen[name] = r = run_child("generate", {"argv": argv}, runs, f"{backend}-low", opts.min_available)
+                text = "\n".join(r.pop("lines"))
+                if r["rc"] == 0:
+                    report = json.loads(text[text.index("{"):])
+                    r["seconds"] = report["seconds"]
+                    r["plans"] = {c: (w.get("memory") or {}).get("plan") for c, w in report["components"].items()}
         sdcpp = ensure_sdcpp(work, opts.sdcpp_src, opts.sdcpp)
         if sdcpp:
             for wtype in filter(None, opts.sdcpp_types.split(",")):
@@ -500,10 +524,13 @@ def main() -> None:
         if "openvino" in arts:
             folder, meta, _ = arts["openvino"]
             variants["openvino blob, pages kept (before)"] = (folder, meta, {"keep_pages": True})
-            variants["openvino blob, pages released (runtime)"] = (folder, meta, {})
+            variants["openvino blob, pages released after import (before)"] = (folder, meta, {"release_after": True})
+            variants["openvino blob, pages released during import (runtime)"] = (folder, meta, {})
             plain = ensure_bundle(work, ckpt, "bundle-nowinograd", "  - openvino: {device: CPU, winograd: false}\n",
                                   opts.min_available)
             folder2, meta2, _ = artifacts(plain)["unet"]["openvino"]
+            variants["openvino blob without Winograd, pages released after import"] = (folder2, meta2,
+                                                                                      {"release_after": True})
             variants["openvino blob without Winograd"] = (folder2, meta2, {})
         if "onnxruntime" in arts:
             folder, meta, _ = arts["onnxruntime"]

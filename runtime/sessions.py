@@ -5,8 +5,9 @@ was built for, importing that backend lazily (the runtime depends only on numpy)
 `open_candidate`: the session for what selection chose (an artifact, or the bundle's ONNX compiled
 or loaded at run time by OpenVINO, ONNX Runtime or one of its device EPs, ONNX_ON_DEVICE).
 OpenVINO blobs are imported with the compile config recorded at build time (an imported blob
-does not remember its precision hint). Memory: a blob's pages are released once it is imported
-(`release_pages`), ONNX Runtime runs without its CPU arena (measured: benchmarks/memory.py).
+does not remember its precision hint). Memory: a blob's pages are released while it is imported and once
+after (`import_blob`, `release_pages`), ONNX Runtime runs without its CPU arena (measured:
+benchmarks/memory.py).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from .cpu import default_precision
 import mmap
 import os
 import re
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
@@ -101,8 +103,7 @@ class OpenVinoSession:
         else:  # the blob memory-mapped (copy-on-write), not read into bytes: 5-6x faster for a 3.4 GB
             # UNet. The compiled model keeps using the mapped memory, so the map lives as long as it does.
             self._blob = np.memmap(path, dtype=np.uint8, mode="c")
-            self._cm = core.import_model(ov.Tensor(self._blob, shared_memory=True), device, config)
-            release_pages(self._blob)
+            self._cm = import_blob(core, ov, self._blob, device, config)
         self.input_names = [_port_name(p) for p in self._cm.inputs]
         self.input_shapes = {n: [d.get_length() if d.is_static else None for d in p.get_partial_shape()]
                              for n, p in zip(self.input_names, self._cm.inputs)}
@@ -126,6 +127,30 @@ class OpenVinoSession:
             arr = np.array(res[port])
             out[name] = from_bf16_bits(arr.view(np.uint16)) if name in self._bf16 else arr
         return out
+
+
+RELEASE_EVERY = 0.2     # s: how often the pages of a blob being imported are dropped
+
+
+def import_blob(core, ov, blob: np.memmap, device: str, config: dict):
+    """core.import_model over the memory-mapped blob, its pages dropped (release_pages) every RELEASE_EVERY s
+    while the import runs -- import_model releases the GIL -- and once after. The plugin copies what it reads
+    into its own layouts, so without this the import's peak holds the whole blob beside those copies; with it,
+    only the pages read since the last drop (a page read again comes back from the page cache: same bytes).
+    The drops stop for good at the first written page found in the map (release_pages says)."""
+    done = threading.Event()
+
+    def drop() -> None:
+        while not done.wait(RELEASE_EVERY) and release_pages(blob):
+            pass
+    helper = threading.Thread(target=drop, name="precast-release-pages", daemon=True)
+    helper.start()
+    try:
+        return core.import_model(ov.Tensor(blob, shared_memory=True), device, config)
+    finally:
+        done.set()
+        helper.join()
+        release_pages(blob)
 
 
 def release_pages(blob: np.memmap) -> bool:
