@@ -116,6 +116,13 @@ class OpenVinoSession:
         self._ov = ov
         self._request = self._cm.create_infer_request()
 
+    def trim(self) -> bool:
+        """Drop the imported blob's pages from RSS between uses (release_pages): what the compiled model reads
+        in place (the Winograd-transformed constants: 4.2 GiB of SD 1.5's UNet) comes back from the page cache
+        at its next call. False when there is nothing to drop."""
+        blob = getattr(self, "_blob", None)
+        return blob is not None and release_pages(blob, clean_parts=True)
+
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         inputs = _cast({k: v for k, v in feeds.items() if k not in self._bf16}, self._types)
         for k in self._bf16 & set(feeds):
@@ -153,26 +160,37 @@ def import_blob(core, ov, blob: np.memmap, device: str, config: dict):
         release_pages(blob)
 
 
-def release_pages(blob: np.memmap) -> bool:
+def release_pages(blob: np.memmap, clean_parts: bool = False) -> bool:
     """Drop an imported blob's pages from this process (madvise DONTNEED). import_model reads the whole blob and
     copies most weights into the plugin's own layouts, so those pages are a second copy in RSS (SD 1.5's text
     encoder 0.89 -> 0.43 GiB; its UNet while denoising 8.84 -> 6.66 GiB, same step time: benchmarks/memory.py);
     what the compiled model still reads in place (the Winograd-transformed constants) comes back from the page
-    cache on first use. Only while the copy-on-write map
-    has no written page (those DONTNEED would discard): /proc/self/smaps says; False when nothing was dropped."""
-    start, size = blob.ctypes.data, blob.nbytes
+    cache on first use. The copy-on-write map may hold pages the plugin wrote (it does, once it has run):
+    DONTNEED would discard those, so /proc/self/smaps is read first -- without `clean_parts` nothing is dropped
+    when any page is written (the import running beside this: it could write between the check and the drop);
+    with it (no call of this model running), each mapping of the range with no written page is dropped and the
+    others kept. False when nothing was dropped."""
+    base, size = blob.ctypes.data, blob.nbytes
     try:
         smaps = Path("/proc/self/smaps").read_text()
     except OSError:     # not Linux: the pages stay
         return False
-    dirty = 0
-    for m in re.finditer(r"^([0-9a-f]+)-([0-9a-f]+) [^\n]*\n((?:[A-Z][\w]*:[^\n]*\n)+)", smaps, re.MULTILINE):
-        if int(m.group(1), 16) < start + size and int(m.group(2), 16) > start:
-            dirty += sum(int(k) for k in re.findall(r"^Private_Dirty:\s+(\d+)", m.group(3), re.MULTILINE))
-    if dirty or blob._mmap is None:
+    if blob._mmap is None:
         return False
-    blob._mmap.madvise(mmap.MADV_DONTNEED)
-    return True
+    parts = []          # (start, end, written kB) of each mapping over the blob
+    for m in re.finditer(r"^([0-9a-f]+)-([0-9a-f]+) [^\n]*\n((?:[A-Z][\w]*:[^\n]*\n)+)", smaps, re.MULTILINE):
+        lo, hi = max(int(m.group(1), 16), base), min(int(m.group(2), 16), base + size)
+        if lo < hi:
+            parts.append((lo, hi, sum(int(k) for k in re.findall(r"^Private_Dirty:\s+(\d+)", m.group(3), re.MULTILINE))))
+    if not clean_parts:
+        if not parts or any(written for *_, written in parts):
+            return False
+        blob._mmap.madvise(mmap.MADV_DONTNEED)
+        return True
+    clean = [(lo, hi) for lo, hi, written in parts if not written]
+    for lo, hi in clean:
+        blob._mmap.madvise(mmap.MADV_DONTNEED, lo - base, hi - lo)
+    return bool(clean)
 
 
 def openvino_gpu_memory(budget: int, max_alloc: int | None) -> dict[str, str]:

@@ -167,6 +167,23 @@ def test_txt2img_is_precast_generate(bundles, tmp_path, name, steps, scheduler):
     assert saved.read_bytes() == out.read_bytes()
 
 
+def test_the_denoisers_blob_pages_are_dropped_before_decoding_and_images_stay_the_same(sd, monkeypatch):
+    """OpenVINO: after the denoising loop the UNet's session gives back the blob pages it reads in place (trim),
+    the VAE decoder's does not; a second image on the same pipeline (its UNet reading them again from the page
+    cache) is the first one byte for byte, as is an image from a pipeline that never trims."""
+    from precast.runtime.sessions import OpenVinoSession
+    pipe = open_bundle(sd).pipeline("all=openvino")
+    trimmed, real = [], OpenVinoSession.trim
+    monkeypatch.setattr(OpenVinoSession, "trim", lambda self: trimmed.append(self) or real(self))
+    first = pipe("a cat", steps=3, seed=5)
+    loaded = pipe.pipe.loaded
+    assert loaded["unet"].session in trimmed and loaded["vae_decoder"].session not in trimmed
+    assert loaded["unet"].session.trim() and not loaded["vae_decoder"].session in trimmed[1:]
+    assert pipe("a cat", steps=3, seed=5).png() == first.png()
+    monkeypatch.setattr(OpenVinoSession, "trim", lambda self: False)
+    assert open_bundle(sd).pipeline("all=openvino")("a cat", steps=3, seed=5).png() == first.png()
+
+
 @pytest.mark.parametrize("name", ["sd", "flux"])
 def test_progress_callback_once_per_step(bundles, name):
     calls = []
