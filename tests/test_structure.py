@@ -20,7 +20,7 @@ RUNTIME_LAYERS = [
      "llm_tokenizer", "cli_support", "metadata", "devices.sysfs", "devices.amd", "devices.intel", "devices.nvidia",
      "devices.macos", "devices.windows", "oci.auth", "oci.transport", "oci.client", "oci.stream"},
     # 2: what a bundle and a machine are
-    {"checks", "manifest_schema", "manifest", "t5_tokenizer", "images", "devices", "oci.artifact"},
+    {"checks", "manifest_schema", "manifest", "t5_tokenizer", "images", "devices", "oci.artifact", "oci.store_gc"},
     # 3: placing, choosing and opening what runs
     {"assign", "image_size", "control", "sessions", "budgets", "select", "hires", "text_encoders"},
     # 4: a bundle opened to generate

@@ -1,7 +1,7 @@
 """References opened in place: a local content-addressed store of blobs, and a pulled bundle per reference.
 
-Owns: where the store lives (`$PRECAST_CACHE/oci/`, else `oci/` in the user cache folder platformdirs names
-for precast -- the folder the build cache uses), its layout, `open_ref` (an `oci://` reference as a bundle
+Owns: the store's layout (the store lives in `$PRECAST_CACHE/oci/`, else `oci/` in the user cache folder
+platformdirs names for precast -- the folder the build cache uses: store_gc.store_root), `open_ref` (an `oci://` reference as a bundle
 folder: what this machine selects pulled into the store, or found there when the registry cannot be
 reached) and `Opened` (what opening it found, downloaded or would download). runtime/api.py's `open_bundle`,
 `precast generate oci://...` and `precast doctor oci://...` are built on it.
@@ -34,7 +34,7 @@ from ..manifest import MANIFEST, Manifest, read_manifest
 from .client import Registry, Unreachable
 from .pull import PullResult, choose, plan_files, pull_bundle, read_remote
 from .ref import Ref, parse_ref
-from .store_gc import store_lock
+from .store_gc import store_lock, store_root
 
 
 @dataclass
@@ -77,13 +77,6 @@ class Opened:
                        f"({self.store}) has {len(self.files) - len(need)} of the {len(self.files)} it needs"] + [
             f"download  {_mb(f['size']):>9}  {f['path']}  ({f['role']}" + (f" of {f['component']})" if f["component"]
                                                                         else ")") for f in need]
-
-
-def store_root(env=os.environ) -> Path:
-    if env.get("PRECAST_CACHE"):
-        return Path(env["PRECAST_CACHE"]) / "oci"
-    import platformdirs
-    return Path(platformdirs.user_cache_dir("precast")) / "oci"
 
 
 def ref_folder(root: Path, ref: Ref) -> Path:

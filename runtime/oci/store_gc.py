@@ -1,6 +1,6 @@
 """The store's space reclaimed (runtime/oci/store.py's layout), and the lock that keeps that safe beside opens.
 
-Owns: `store_lock` (`.lock` in the store, flock: shared by each open, exclusive for collecting), `references`
+Owns: `store_root` (where the store is), `store_lock` (`.lock` in the store, flock: shared by each open, exclusive for collecting), `references`
 (the pulled references' folders, least recently opened first), `store_size` and `collect`, run by `precast
 cache gc`: blobs no reference's folder links any more (a tag that moved, a manifest.json only doctor read),
 downloads left partial, lock files; with a size limit, also the references opened least recently (their
@@ -16,6 +16,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..manifest import MANIFEST
+
+
+def store_root(env=os.environ) -> Path:
+    """The store's folder: `oci/` in $PRECAST_CACHE, else in the user cache folder platformdirs names for precast."""
+    if env.get("PRECAST_CACHE"):
+        return Path(env["PRECAST_CACHE"]) / "oci"
+    import platformdirs
+    return Path(platformdirs.user_cache_dir("precast")) / "oci"
 
 
 @contextmanager
@@ -64,9 +72,7 @@ def store_size(root: Path) -> int:
 def collect(root: Path | None = None, max_size: int | None = None, env=os.environ) -> dict:
     """Reclaim the store's space (see the module's words); `max_size`: also remove the least recently opened
     references until the store holds at most that many bytes. Returns what it did."""
-    if root is None:
-        from .store import store_root
-        root = store_root(env)
+    root = root or store_root(env)
     out = {"store": str(root), "blobs_removed": 0, "bytes_freed": 0, "references_removed": [], "partial_removed": 0,
            "skipped": None, "size": 0}
     if not root.is_dir():
