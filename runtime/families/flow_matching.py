@@ -8,8 +8,9 @@ schedule (runtime/flow.py: Euler, Heun, DPM++ 2M) with classifier-free guidance 
 negative prompt, the VAE's scale and shift; the step previews' estimate (x - sigma * v, unpacked). A family module
 gives its conditioning (`encode`), how the transformer reads latents (`to_transformer` / `from_transformer`), its
 timestep feed, any fixed feeds and, where it differs from the usual, how guidance combines the two velocities
-(`guide`). Also `t5_length` and
-`txt2img_only` (these families run no img2img / inpainting: their one-line refusals).
+(`guide`). Also `t5_length`, `txt2img_only` (these families run no img2img / inpainting: their one-line
+refusals), `check_latent_stats` and `chat_cut_warnings` (what an LLM text encoder's family cuts off a prompt:
+Z-Image, FLUX.2, Qwen-Image).
 Imports numpy and the runtime's own modules; never the compiler.
 """
 from __future__ import annotations
@@ -30,6 +31,19 @@ from .family import Family
 
 SCHEDULER = "flow-euler"      # the default sampler of these families (runtime/flow.py SAMPLERS: the others)
 FLOW_SAMPLERS = tuple(SAMPLERS)       # the --scheduler names these families take (flow-euler first)
+
+
+def chat_cut_warnings(tokenizer, template, limit: int, prompts, where: str, reader: str = "the text encoder",
+                      drop: int = 0) -> list[str]:
+    """One line per prompt an LLM text encoder's family cuts off: its tokens in the family's chat template `where`
+    names (less the `drop` the pipeline removes), past the `limit` that `reader` reads."""
+    out = []
+    for which, prompt in zip(("prompt", "negative prompt"), prompts):
+        n = len(tokenizer.chat(prompt, template, 1 << 30)) - drop if prompt else 0
+        if n > limit:
+            out.append(f"the {which} is {n} tokens in {where}, of which {reader} reads the first {limit}; the rest "
+                       "is ignored")
+    return out
 
 
 def check_latent_stats(cfg: dict, keys: tuple[str, str], n: int, field: str, what: str) -> None:

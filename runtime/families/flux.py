@@ -107,8 +107,17 @@ def image_ids(rows: int, cols: int) -> np.ndarray:
 
 class PackedFlowPipeline(FlowPipeline):
     """A flow-matching pipeline whose transformer reads 2x2 patches of latents as tokens (Flux, Chroma, FLUX.2,
-    Qwen-Image): noise drawn at the latents' shape, packed on the way in and unpacked on the way out. A
-    subclass sets `channels`, `rows` and `cols` (the packed grid)."""
+    Qwen-Image): `channels` (the latents', a quarter of the transformer's hidden_states width) and the packed
+    grid `rows` x `cols` read from the manifest; noise drawn at the latents' shape, packed on the way in and
+    unpacked on the way out."""
+    size_why = "{family} packs 2x2 latents of the VAE's 1/{f} scale"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        inputs = {i["name"]: i["shape"] for i in self.manifest.components["transformer"]["inputs"]}
+        self.channels = int(inputs["hidden_states"][-1]) // 4
+        self.rows, self.cols = packed_grid(self.manifest, self.height, self.width)
+
     def noise(self, seed: int) -> np.ndarray:
         shape = (1, self.channels, 2 * self.rows, 2 * self.cols)
         return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
@@ -126,13 +135,6 @@ class PackedFlowPipeline(FlowPipeline):
 class FluxTxt2Img(PackedFlowPipeline):
     """Text-to-image over a Flux or Chroma bundle."""
     refusal = "the DiT pipeline runs Flux and Chroma bundles"
-    size_why = "{family} packs 2x2 latents of the VAE's 1/{f} scale"
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        inputs = {i["name"]: i["shape"] for i in self.manifest.components["transformer"]["inputs"]}
-        self.channels = int(inputs["hidden_states"][-1]) // 4
-        self.rows, self.cols = packed_grid(self.manifest, self.height, self.width)
 
     def check_io(self, manifest: Manifest) -> None:
         check_transformer_io(manifest, self.family)

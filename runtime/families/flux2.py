@@ -24,7 +24,7 @@ from ..errors import UserError
 from ..image_size import latent_factor
 from ..manifest import Manifest
 from .family import Family, Flow
-from .flow_matching import FLOW_SAMPLERS, check_latent_stats, t5_length, txt2img_only
+from .flow_matching import FLOW_SAMPLERS, chat_cut_warnings, check_latent_stats, t5_length, txt2img_only
 from .flux import PackedFlowPipeline, pack, packed_grid, unpack
 
 # Qwen3's chat template as Flux2KleinPipeline renders it (one user message, add_generation_prompt=True,
@@ -97,13 +97,9 @@ def text_ids(length: int) -> np.ndarray:
 class Flux2Txt2Img(PackedFlowPipeline):
     """Text-to-image over a FLUX.2 bundle."""
     refusal = "the FLUX.2 pipeline runs FLUX.2 bundles"
-    size_why = "{family} packs 2x2 latents of the VAE's 1/{f} scale"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        inputs = {i["name"]: i["shape"] for i in self.manifest.components["transformer"]["inputs"]}
-        self.channels = int(inputs["hidden_states"][-1]) // 4
-        self.rows, self.cols = packed_grid(self.manifest, self.height, self.width)
         cfg = self.manifest.components["vae_decoder"]["config"]
         self.bn_mean, self.bn_std = (np.asarray(cfg[k], np.float32) for k in ("latents_bn_mean", "latents_bn_std"))
 
@@ -116,13 +112,8 @@ class Flux2Txt2Img(PackedFlowPipeline):
 
     def prompt_warnings(self, *prompts: str | None) -> list[str]:
         """What the text encoder will cut off: one line per prompt, counted in the chat template's tokens."""
-        out, limit = [], self.text_limits()["text_encoder"]
-        for which, prompt in zip(("prompt", "negative prompt"), prompts):
-            n = len(self.tokenizers["text_encoder"].chat(prompt, CHAT, 1 << 30)) if prompt else 0
-            if n > limit:
-                out.append(f"the {which} is {n} tokens in FLUX.2's chat template, of which the text encoder reads the "
-                           f"first {limit}; the rest is ignored")
-        return out
+        return chat_cut_warnings(self.tokenizers["text_encoder"], CHAT, self.text_limits()["text_encoder"], prompts,
+                                 "FLUX.2's chat template")
 
     # ---- conditioning ---------------------------------------------------------------------------
     def encode(self, prompt: str) -> dict[str, np.ndarray]:

@@ -23,7 +23,7 @@ from ..errors import UserError
 from ..image_size import latent_factor
 from ..manifest import Manifest
 from .family import Family, Flow
-from .flow_matching import FLOW_SAMPLERS, check_latent_stats, t5_length, txt2img_only
+from .flow_matching import FLOW_SAMPLERS, chat_cut_warnings, check_latent_stats, t5_length, txt2img_only
 from .flux import PackedFlowPipeline, packed_grid
 
 TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
@@ -90,13 +90,9 @@ def text_ids(length: int, rows: int, cols: int) -> np.ndarray:
 class QwenImageTxt2Img(PackedFlowPipeline):
     """Text-to-image over a Qwen-Image bundle."""
     refusal = "the Qwen-Image pipeline runs Qwen-Image bundles"
-    size_why = "{family} packs 2x2 latents of the VAE's 1/{f} scale"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        inputs = {i["name"]: i["shape"] for i in self.manifest.components["transformer"]["inputs"]}
-        self.channels = int(inputs["hidden_states"][-1]) // 4
-        self.rows, self.cols = packed_grid(self.manifest, self.height, self.width)
         cfg = self.manifest.components["vae_decoder"]["config"]
         self.mean, self.std = (np.asarray(cfg[k], np.float32)[None, :, None, None]
                                for k in ("latents_mean", "latents_std"))
@@ -116,13 +112,8 @@ class QwenImageTxt2Img(PackedFlowPipeline):
         return {"text_encoder": min(MAX_TOKENS, (te[1] - DROP) if te else MAX_TOKENS, tr[1] if tr else MAX_TOKENS)}
 
     def prompt_warnings(self, *prompts: str | None) -> list[str]:
-        out, limit = [], self.text_limits()["text_encoder"]
-        for which, prompt in zip(("prompt", "negative prompt"), prompts):
-            n = len(self.tokenizers["text_encoder"].chat(prompt, TEMPLATE, 1 << 30)) - DROP if prompt else 0
-            if n > limit:
-                out.append(f"the {which} is {n} tokens in Qwen-Image's template, of which the transformer reads the "
-                           f"first {limit}; the rest is ignored")
-        return out
+        return chat_cut_warnings(self.tokenizers["text_encoder"], TEMPLATE, self.text_limits()["text_encoder"],
+                                 prompts, "Qwen-Image's template", "the transformer", DROP)
 
     # ---- conditioning ---------------------------------------------------------------------------
     def encode(self, prompt: str) -> dict[str, np.ndarray]:

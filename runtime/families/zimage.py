@@ -20,7 +20,7 @@ from ..errors import UserError
 from ..image_size import latent_factor
 from ..manifest import Manifest
 from .family import Family, Flow
-from .flow_matching import FLOW_SAMPLERS, FlowPipeline, t5_length, txt2img_only
+from .flow_matching import FLOW_SAMPLERS, FlowPipeline, chat_cut_warnings, t5_length, txt2img_only
 from .flux import FLUX_RGB
 
 # Qwen3's chat template as ZImagePipeline renders it (one user message, add_generation_prompt=True,
@@ -84,13 +84,8 @@ class ZImageTxt2Img(FlowPipeline):
 
     def prompt_warnings(self, *prompts: str | None) -> list[str]:
         """What the text encoder will cut off: one line per prompt, counted in the chat template's tokens."""
-        out, limit = [], self.text_limits()["text_encoder"]
-        for which, prompt in zip(("prompt", "negative prompt"), prompts):
-            n = len(self.tokenizers["text_encoder"].chat(prompt, CHAT, 1 << 30)) if prompt else 0
-            if n > limit:
-                out.append(f"the {which} is {n} tokens in Z-Image's chat template, of which the text encoder reads the "
-                           f"first {limit}; the rest is ignored")
-        return out
+        return chat_cut_warnings(self.tokenizers["text_encoder"], CHAT, self.text_limits()["text_encoder"], prompts,
+                                 "Z-Image's chat template")
 
     def text_length(self, tokens: int) -> tuple[int, int]:
         """(the length to run, the tokens kept): the real tokens rounded up to 32, within what the text encoder's
