@@ -20,7 +20,7 @@ the weights' own bytes and stable-diffusion.cpp, and what each session option co
    peak RSS while the session is created and while it runs (anonymous / file-backed), the median of
    --unet-calls calls after one warm-up, wall and process CPU seconds (steadier on a shared machine).
    OpenVINO: the bundle's blob as the runtime imports it (memory-mapped, its pages released while it is imported
-   and after: sessions.import_blob), the same with its pages released only after the import, or kept (as
+   and after: blob_pages.import_blob), the same with its pages released only after the import, or kept (as
    before), a blob built without the Winograd rewrite (a second `precast build` with `winograd: false`), its
    pages released during or only after the import. ONNX Runtime, the bundle's optimized artifact:
    with the CPU arena (as before), without it (the runtime's), without the memory pattern, without both; and
@@ -255,11 +255,11 @@ def open_variant(spec: dict):
     folder, meta, variant = Path(spec["folder"]), spec["metadata"], spec["variant"]
     entry = folder / meta["entry"]
     if meta["backend"] == "openvino":
-        from precast.runtime import sessions
+        from precast.runtime import blob_pages, sessions
         if variant.get("keep_pages"):      # as before release_pages: the imported blob's pages stay mapped in
-            sessions.release_pages = lambda blob: False
+            blob_pages.release_pages = lambda blob, clean_parts=False: False
         if variant.get("release_after"):  # as before import_blob: the pages dropped once the import is done
-            sessions.RELEASE_EVERY = 1e9
+            blob_pages.RELEASE_EVERY = 1e9
         s = sessions.open_artifact(folder, meta)
         return s.run
     import onnxruntime as ort

@@ -5,12 +5,13 @@ was built for, importing that backend lazily (the runtime depends only on numpy)
 `open_candidate`: the session for what selection chose (an artifact, or the bundle's ONNX compiled
 or loaded at run time by OpenVINO, ONNX Runtime or one of its device EPs, ONNX_ON_DEVICE).
 OpenVINO blobs are imported with the compile config recorded at build time (an imported blob
-does not remember its precision hint). Memory: a blob's pages are released while it is imported and once
-after (`import_blob`, `release_pages`), ONNX Runtime runs without its CPU arena (measured:
-benchmarks/memory.py).
+does not remember its precision hint). Memory: a blob's pages are released while it is imported, once after,
+and when the pipeline trims a session (runtime/blob_pages.py), ONNX Runtime runs without its CPU arena
+(measured: benchmarks/memory.py).
 """
 from __future__ import annotations
 
+from . import blob_pages
 from .onnx_header import input_defaults
 from .openvino_attention import rewrite_attention
 from .embeddings import EXTRA_TOKENS_INPUT
@@ -18,8 +19,6 @@ from .cpu import default_precision
 
 import mmap
 import os
-import re
-import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
@@ -103,7 +102,7 @@ class OpenVinoSession:
         else:  # the blob memory-mapped (copy-on-write), not read into bytes: 5-6x faster for a 3.4 GB
             # UNet. The compiled model keeps using the mapped memory, so the map lives as long as it does.
             self._blob = np.memmap(path, dtype=np.uint8, mode="c")
-            self._cm = import_blob(core, ov, self._blob, device, config)
+            self._cm = blob_pages.import_blob(core, ov, self._blob, device, config)
         self.input_names = [_port_name(p) for p in self._cm.inputs]
         self.input_shapes = {n: [d.get_length() if d.is_static else None for d in p.get_partial_shape()]
                              for n, p in zip(self.input_names, self._cm.inputs)}
@@ -121,7 +120,7 @@ class OpenVinoSession:
         in place (the Winograd-transformed constants: 4.2 GiB of SD 1.5's UNet) comes back from the page cache
         at its next call. False when there is nothing to drop."""
         blob = getattr(self, "_blob", None)
-        return blob is not None and release_pages(blob, clean_parts=True)
+        return blob is not None and blob_pages.release_pages(blob, clean_parts=True)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         inputs = _cast({k: v for k, v in feeds.items() if k not in self._bf16}, self._types)
@@ -134,63 +133,6 @@ class OpenVinoSession:
             arr = np.array(res[port])
             out[name] = from_bf16_bits(arr.view(np.uint16)) if name in self._bf16 else arr
         return out
-
-
-RELEASE_EVERY = 0.2     # s: how often the pages of a blob being imported are dropped
-
-
-def import_blob(core, ov, blob: np.memmap, device: str, config: dict):
-    """core.import_model over the memory-mapped blob, its pages dropped (release_pages) every RELEASE_EVERY s
-    while the import runs -- import_model releases the GIL -- and once after. The plugin copies what it reads
-    into its own layouts, so without this the import's peak holds the whole blob beside those copies; with it,
-    only the pages read since the last drop (a page read again comes back from the page cache: same bytes).
-    The drops stop for good at the first written page found in the map (release_pages says)."""
-    done = threading.Event()
-
-    def drop() -> None:
-        while not done.wait(RELEASE_EVERY) and release_pages(blob):
-            pass
-    helper = threading.Thread(target=drop, name="precast-release-pages", daemon=True)
-    helper.start()
-    try:
-        return core.import_model(ov.Tensor(blob, shared_memory=True), device, config)
-    finally:
-        done.set()
-        helper.join()
-        release_pages(blob)
-
-
-def release_pages(blob: np.memmap, clean_parts: bool = False) -> bool:
-    """Drop an imported blob's pages from this process (madvise DONTNEED). import_model reads the whole blob and
-    copies most weights into the plugin's own layouts, so those pages are a second copy in RSS (SD 1.5's text
-    encoder 0.89 -> 0.43 GiB; its UNet while denoising 8.84 -> 6.66 GiB, same step time: benchmarks/memory.py);
-    what the compiled model still reads in place (the Winograd-transformed constants) comes back from the page
-    cache on first use. The copy-on-write map may hold pages the plugin wrote (it does, once it has run):
-    DONTNEED would discard those, so /proc/self/smaps is read first -- without `clean_parts` nothing is dropped
-    when any page is written (the import running beside this: it could write between the check and the drop);
-    with it (no call of this model running), each mapping of the range with no written page is dropped and the
-    others kept. False when nothing was dropped."""
-    base, size = blob.ctypes.data, blob.nbytes
-    try:
-        smaps = Path("/proc/self/smaps").read_text()
-    except OSError:     # not Linux: the pages stay
-        return False
-    if blob._mmap is None:
-        return False
-    parts = []          # (start, end, written kB) of each mapping over the blob
-    for m in re.finditer(r"^([0-9a-f]+)-([0-9a-f]+) [^\n]*\n((?:[A-Z][\w]*:[^\n]*\n)+)", smaps, re.MULTILINE):
-        lo, hi = max(int(m.group(1), 16), base), min(int(m.group(2), 16), base + size)
-        if lo < hi:
-            parts.append((lo, hi, sum(int(k) for k in re.findall(r"^Private_Dirty:\s+(\d+)", m.group(3), re.MULTILINE))))
-    if not clean_parts:
-        if not parts or any(written for *_, written in parts):
-            return False
-        blob._mmap.madvise(mmap.MADV_DONTNEED)
-        return True
-    clean = [(lo, hi) for lo, hi, written in parts if not written]
-    for lo, hi in clean:
-        blob._mmap.madvise(mmap.MADV_DONTNEED, lo - base, hi - lo)
-    return bool(clean)
 
 
 def openvino_gpu_memory(budget: int, max_alloc: int | None) -> dict[str, str]:

@@ -60,19 +60,19 @@ def test_openvino_end_to_end_matches_onnxruntime(export_dir, cache_env, componen
 
 def test_an_openvino_blob_whose_pages_drop_during_its_import_gives_the_same_outputs(export_dir, cache_env,
                                                                                      monkeypatch):
-    """The blob's pages dropped every 0.1 ms while import_model reads them (sessions.import_blob), as a multi-GB
+    """The blob's pages dropped every 0.1 ms while import_model reads them (blob_pages.import_blob), as a multi-GB
     UNet's are every 0.2 s: the imported model's outputs are bit-identical to an import that keeps them, and
     the drops did happen (counted)."""
-    from precast.runtime import sessions
+    from precast.runtime import blob_pages
     (rec,) = _compile(export_dir, cache_env, "--target", "openvino", "--component", "unet")
     entry, _ = Cache(cache_env["PRECAST_CACHE"]).get(rec["key"])
     feeds = _unet_feeds(3)
-    monkeypatch.setattr(sessions, "release_pages", lambda blob: False)          # kept: the plain import
+    monkeypatch.setattr(blob_pages, "release_pages", lambda blob: False)          # kept: the plain import
     kept = open_artifact(entry.path, entry.metadata).run(feeds)
     monkeypatch.undo()
-    calls, real = [], sessions.release_pages
-    monkeypatch.setattr(sessions, "release_pages", lambda blob: calls.append(1) or real(blob))
-    monkeypatch.setattr(sessions, "RELEASE_EVERY", 1e-4)
+    calls, real = [], blob_pages.release_pages
+    monkeypatch.setattr(blob_pages, "release_pages", lambda blob: calls.append(1) or real(blob))
+    monkeypatch.setattr(blob_pages, "RELEASE_EVERY", 1e-4)
     dropped = open_artifact(entry.path, entry.metadata).run(feeds)
     assert len(calls) >= 2
     for name, want in kept.items():
