@@ -184,17 +184,21 @@ class Bundle:
     def plan(self, backend: str | None = None, *, params_backend: str | None = None, size: Size = None,
              strict: bool = False) -> Report:
         """What would load where, and why, for every component (nothing is loaded; files are verified
-        as `verify` says): `precast doctor BUNDLE` as data. `Report.stages`: the seconds of each stage
-        (discover, assign, backends; select: headers only; verify: the same selection with the checks)."""
+        as `verify` says; memory plans are made over the components generate loads, `Report.memory`): `precast
+        doctor BUNDLE` as data. `Report.stages`: the seconds of each stage (discover, assign, backends; select:
+        headers only; verify: the same selection with the checks)."""
         _check_backends(backend, params_backend)
         w, h = self._size(size)
         m = self._machine(backend, params_backend, strict)
-        reqs = family_of(self.manifest).requests(self.manifest, 1, h, w)
+        family = family_of(self.manifest)
+        reqs = family.requests(self.manifest, 1, h, w)
+        together = tuple(c for c in family.needs if c in self.manifest.components)   # generate's memory plan
         stages = {**m.stages, "select": 0.0, "verify": 0.0}
         with timed(stages, "select"):    # headers and manifests only
-            select_all(self.manifest, m.placements, m.devices, reqs, m.installed, False)
+            select_all(self.manifest, m.placements, m.devices, reqs, m.installed, False, together=together)
         with timed(stages, "verify"):    # the same selection with the sha256 checks (every component)
-            sels = select_all(self.manifest, m.placements, m.devices, reqs, m.installed, self.verify)
+            sels = select_all(self.manifest, m.placements, m.devices, reqs, m.installed, self.verify,
+                              together=together)
         if strict:
             stuck = next((s for s in sels.values() if s.choice is None), None)
             if stuck:
@@ -228,7 +232,7 @@ class Bundle:
                  vae_tiling: bool | None = None, vae_tile: int | None = None) -> Pipeline:
         """The family's pipeline, loaded (kept: the same arguments return the same pipeline).
         `image_input`: the VAE encoder loaded too, for img2img and inpainting (SD 1.x/2.x/XL bundles that
-        have one); such a pipeline also serves txt2img. `controlnets`: the bundle's ControlNets (by name)
+        have one; img2img for Z-Image and Qwen-Image too); such a pipeline also serves txt2img. `controlnets`: the bundle's ControlNets (by name)
         to load for `controls=` calls. `vae_tiling`: the VAE decodes (and encodes) in overlapping tiles --
         True always, False never, None (default) when the image is past its engine's profile or its device's
         memory --, `vae_tile` px a side (default 512, within the engine's profile; runtime/vae_tiling.py)."""

@@ -1,7 +1,9 @@
 """`precast doctor` (registered on the group in runtime/cli.py), built on the Python API (runtime/api.py:
 open_bundle, Bundle.plan, Bundle.pipeline, machine): devices, installed backends and what in a bundle would load
-where, and why; with --load, what generate loads and the seconds each load took; its text and JSON reports. The
-options it shares with generate (their help texts, the size default) are runtime/run_commands.py's.
+where, and why, with the CPU's memory plans (Report.memory: each plan's expected peak, the one generate
+uses, a warning up front when none fits); with --load, what generate loads and the seconds each load took;
+its text and JSON reports. The options it shares with generate (their help texts, the size default) are
+runtime/run_commands.py's.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import time
 
 import click
 
+from .budgets import plan_line
 from .cli_support import registry_options, run_cli
 from .errors import UserError
 from .loading import timed
@@ -61,13 +64,14 @@ def doctor_cmd(bundle, backend, params_backend, size, strict, sysroot, as_json, 
         out = {"bundle": bundle, "devices": [d.describe() for d in devices], "device_warning": warning,
                "installed_backends": installed, "strict": strict,
                "assignment": {mod: p.describe() for mod, p in placements.items()},
-               "size": None, "components": {}, "missing_for_generate": [], "loaded": None,
+               "size": None, "components": {}, "missing_for_generate": [], "memory": {}, "loaded": None,
                "remote": api.remote.as_dict() if api is not None and api.remote else None,   # oci://: runtime/oci/store.py
                "stages": stages}   # one schema, with or without a bundle
         if report is not None:
             out["size"] = f"{w}x{h}"
             out["components"] = {c: p.record() for c, p in report.components.items()}
             out["missing_for_generate"] = list(report.missing_for_generate)
+            out["memory"] = report.memory
             if load and not out["missing_for_generate"]:
                 pipe = api.pipeline(backend, params_backend=params_backend, size=(w, h), strict=strict).pipe
                 pipe.wait_loaded()
@@ -80,10 +84,14 @@ def doctor_cmd(bundle, backend, params_backend, size, strict, sysroot, as_json, 
             return
         if warning:
             click.echo(f"warning: {warning}", err=True)
+        for plan in out["memory"].values():     # up front: the machine may not fit the bundle
+            if plan["warning"]:
+                click.echo(f"warning: {plan['warning']}", err=True)
         for i, d in enumerate(devices):
             mem = f"{d.memory / 2**30:.1f} GiB" if d.memory else "? GiB"
             click.echo(f"device {i}  {d.id:<7} {d.kind:<10} {d.arch:<14} {mem:>9}  {d.name}"
-                       + (f"  driver {d.driver}" if d.driver else ""))
+                       + (f"  driver {d.driver}" if d.driver else "")
+                       + (f"  ({d.available / 2**30:.1f} GiB available)" if d.available else ""))
         click.echo("backends  " + (", ".join(f"{k} {v}" for k, v in sorted(installed.items())) or "none"))
         for m_, p in placements.items():
             click.echo(f"assign    {m_:<10} -> {p.target}" + (f" (weights on {p.params.id})" if p.offload else "")
@@ -91,6 +99,8 @@ def doctor_cmd(bundle, backend, params_backend, size, strict, sysroot, as_json, 
         if report is not None:
             click.echo(f"size      {out['size']}")
             describe_where(out, sys.stdout)
+            for dev, plan in out["memory"].items():
+                click.echo(f"memory    {plan_line(dev, plan)}")
             for line in api.remote.lines() if api.remote else ():
                 click.echo(line)
             if out["loaded"] is not None:

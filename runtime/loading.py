@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import gc
 import os
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .assign import assign_modules, module_of
-from .budgets import device_budget, keep_shared_plan
+from .budgets import device_budget, keep_shared_plan, memory_summary
 from .devices import apply_device_override, discover_devices
 from .errors import UserError
 from .image_size import latent_factor
@@ -82,9 +83,10 @@ class BundleModel:
     `report()` for all. A load error is raised as the component's own UserError (one line), the
     first in `needed` order; `check_loading()` raises a background one as soon as it is known.
     When the memory plan loads components one at a time (their weights together exceed the device's
-    budget: budgets.share_budgets), nothing is loaded up front: `component()` loads one on first use
-    and releases the others under that plan first, so the text encoders are gone before the denoiser
-    loads, and the denoiser before the VAE decoder.
+    budget, or on the CPU their expected peak its available memory: budgets.share_budgets; a CPU whose
+    every plan is expected to exceed it is one warning on stderr, then tried), nothing is loaded up
+    front: `component()` loads one on first use and releases the others under that plan first, so the
+    text encoders are gone before the denoiser loads, and the denoiser before the VAE decoder.
     `stages` records the seconds of each stage (see README, "JSON output"): discover, assign,
     backends, tokenizers, select; per component verify and load (each in its own thread); ready
     (from the loads' start until the pipeline can run: every component but `later` loaded) and
@@ -121,6 +123,10 @@ class BundleModel:
         with timed(self.stages, "select"):   # headers and manifests only: which artifact goes first for every component
             self.selections = select_all(manifest, self.placements, self.devices, reqs, self.installed, False,
                                          together=needed)
+        for plan in memory_summary({c: s.choice.memory for c, s in self.selections.items()
+                                    if c in needed and s.choice is not None}, self.devices).values():
+            if plan["warning"]:       # the estimate may be pessimistic: said once, then tried
+                print(f"warning: {plan['warning']}", file=sys.stderr, flush=True)
         # per component, in `needed` order whatever order the threads finish in (null until loaded)
         self.stages["verify"], self.stages["load"] = dict.fromkeys(needed), dict.fromkeys(needed)
         self.stages["ready"] = self.stages["open"] = None

@@ -1,9 +1,9 @@
 """What would run where, and why: `precast doctor`'s report as data (the Python API's `Bundle.plan`) and as text.
 
 Owns: `Report` (per component a `ComponentPlan`: the chosen `Option`, a one-line why, what was
-`PassedOver`, the options tried next), built from select.py's candidates and component records, and
-`describe_where`, the text both `precast doctor` and `precast generate` print. Imports the runtime's
-selection and assignment types only.
+`PassedOver`, the options tried next; `memory`, the memory plans), built from select.py's candidates and
+component records, and `describe_where`, the text both `precast doctor` and `precast generate` print.
+Imports the runtime's selection, assignment and budget types only.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .assign import Placement
+from .budgets import memory_summary
 from .devices import Device
 from .families import missing_for_generate
 from .select import Candidate, component_report, passed_text
@@ -97,12 +98,19 @@ class Report:
     stages: dict = field(default_factory=dict, compare=False)     # seconds: discover, assign, backends, select, verify
     placements: dict[str, Placement] = field(default_factory=dict, compare=False, repr=False)   # module -> Placement
 
+    @property
+    def memory(self) -> dict[str, dict]:
+        """Per device, the memory plans of the components generate loads (budgets.memory_summary): each plan's
+        expected peak (the CPU's), the plan used, the budget and where it comes from, a warning when none fits."""
+        return memory_summary({c: p.chosen.memory for c, p in self.components.items() if p.chosen},
+                              list(self.devices))
+
     def as_dict(self) -> dict:
         return {"bundle": self.bundle, "family": self.family, "size": f"{self.size[0]}x{self.size[1]}",
                 "devices": [d.describe() for d in self.devices], "device_warning": self.device_warning,
                 "installed_backends": dict(self.installed_backends), "assignment": dict(self.assignment),
                 "components": {c: p.as_dict() for c, p in self.components.items()},
-                "missing_for_generate": list(self.missing_for_generate)}
+                "missing_for_generate": list(self.missing_for_generate), "memory": self.memory}
 
     def __str__(self) -> str:
         out = io.StringIO()

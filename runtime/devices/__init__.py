@@ -6,7 +6,8 @@ don't have), `rank_devices` (discrete GPU > integrated GPU > CPU, then memory) a
 `apply_device_override` (PRECAST_DEVICE moves one device to the front).
 
 Sources, all read under `root`:
-- CPU: /proc/cpuinfo through runtime.cpu, /proc/meminfo.
+- CPU: /proc/cpuinfo through runtime.cpu, /proc/meminfo (MemTotal; MemAvailable, the CPU's automatic memory
+  budget: runtime/budgets.py).
 - PCI: /sys/bus/pci/devices/*/{vendor,device,class,revision}.
 - NVIDIA: NVML (pynvml, optional, real machine only), else PCI + /proc/driver/nvidia + a partial id table.
 - AMD: the KFD topology /sys/class/kfd/kfd/topology/nodes/*, matched to PCI devices.
@@ -60,9 +61,13 @@ def _cpu(root: str, real: bool) -> Device:
         else:
             arch = ""
         name = _guard(lambda: cpu_name(root), "CPU") if re.search(r"^model name\s*:", cpuinfo, re.M) else "CPU"
-    m = re.search(r"^MemTotal:\s*(\d+)\s*kB", _read(os.path.join(root, "proc/meminfo")) or "", re.M)
-    memory = int(m.group(1)) * 1024 if m else 0
-    return Device("cpu", name, "cpu", "cpu", arch, memory, "", "", BACKENDS["cpu"])
+    meminfo = _read(os.path.join(root, "proc/meminfo")) or ""
+
+    def kib(key: str) -> int:
+        m = re.search(rf"^{key}:\s*(\d+)\s*kB", meminfo, re.M)
+        return int(m.group(1)) * 1024 if m else 0
+    return Device("cpu", name, "cpu", "cpu", arch, kib("MemTotal"), "", "", BACKENDS["cpu"],
+                  available=kib("MemAvailable"))
 
 
 # ---------------------------------------------------------------------------------------------

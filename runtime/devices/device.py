@@ -27,6 +27,7 @@ class Device:
     backends: tuple[str, ...] = ()
     dx12: str = ""     # Windows: highest Direct3D 12 feature level, "12_1" ("" elsewhere / no D3D12)
     adapter: int = -1  # Windows: the DXGI adapter index (DirectML's device_id); -1 elsewhere
+    available: int = 0  # the CPU: bytes a new process may take (Linux MemAvailable); 0 when unknown, and for GPUs
 
     def describe(self) -> dict:
         d = asdict(self)
@@ -35,6 +36,8 @@ class Device:
             del d["dx12"]
         if self.adapter < 0:
             del d["adapter"]
+        if not self.available:
+            del d["available"]
         return d
 
 
