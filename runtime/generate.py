@@ -309,10 +309,10 @@ class Pipeline:
                 raise UserError("init_image=: this pipeline was opened for txt2img (no VAE encoder loaded); open it with "
                                 "bundle.pipeline(..., image_input=True), or call bundle.img2img / bundle.inpaint")
             init = kwargs["init_image"] = images.init_image(init_image, "init_image")
-            kwargs["mask"] = images.mask_image(mask, init, "mask") if mask is not None else None
             kwargs["strength"] = strength
             inputs["init_image"] = {"sha256": pixels_digest(init)}
-            if mask is not None:
+            if mask is not None:        # inpainting (the families that run it)
+                kwargs["mask"] = images.mask_image(mask, init, "mask")
                 inputs["mask"] = {"sha256": pixels_digest(kwargs["mask"])}
         if controls or guess_mode:
             entries = control_entries(self.pipe.manifest, controls, guess_mode)

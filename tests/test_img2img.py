@@ -418,7 +418,13 @@ def test_bundle_without_vae_encoder_and_other_families_are_refused(tiny_bundle, 
     with pytest.raises(UserError, match="rebuild it with vae_encoder in the recipe's components"):
         open_bundle(tiny_bundle[0]).img2img("x", picture())
     flux = SimpleNamespace(root="b", model={"family": "flux"}, components={"transformer": {}, "vae_encoder": {}})
-    with pytest.raises(UserError, match="img2img and inpainting are for SD 1.x/2.x/XL bundles now; this one is flux"):
+    with pytest.raises(UserError, match=r"img2img and inpainting are for SD 1.x/2.x/XL bundles now \(img2img for "
+                                        r"Z-Image and Qwen-Image too\); this one is flux"):
         check_image_mode(flux, True, False, None, 20)
+    zimage = SimpleNamespace(root="z", model={"family": "zimage"}, components={"transformer": {}})
+    with pytest.raises(UserError, match="^z: img2img encodes the image with the VAE encoder, which this bundle lacks"):
+        check_image_mode(zimage, True, False, None, 8)
+    zimage.components["vae_encoder"] = {}
+    assert check_image_mode(zimage, True, False, None, 8) == ("img2img", 0.6)      # diffusers' default strength
     with pytest.raises(UserError, match="strength=0: must be more than 0"):
         open_bundle(tiny["plain"][0]).img2img("x", picture(), strength=0)

@@ -165,7 +165,8 @@ def demo(tmp_path_factory):
     from precast.compiler.demo_qwenimage import write_demo_qwenimage
     tmp = tmp_path_factory.mktemp("qwenimage")
     recipe = tmp / "tiny.yaml"
-    recipe.write_text("model: {source: 'demo:tiny-qwen-image'}\ncomponents: [text_encoder, transformer, vae_decoder]\n"
+    recipe.write_text("model: {source: 'demo:tiny-qwen-image'}\ncomponents: [text_encoder, transformer, vae_decoder, "
+                      "vae_encoder]\n"
                       "precision: fp32\nprofiles: {batch: 1, height: 64, width: 64,\n"
                       "           t5_tokens: {min: 16, opt: 64, max: 256}}\n"
                       "targets: [onnxruntime, {openvino: {device: CPU}}]\n")
@@ -241,6 +242,33 @@ def test_pipeline_matches_diffusers(demo, reference):
               f"{psnr(ours, want):.1f} dB")
     other = run("a lighthouse at dusk", steps=4, guidance=1.0, latents=latents, progress=False)
     assert np.abs(other - ours).max() > 1e-3        # the tiny random model's images follow the noise more than the text
+
+
+def test_img2img_matches_diffusers(demo, reference, monkeypatch):
+    """img2img with true CFG against QwenImageImg2ImgPipeline (same noise; the VAE's mean, normalised by the latents'
+    statistics): PSNR >= 40 dB on ONNX Runtime and OpenVINO; another init image gives another image."""
+    from PIL import Image
+    from diffusers import QwenImageImg2ImgPipeline
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_img2img as m
+    from test_img2img import picture
+    from precast.runtime.families.qwenimage import QwenImageTxt2Img
+    noise = np.random.default_rng(6).standard_normal((1, 16, 8, 8)).astype(np.float32)
+    original = m.retrieve_latents
+    monkeypatch.setattr(m, "randn_tensor", lambda shape, **k: torch.from_numpy(noise.copy()).reshape(shape))
+    monkeypatch.setattr(m, "retrieve_latents", lambda out, generator=None, sample_mode="sample":
+                        original(out, generator, "argmax"))
+    pipe = QwenImageImg2ImgPipeline(**reference.components)
+    init, prompt = picture(64, 64), "a photo of an astronaut riding a horse on the moon"
+    with torch.no_grad():
+        want = pipe(prompt=prompt, negative_prompt=" ", true_cfg_scale=4.0, image=Image.fromarray(init), strength=0.75,
+                    height=64, width=64, num_inference_steps=4, output_type="np").images[0]
+    assert want.std() > 0.02
+    for backend in ("onnxruntime", "openvino"):
+        run = QwenImageTxt2Img(demo["bundle"], backend, width=64, height=64, strict=True, image_input=True)
+        ours = run(prompt, steps=4, latents=noise, progress=False, init_image=init, strength=0.75)
+        assert psnr(ours, want) >= 40.0, (backend, psnr(ours, want))
+    a, b = (run(prompt, steps=4, latents=noise, progress=False, init_image=x, strength=0.3) for x in (init, 255 - init))
+    assert psnr(a, b) < 30, psnr(a, b)
 
 
 def test_diffusers_folder_exports(demo, reference, tmp_path):

@@ -12,7 +12,8 @@ steps, guidance 4), its conditioning as QwenImagePipeline builds it -- the promp
 on each axis, m = max(rows, cols) // 2 of the packed grid) and the image ids (0, row - ceil(rows / 2), col -
 ceil(cols / 2)) --, true CFG with the norm rescale (pos's per-token norm kept: comb * |pos| / |comb|), an empty
 negative prompt read as " " (the model card's), the packing (Flux's), and the latents' denormalisation before
-the VAE decoder (x * latents_std + latents_mean per channel, from the manifest's vae_decoder config).
+the VAE decoder (x * latents_std + latents_mean per channel, from the manifest's vae_decoder config) and their
+normalisation after the VAE encoder for img2img (QwenImageImg2ImgPipeline's).
 Imports numpy and the runtime's own modules; never the compiler.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ..errors import UserError
 from ..image_size import latent_factor
 from ..manifest import Manifest
 from .family import Family, Flow
-from .flow_matching import FLOW_SAMPLERS, chat_cut_warnings, check_latent_stats, t5_length, txt2img_only
+from .flow_matching import FLOW_SAMPLERS, chat_cut_warnings, check_latent_stats, img2img_mode, t5_length
 from .flux import PackedFlowPipeline, packed_grid
 
 TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
@@ -151,6 +152,11 @@ class QwenImageTxt2Img(PackedFlowPipeline):
         """The VAE decoder's images of normalised latents [N, C, H, W]: x * latents_std + latents_mean first."""
         return super().decode(latents * self.std + self.mean)
 
+    def encode_image(self, pixels: np.ndarray) -> np.ndarray:
+        """img2img's latents, normalised as the decoder's are read: (mean - latents_mean) / latents_std
+        (QwenImageImg2ImgPipeline's _encode_vae_image)."""
+        return (super().encode_image(pixels) - self.mean) / self.std
+
 
 # Qwen/Qwen-Image's scheduler/scheduler_config.json (FlowMatchEulerDiscreteScheduler): dynamic shifting between
 # (256, 0.5) and (8192, 0.9), exponential, stretched to a last sigma of 0.02; QwenImagePipeline: sigmas
@@ -160,6 +166,6 @@ SCHEDULE = {"use_dynamic_shifting": True, "shift": 1.0, "base_shift": 0.5, "max_
 FAMILIES = (
     Family("qwenimage", "Qwen-Image", ("text_encoder", "transformer", "vae_decoder"), "transformer", 1.0,
            QwenImageTxt2Img, qwenimage_requests, patch=2, steps=50, guidance=4.0, samplers=FLOW_SAMPLERS,
-           check_mode=txt2img_only, variants={"base": Flow(SCHEDULE, 50, 4.0, MAX_TOKENS)}),
+           check_mode=img2img_mode, variants={"base": Flow(SCHEDULE, 50, 4.0, MAX_TOKENS)}),
 )
 QwenImageTxt2Img.families = {f.name: f for f in FAMILIES}

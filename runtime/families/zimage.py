@@ -8,7 +8,8 @@ ZImagePipeline builds it -- the prompt put in Qwen3's chat template (one user tu
 thinking left on), tokenized (runtime/llm_tokenizer.py), cut at 512 tokens, the encoder's `hidden_states` rows of
 the real tokens -- the text length run (the real tokens rounded up to 32, within the engines' profiles; the
 padding is masked, so it changes nothing), the transformer's timestep (1 - sigma, as the pipeline feeds it), and
-the shapes each component is called with (for selection). guidance is the usual CFG scale (1 = off);
+the shapes each component is called with (for selection); img2img as ZImageImg2ImgPipeline runs it
+(flow_matching.py's). guidance is the usual CFG scale (1 = off);
 diffusers' `guidance_scale` g is precast's g + 1 (ZImagePipeline: pos + g (pos - neg)).
 Imports numpy and the runtime's own modules; never the compiler.
 """
@@ -20,7 +21,7 @@ from ..errors import UserError
 from ..image_size import latent_factor
 from ..manifest import Manifest
 from .family import Family, Flow
-from .flow_matching import FLOW_SAMPLERS, FlowPipeline, chat_cut_warnings, t5_length, txt2img_only
+from .flow_matching import FLOW_SAMPLERS, FlowPipeline, chat_cut_warnings, img2img_mode, t5_length
 from .flux import FLUX_RGB
 
 # Qwen3's chat template as ZImagePipeline renders it (one user message, add_generation_prompt=True,
@@ -124,7 +125,7 @@ class ZImageTxt2Img(FlowPipeline):
 FAMILIES = (
     Family("zimage", "Z-Image", ("text_encoder", "transformer", "vae_decoder"), "transformer", 0.3611, ZImageTxt2Img,
            zimage_requests, latent_shift=0.1159, patch=2, steps=8, guidance=1.0, samplers=FLOW_SAMPLERS,
-           check_mode=txt2img_only, latent_rgb=FLUX_RGB,
+           check_mode=img2img_mode, latent_rgb=FLUX_RGB,
            variants={"turbo": Flow({"use_dynamic_shifting": False, "shift": 3.0}, 8, 1.0, 512)}),
 )
 ZImageTxt2Img.families = {f.name: f for f in FAMILIES}
