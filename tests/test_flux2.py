@@ -217,11 +217,15 @@ def test_generate_on_each_cpu_backend(demo, tmp_path):
     for bundle, backend in ((demo["ort"], "onnxruntime"), (demo["bundle"], "openvino")):
         out = tmp_path / f"{backend}.png"
         proc = precast("generate", bundle, "--prompt", "a red fox in the snow", "--seed", "5", "--out", out, "--json",
-                       "--backend", backend)
+                       "--backend", backend, "--preview", tmp_path / "preview.png")
         assert proc.returncode == 0, proc.stderr
         report = json.loads(proc.stdout)
         assert report["components"]["transformer"]["backend"] == backend
         assert out.stat().st_size > 1000
+        # step previews by the latent -> RGB projection (ComfyUI's Flux2 factors over the unpacked latents)
+        from precast.runtime.png import read_png
+        preview = read_png(tmp_path / "preview.png")
+        assert preview.shape == read_png(out).shape and len(np.unique(preview)) > 20
 
 
 def test_demo_model_writes_the_file_and_its_recipe(tmp_path):

@@ -359,10 +359,13 @@ def test_generate_and_demo_model(demo, tmp_path):
     for backend in ("onnxruntime", "openvino"):
         out = tmp_path / f"{backend}.png"
         proc = precast("generate", demo["bundle"], "--prompt", "a red fox in the snow", "--steps", "3", "--out", out,
-                       "--json", "--backend", backend)
+                       "--json", "--backend", backend, "--preview", tmp_path / "preview.png")
         assert proc.returncode == 0, proc.stderr
         assert json.loads(proc.stdout)["components"]["transformer"]["backend"] == backend
         assert out.stat().st_size > 1000
+        from precast.runtime.png import read_png       # step previews: ComfyUI's Wan 2.1 latent -> RGB projection
+        preview = read_png(tmp_path / "preview.png")
+        assert preview.shape == read_png(out).shape and len(np.unique(preview)) > 20
     proc = precast("demo-model", "--family", "qwen-image", "--out", tmp_path / "q.safetensors")
     assert proc.returncode == 0, proc.stderr
     assert "axes_dims_rope: [4, 6, 6]" in proc.stdout and "t5_tokens" in proc.stdout

@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import UserError
 from ..image_size import latent_factor
 from ..manifest import Manifest
-from .family import Family, Flow
+from .family import Family, Flow, LatentRGB
 from .flow_matching import FLOW_SAMPLERS, chat_cut_warnings, check_latent_stats, t5_length, txt2img_only
 from .flux import PackedFlowPipeline, pack, packed_grid, unpack
 
@@ -146,9 +146,24 @@ class Flux2Txt2Img(PackedFlowPipeline):
 # steps, CFG 4.0 (the pipeline's defaults).
 SCHEDULE = {"use_dynamic_shifting": True, "dynamic_mu": "empirical", "shift": 3.0, "base_shift": 0.5,
             "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096}
+# previews' latent -> RGB projection of the 32-channel latents after the 2x2 unpacking, normalised by the VAE's
+# batch-norm statistics (ComfyUI latent_formats.py Flux2: its 128 channels reshaped to 32 at twice the size, the
+# same order as unpack's)
+FLUX2_RGB = LatentRGB(((0.0058, 0.0113, 0.0073), (0.0495, 0.0443, 0.0836), (-0.0099, 0.0096, 0.0644),
+                      (0.2144, 0.3009, 0.3652), (0.0166, -0.0039, -0.0054), (0.0157, 0.0103, -0.0160),
+                      (-0.0398, 0.0902, -0.0235), (-0.0052, 0.0095, 0.0109), (-0.3527, -0.2712, -0.1666),
+                      (-0.0301, -0.0356, -0.0180), (-0.0107, 0.0078, 0.0013), (0.0746, 0.0090, -0.0941),
+                      (0.0156, 0.0169, 0.0070), (-0.0034, -0.0040, -0.0114), (0.0032, 0.0181, 0.0080),
+                      (-0.0939, -0.0008, 0.0186), (0.0018, 0.0043, 0.0104), (0.0284, 0.0056, -0.0127),
+                      (-0.0024, -0.0022, -0.0030), (0.1207, -0.0026, 0.0065), (0.0128, 0.0101, 0.0142),
+                      (0.0137, -0.0072, -0.0007), (0.0095, 0.0092, -0.0059), (0.0000, -0.0077, -0.0049),
+                      (-0.0465, -0.0204, -0.0312), (0.0095, 0.0012, -0.0066), (0.0290, -0.0034, 0.0025),
+                      (0.0220, 0.0169, -0.0048), (-0.0332, -0.0457, -0.0468), (-0.0085, 0.0389, 0.0609),
+                      (-0.0076, 0.0003, -0.0043), (-0.0111, -0.0460, -0.0614)), (-0.0329, -0.0718, -0.0851))
 FAMILIES = (
     Family("flux2", "FLUX.2", ("text_encoder", "transformer", "vae_decoder"), "transformer", 1.0, Flux2Txt2Img,
            flux2_requests, patch=2, steps=4, guidance=1.0, samplers=FLOW_SAMPLERS, check_mode=txt2img_only,
-           variants={"klein": Flow(SCHEDULE, 4, 1.0, MAX_TOKENS), "klein-base": Flow(SCHEDULE, 50, 4.0, MAX_TOKENS)}),
+           variants={"klein": Flow(SCHEDULE, 4, 1.0, MAX_TOKENS), "klein-base": Flow(SCHEDULE, 50, 4.0, MAX_TOKENS)},
+           latent_rgb=FLUX2_RGB),
 )
 Flux2Txt2Img.families = {f.name: f for f in FAMILIES}

@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import UserError
 from ..image_size import latent_factor
 from ..manifest import Manifest
-from .family import Family, Flow
+from .family import Family, Flow, LatentRGB
 from .flow_matching import FLOW_SAMPLERS, chat_cut_warnings, check_latent_stats, img2img_mode, t5_length
 from .flux import PackedFlowPipeline, packed_grid
 
@@ -163,9 +163,17 @@ class QwenImageTxt2Img(PackedFlowPipeline):
 # linspace(1, 1/steps), 50 steps, true_cfg_scale 4 (the model card: negative prompt " ").
 SCHEDULE = {"use_dynamic_shifting": True, "shift": 1.0, "base_shift": 0.5, "max_shift": 0.9, "base_image_seq_len": 256,
             "max_image_seq_len": 8192, "shift_terminal": 0.02}
+# previews' latent -> RGB projection of the normalised 16-channel latents (Qwen-Image's VAE is Wan 2.1's: ComfyUI
+# latent_formats.py Wan21, whose model space is these latents, (z - latents_mean) / latents_std)
+QWEN_RGB = LatentRGB(((-0.1299, -0.1692, 0.2932), (0.0671, 0.0406, 0.0442), (0.3568, 0.2548, 0.1747),
+                      (0.0372, 0.2344, 0.1420), (0.0313, 0.0189, -0.0328), (0.0296, -0.0956, -0.0665),
+                      (-0.3477, -0.4059, -0.2925), (0.0166, 0.1902, 0.1975), (-0.0412, 0.0267, -0.1364),
+                      (-0.1293, 0.0740, 0.1636), (0.0680, 0.3019, 0.1128), (0.0032, 0.0581, 0.0639),
+                      (-0.1251, 0.0927, 0.1699), (0.0060, -0.0633, 0.0005), (0.3477, 0.2275, 0.2950),
+                      (0.1984, 0.0913, 0.1861)), (-0.1835, -0.0868, -0.3360))
 FAMILIES = (
     Family("qwenimage", "Qwen-Image", ("text_encoder", "transformer", "vae_decoder"), "transformer", 1.0,
            QwenImageTxt2Img, qwenimage_requests, patch=2, steps=50, guidance=4.0, samplers=FLOW_SAMPLERS,
-           check_mode=img2img_mode, variants={"base": Flow(SCHEDULE, 50, 4.0, MAX_TOKENS)}),
+           check_mode=img2img_mode, variants={"base": Flow(SCHEDULE, 50, 4.0, MAX_TOKENS)}, latent_rgb=QWEN_RGB),
 )
 QwenImageTxt2Img.families = {f.name: f for f in FAMILIES}
