@@ -348,3 +348,49 @@ def test_truncated_gguf_is_one_line(files, tmp_path, keep):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "not a valid .gguf file" in lines[0] and str(cut) in lines[0], proc.stderr
+
+
+def test_zimage_and_its_qwen3_encoder_as_gguf_export_their_dequantization(tmp_path):
+    """ComfyUI-GGUF's split Z-Image files: the transformer in its original names and the Qwen3 text encoder in
+    llama.cpp's names (as its converter writes them: gguf's own TensorNameMap gives the names here), several
+    types, beside the FLUX.1 VAE and the tokenizer: both export to the graphs and weight bytes of .safetensors
+    twins holding gguf's dequantized values (the encoder's under HF names); a llama-arch file is one line."""
+    from precast.compiler.demo_dit import write_vae16_file
+    from precast.compiler.demo_zimage import TINY_QWEN3, TINY_ZIMAGE, qwen3_layout, tiny_tokenizer_json, zimage_layout
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.QWEN3, TINY_QWEN3.layers)
+    hf = {names.get_name(k, try_suffixes=(".weight", ".bias")): k for k in qwen3_layout(TINY_QWEN3)}
+    assert None not in hf and len(hf) == len(qwen3_layout(TINY_QWEN3))
+    write_gguf(tmp_path / "z_image_turbo-Q8_0.gguf", "lumina2", _weights(zimage_layout(TINY_ZIMAGE), 7),
+               types=(Q.Q8_0, Q.Q4_K, Q.BF16))
+    write_gguf(tmp_path / "Qwen3-4B-Q8_0.gguf", "qwen3",
+               {g: v for k, v in _weights(qwen3_layout(TINY_QWEN3), 8).items() for g in [next(a for a, b in hf.items()
+                                                                                              if b == k)]},
+               types=(Q.Q8_0, Q.Q5_K, Q.F16))
+    z_ref, te_ref = reference(tmp_path / "z_image_turbo-Q8_0.gguf"), reference(tmp_path / "Qwen3-4B-Q8_0.gguf")
+    assert sorted(GGUFFile(tmp_path / "Qwen3-4B-Q8_0.gguf").keys()) == sorted(hf.values())     # read under HF names
+    _twin(tmp_path / "z_twin.safetensors", z_ref)
+    _twin(tmp_path / "qwen_twin.safetensors", {"model." + hf[k]: v for k, v in te_ref.items()})   # ComfyUI's names
+    write_vae16_file(tmp_path / "ae.safetensors")
+    (tmp_path / "tokenizer.json").write_text(tiny_tokenizer_json())
+    axes = "transformer.axes_dims_rope=[4,6,6]"
+    common = ("--vae", tmp_path / "ae.safetensors", "--set", axes, "--component", "transformer",
+              "--component", "text_encoder")
+    a = _export(tmp_path / "z_image_turbo-Q8_0.gguf", tmp_path / "a", "fp32", "--text-encoder",
+                tmp_path / "Qwen3-4B-Q8_0.gguf", *common)
+    b = _export(tmp_path / "z_twin.safetensors", tmp_path / "b", "fp32", "--text-encoder",
+                tmp_path / "qwen_twin.safetensors", *common)
+    for comp in ("transformer", "text_encoder"):
+        _same_export(a, b, comp)
+    # each weight the graphs hold under its file's name is gguf's dequantization, bit for bit (the transformer's
+    # others are sliced or fused in the graph, the encoder's last layer unread: the twins' exports are identical)
+    assert _check_weights(a, "transformer", z_ref, "fp32") >= 0.6 * len(z_ref)
+    assert _check_weights(a, "text_encoder", te_ref, "fp32", rename=hf.get) >= 0.6 * len(te_ref)
+    assert {t.dtype for t in GGUFFile(tmp_path / "Qwen3-4B-Q8_0.gguf").tensors.values()} >= {"Q8_0", "F32"}
+    report = json.loads((a / "precast_export.json").read_text())
+    assert report["family"] == "zimage" and "Q8_0" in report["source_quantization"]
+    llama = tmp_path / "llama.gguf"
+    write_gguf(llama, "llama", {g: v for g, v in list(reference(tmp_path / "Qwen3-4B-Q8_0.gguf").items())[:3]})
+    proc = precast("export", tmp_path / "z_twin.safetensors", "--out", tmp_path / "c", "--text-encoder", llama,
+                   *map(str, common))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "llama.cpp llama GGUF file" in lines[0] and str(llama) in lines[0]

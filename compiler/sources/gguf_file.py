@@ -1,5 +1,5 @@
-"""Reading a .gguf file (ComfyUI-GGUF's diffusion models, llama.cpp's T5 encoders) as the same lazy
-tensor table a .safetensors file gives.
+"""Reading a .gguf file (ComfyUI-GGUF's diffusion models, llama.cpp's T5 and Qwen text encoders) as the same
+lazy tensor table a .safetensors file gives.
 
 Owns: recognising a GGUF file (by its `.gguf` suffix or its `GGUF` magic), parsing it with the `gguf`
 package's own reader (no parser here: at open it reads the header, the metadata and the tensor table;
@@ -18,7 +18,10 @@ Memory: per tensor, the output (in the export's dtype) plus one chunk's float32 
 Names: ComfyUI-GGUF keeps the model's own state-dict names (BFL for Flux, LDM for SD/SDXL UNets, SAI
 for SD3; with or without `model.diffusion_model.`), so checkpoint.py maps them as it maps a bare
 .safetensors file. llama.cpp's T5 encoder names (`enc.blk.N.attn_q`, `token_embd`, ...) are given HF
-names here, as ComfyUI-GGUF does when it loads them.
+names here, as ComfyUI-GGUF does when it loads them; so are its Qwen2 / Qwen2-VL / Qwen3 LLM names (`blk.N.attn_q`,
+`blk.N.ffn_gate`, `token_embd`, `output_norm`, ...: the text encoders of Z-Image, FLUX.2 klein and Qwen-Image as
+llama.cpp's converter writes them, which keeps these architectures' q/k rows in HF order). Its llama / Mistral
+files store q and k rows permuted for its own RoPE kernel: refused by name.
 """
 from __future__ import annotations
 
@@ -48,6 +51,16 @@ T5_NAMES = (("enc.", "encoder."), (".blk.", ".block."), ("token_embd", "shared")
             ("ffn_up", "layer.1.DenseReluDense.wi_1"), ("ffn_down", "layer.1.DenseReluDense.wo"),
             ("ffn_gate", "layer.1.DenseReluDense.wi_0"), ("ffn_norm", "layer.1.layer_norm"))
 T5_ARCHS = ("t5", "t5encoder")
+# llama.cpp's names of a decoder-only LLM's tensors -> HF Qwen2Model / Qwen3Model names (gguf's TensorNameMap),
+# replaced in this order; the LM head (`output`) keeps its name and is never bound
+LLM_NAMES = (("token_embd.", "embed_tokens."), ("output_norm.", "norm."), ("blk.", "layers."),
+             (".attn_norm.", ".input_layernorm."), (".ffn_norm.", ".post_attention_layernorm."),
+             (".attn_q_norm.", ".self_attn.q_norm."), (".attn_k_norm.", ".self_attn.k_norm."),
+             (".attn_q.", ".self_attn.q_proj."), (".attn_k.", ".self_attn.k_proj."), (".attn_v.", ".self_attn.v_proj."),
+             (".attn_output.", ".self_attn.o_proj."), (".ffn_gate.", ".mlp.gate_proj."), (".ffn_up.", ".mlp.up_proj."),
+             (".ffn_down.", ".mlp.down_proj."), ("output.weight", "lm_head.weight"))
+LLM_ARCHS = ("qwen2", "qwen2vl", "qwen3")
+PERMUTED_ARCHS = ("llama", "mistral3", "mistral4")     # llama.cpp permutes their q / k rows for its RoPE
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -169,6 +182,10 @@ class GGUFFile:
         self._map = reader.data
         self.metadata = _metadata(reader)
         self.architecture = self.metadata.get("general.architecture", "")
+        if self.architecture in PERMUTED_ARCHS:
+            raise BadInput(f"{self.path}: a llama.cpp {self.architecture} GGUF file: llama.cpp stores its attention's q and "
+                           "k rows permuted for its own RoPE, which precast does not undo; give the model's "
+                           ".safetensors file (or a ComfyUI / diffusers one)")
         self.float_dtypes = frozenset(dequantizable(gguf))
         self.tensors: dict[str, TensorInfo] = {}
         self._data: dict[str, tuple[np.ndarray, object]] = {}
@@ -251,9 +268,9 @@ def _sizes(qtype) -> tuple[int, int]:
 
 
 def _rename(name: str, architecture: str) -> str:
-    if architecture in T5_ARCHS:
-        for a, b in T5_NAMES:
-            name = name.replace(a, b)
+    table = T5_NAMES if architecture in T5_ARCHS else LLM_NAMES if architecture in LLM_ARCHS else ()
+    for a, b in table:
+        name = name.replace(a, b)
     return name
 
 
