@@ -456,3 +456,62 @@ def test_vae_in_wan_names(demo, tmp_path):
         params = model.encode(torch.from_numpy(image)[:, :, None]).latent_dist.parameters[:, :, 0].numpy()
     assert rel_err(_session(tmp_path / "x" / "vae_decoder").run(None, {"latent_sample": z})[0], decoded) <= 1e-4
     assert rel_err(_session(tmp_path / "x" / "vae_encoder").run(None, {"sample": image})[0], params) <= 1e-4
+
+
+def test_lora_matches_diffusers_in_peft_and_comfyui_spellings(tmp_path):
+    """A diffusers / PEFT LoRA on the transformer (transformer.transformer_blocks.N.attn.to_q, add_k_proj, the MLPs,
+    img_in: as Qwen-Image "Lightning" LoRAs name them) merges into the export to what diffusers' own adapter computes
+    at strength 0.7, and the same LoRA in ComfyUI's spelling (diffusion_model.*, lora_down / lora_up, alpha) merges
+    to the same graph; a module the model lacks is one line naming it."""
+    from diffusers import QwenImageTransformer2DModel
+    from safetensors.numpy import save_file as save_np
+    model = _randomized(QwenImageTransformer2DModel(num_layers=2, attention_head_dim=16, num_attention_heads=4,
+                                                    joint_attention_dim=48, axes_dims_rope=tuple(AXES)))
+    save_file({"model.diffusion_model." + k: v.contiguous() for k, v in model.state_dict().items()},
+              tmp_path / "qwen_image_bf16.safetensors")
+    from precast.compiler.demo_zimage import tiny_tokenizer_json
+    (tmp_path / "tokenizer.json").write_text(tiny_tokenizer_json())
+    params, rng, rank = dict(model.named_parameters()), np.random.default_rng(5), 4
+    mods = ["transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k", "transformer_blocks.0.attn.add_k_proj",
+            "transformer_blocks.1.img_mlp.net.0.proj", "transformer_blocks.1.txt_mod.1", "img_in"]
+    lora = {m: (0.3 * rng.standard_normal((rank, params[m + ".weight"].shape[1])).astype(np.float32),
+                0.3 * rng.standard_normal((params[m + ".weight"].shape[0], rank)).astype(np.float32)) for m in mods}
+    save_np({f"transformer.{m}.lora_{ab}.weight": t for m, (a, b) in lora.items() for ab, t in (("A", a), ("B", b))},
+            str(tmp_path / "peft.safetensors"))
+    save_np({f"diffusion_model.{m}.lora_{ud}.weight": t for m, (a, b) in lora.items() for ud, t in (("down", a), ("up", b))}
+            | {f"diffusion_model.{m}.alpha": np.array(float(rank), np.float32) for m in mods},
+            str(tmp_path / "comfy.safetensors"))
+    outs = []
+    for name in ("peft", "comfy"):
+        proc = precast("export", tmp_path / "qwen_image_bf16.safetensors", "--out", tmp_path / name, "--component",
+                       "transformer", "--set", "transformer.axes_dims_rope=" + json.dumps(AXES).replace(" ", ""),
+                       "--lora", f"{tmp_path / (name + '.safetensors')}:0.7")
+        assert proc.returncode == 0, proc.stderr
+        outs.append(_session(tmp_path / name / "transformer"))
+    rows, cols, length = 4, 6, 9
+    x = rng.standard_normal((1, rows * cols, 64)).astype(np.float32)
+    txt = rng.standard_normal((1, length, 48)).astype(np.float32)
+    img_ids, txt_ids = qwen_ids(rows, cols, length)
+    feeds = {"hidden_states": x, "encoder_hidden_states": txt, "encoder_hidden_states_mask": np.ones((1, length), np.int32),
+             "timestep": np.array([0.4], np.float32), "img_ids": img_ids, "txt_ids": txt_ids}
+
+    def reference():
+        with torch.no_grad():
+            return model(hidden_states=torch.from_numpy(x), encoder_hidden_states=torch.from_numpy(txt),
+                         encoder_hidden_states_mask=torch.from_numpy(feeds["encoder_hidden_states_mask"]),
+                         timestep=torch.from_numpy(feeds["timestep"]), img_shapes=[[(1, rows, cols)]],
+                         return_dict=False)[0].numpy()
+    plain = reference()
+    model.load_lora_adapter(str(tmp_path / "peft.safetensors"), prefix="transformer", adapter_name="x")
+    model.set_adapters(["x"], weights=[0.7])
+    want = reference()
+    got = [s.run(None, feeds)[0] for s in outs]
+    assert rel_err(got[0], want) <= 1e-4 and rel_err(got[1], want) <= 1e-4, [rel_err(g, want) for g in got]
+    assert rel_err(want, plain) > 1e-2            # the LoRA changes the output
+    save_np({"transformer.transformer_blocks.0.attn.to_zz.lora_A.weight": np.zeros((4, 64), np.float32),
+             "transformer.transformer_blocks.0.attn.to_zz.lora_B.weight": np.zeros((64, 4), np.float32)},
+            str(tmp_path / "bad.safetensors"))
+    proc = precast("export", tmp_path / "qwen_image_bf16.safetensors", "--out", tmp_path / "bad", "--component",
+                   "transformer", "--set", "transformer.axes_dims_rope=" + json.dumps(AXES).replace(" ", ""),
+                   "--lora", tmp_path / "bad.safetensors")
+    assert proc.returncode == 2 and "to_zz" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

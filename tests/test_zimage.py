@@ -151,6 +151,42 @@ def test_transformer_matches_diffusers(demo, tmp_path):
             assert rel_err(_run_ov(tmp_path / "x" / "transformer", feeds)[0][0], want) <= 1e-4
 
 
+def test_lora_in_diffusers_names_matches_diffusers(demo, tmp_path):
+    """A LoRA in diffusers' names (diffusion_model.layers.N.attention.to_q ...: rows of the original file's fused
+    qkv; to_out.0, the feed-forward, the refiners) merged into the export of the original-named demo file at strength
+    0.8 computes what diffusers' own adapter does; ComfyUI / ai-toolkit's `diffusion_model.` spelling."""
+    from safetensors.numpy import save_file as save_np
+    model = _diffusers_transformer({k: v.float() for k, v in load_file(demo["file"]).items()})
+    params, rng, rank = dict(model.named_parameters()), np.random.default_rng(9), 4
+    mods = ["layers.0.attention.to_q", "layers.0.attention.to_v", "layers.1.attention.to_out.0",
+            "layers.1.feed_forward.w1", "noise_refiner.0.attention.to_k", "context_refiner.0.feed_forward.w2"]
+    lora = {m: (0.3 * rng.standard_normal((rank, params[m + ".weight"].shape[1])).astype(np.float32),
+                0.3 * rng.standard_normal((params[m + ".weight"].shape[0], rank)).astype(np.float32)) for m in mods}
+    save_np({f"diffusion_model.{m}.lora_{ab}.weight": t for m, (a, b) in lora.items() for ab, t in (("A", a), ("B", b))},
+            str(tmp_path / "lora.safetensors"))
+    proc = precast("export", demo["file"], "--out", tmp_path / "x", "--component", "transformer", "--set", AXES,
+                   "--lora", f"{tmp_path / 'lora.safetensors'}:0.8")
+    assert proc.returncode == 0, proc.stderr
+    lat = rng.standard_normal((1, 16, 8, 8)).astype(np.float32)
+    cap = rng.standard_normal((1, 16, TINY_ZIMAGE.cap_dim)).astype(np.float32)
+    t = np.array([0.6], np.float32)
+
+    def reference():
+        with torch.no_grad():
+            return -model([torch.from_numpy(lat[0])[:, None]], torch.from_numpy(t), [torch.from_numpy(cap[0])],
+                          return_dict=False)[0][0][:, 0].numpy()
+    plain = reference()
+    model.load_lora_adapter({f"transformer.{m}.lora_{ab}.weight": torch.from_numpy(x) for m, (a, b) in lora.items()
+                             for ab, x in (("A", a), ("B", b))}, prefix="transformer", adapter_name="x")
+    model.set_adapters(["x"], weights=[0.8])
+    want = reference()
+    feeds = {"hidden_states": lat, "encoder_hidden_states": cap, "attention_mask": np.ones((1, 16), np.int32),
+             "timestep": t}
+    got = _session(tmp_path / "x" / "transformer").run(None, feeds)[0][0]
+    assert rel_err(want, plain) > 1e-2            # the LoRA changes the output
+    assert rel_err(got, want) <= 1e-4, rel_err(got, want)
+
+
 # ---- the tokenizer ----------------------------------------------------------------------------
 
 def _corpus(n: int = 300) -> list[str]:

@@ -216,6 +216,13 @@ def build_name_table(shapes: dict[str, tuple[int, ...]]) -> NameTable:
             for sp in (f"transformer.{module}", module, f"lora_transformer_{module}", f"lora_unet_{module}",
                        f"base_model.model.{module}"):
                 table.add(sp, t)
+    else:   # transformers kept in diffusers' names (Z-Image, Qwen-Image): PEFT / diffusers, ComfyUI and kohya spellings
+        for rel in (k[len(DIT):] for k in keys if k.startswith(DIT)):
+            if rel.endswith(".weight") and len(shapes[DIT + rel]) == 2:
+                module, t = rel[:-len(".weight")], Target(DIT + rel)
+                for sp in (f"transformer.{module}", module, f"diffusion_model.{module}", f"lora_transformer_{module}",
+                           f"lora_unet_{module}", f"base_model.model.{module}"):
+                    table.add(sp, t)
     for rel in (k[len(T5):] for k in keys if k.startswith(T5)):
         if rel.endswith(".weight") and len(shapes[T5 + rel]) == 2 and rel.startswith("encoder.block."):
             t = Target(T5 + rel)
