@@ -2,7 +2,8 @@
 the weights' own bytes and stable-diffusion.cpp, and what each session option costs in memory and step time.
 
 1. generate. Full-size SD 1.5 at 512x512 (export_unet.py's checkpoint: random, deterministic fp16 weights in the
-   LDM single-file layout), `precast build` of an fp32 recipe for the OpenVINO CPU and ONNX Runtime targets
+   LDM single-file layout; --model sdxl: full-size SDXL base at 1024x1024, its checkpoint written here from
+   compiler/demo_model.py's SDXL config, ~6.9 GB), `precast build` of an fp32 recipe for the OpenVINO CPU and ONNX Runtime targets
    (batch 1: the UNet runs batch 2 under CFG). Then `precast generate` (4 Euler steps, CFG 7, the machine's
    cores as threads) in a fresh process per backend (--backend all=B), its /proc/PID/smaps_rollup sampled every
    50 ms: Rss, Pss, Anonymous, file-backed = Rss - Anonymous. The child is the real CLI run in-process by this
@@ -34,7 +35,7 @@ Full-size runs wait until MemAvailable >= --min-available GiB (the machine is sh
 The work folder (default benchmarks/results/work/memory: checkpoint 2.1 GB, cache and bundles ~15 GB) is
 deleted at the end unless --keep.
 
-Usage: .venv/bin/python benchmarks/memory.py [--backends openvino,onnxruntime] [--options] [--no-generate] [--low-memory 3.5G]
+Usage: .venv/bin/python benchmarks/memory.py [--model sd15|sdxl] [--backends openvino,onnxruntime] [--options] [--no-generate] [--low-memory 3.5G]
            [--sdcpp BIN | --sdcpp-src DIR] [--steps 4] [--unet-calls 2] [--work DIR] [--keep] [--json OUT]
 """
 from __future__ import annotations
@@ -306,16 +307,46 @@ def run_child(kind: str, spec: dict, folder: Path, label: str, min_gib: float) -
 
 
 # ---- the bundle and the weights --------------------------------------------------------------
-def ensure_bundle(work: Path, ckpt: Path, name: str, targets: str, min_gib: float) -> Path:
-    """A full-size SD 1.5 fp32 bundle for 512x512, batch 1, built once into work/NAME."""
+MODELS = {   # --model: the full-size checkpoint's config (compiler/demo_model.py), its size, its components
+    "sd15": ("SD15", 512, "text_encoder, unet, vae_decoder"),
+    "sdxl": ("SDXL", 1024, "text_encoder, text_encoder_2, unet, vae_decoder"),
+}
+
+
+def ensure_model_checkpoint(model: str, path: Path) -> None:
+    """The full-size checkpoint (random, deterministic fp16 weights, LDM single-file layout), written once:
+    SD 1.5 by export_unet.py; SDXL here, from compiler/demo_model.py's SDXL config (~6.9 GB)."""
+    if model == "sd15":
+        from export_unet import ensure_checkpoint
+        ensure_checkpoint(path)
+        return
+    import numpy as np
+    from precast.compiler import demo_model
+    layout = demo_model.sd1_layout(getattr(demo_model, MODELS[model][0]))
+    expect = sum(2 * int(np.prod(s)) for s in layout.values())
+    if path.exists() and path.stat().st_size > expect:
+        print(f"reusing {path} ({path.stat().st_size / 1e9:.2f} GB)", flush=True)
+        return
+    print(f"writing {path} (full-size {model}, random fp16 weights) ...", flush=True)
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(0)
+    demo_model.write_safetensors(str(path) + ".part", layout, "fp16", lambda k, s: demo_model.random_tensor(rng, k, s))
+    os.replace(str(path) + ".part", path)
+    print(f"  {path.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def ensure_bundle(work: Path, ckpt: Path, name: str, targets: str, min_gib: float, model: str = "sd15") -> Path:
+    """A full-size fp32 bundle of MODEL at its size (SD 1.5 512x512, SDXL 1024x1024), batch 1, built once into
+    work/NAME."""
+    _, size, components = MODELS[model]
     bundle = work / name
     if (bundle / "manifest.json").exists():
         print(f"reusing {bundle}", flush=True)
         return bundle
     recipe = work / f"{name}.yaml"
-    recipe.write_text(f"# written by benchmarks/memory.py\nname: sd15-{name}\nmodel:\n  source: {ckpt}\n"
-                      "components: [text_encoder, unet, vae_decoder]\nprecision: fp32\n"
-                      "profiles:\n  batch: 1\n  height: 512\n  width: 512\n  tokens: 77\n"
+    recipe.write_text(f"# written by benchmarks/memory.py\nname: {model}-{name}\nmodel:\n  source: {ckpt}\n"
+                      f"components: [{components}]\nprecision: fp32\n"
+                      f"profiles:\n  batch: 1\n  height: {size}\n  width: {size}\n  tokens: 77\n"
                       f"targets:\n{targets}")
     wait_for_memory(min_gib, f"precast build {name}")
     print(f"precast build {recipe} ...", flush=True)
@@ -441,6 +472,8 @@ def main() -> None:
         {"generate": child_generate, "unet": child_unet, "ort-prepacked": child_ort_prepacked}[sys.argv[2]](spec)
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="sd15", help="the full-size model (its size: "
+                    "SD 1.5 512x512, SDXL 1024x1024)")
     ap.add_argument("--backends", default="openvino,onnxruntime")
     ap.add_argument("--no-generate", action="store_true", help="skip the whole-generation runs")
     ap.add_argument("--options", action="store_true", help="also the UNet-only session options table")
@@ -457,16 +490,19 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
     ap.add_argument("--json", type=Path, default=HERE / "results" / "memory.json")
     opts = ap.parse_args()
-    from export_unet import ensure_checkpoint
     from machine import describe
     work = opts.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    ckpt = work / "sd15_random_fp16.safetensors"
-    ensure_checkpoint(ckpt)
-    bundle = ensure_bundle(work, ckpt, "bundle", "  - openvino: {device: CPU}\n  - onnxruntime\n", opts.min_available)
+    model, side = opts.model, MODELS[opts.model][1]
+    size = f"{side}x{side}"
+    ckpt = work / f"{model}_random_fp16.safetensors"
+    ensure_model_checkpoint(model, ckpt)
+    targets = "".join(f"  - {t}\n" for t in (("openvino: {device: CPU}",) if "openvino" in opts.backends else ())
+                      + (("onnxruntime",) if "onnxruntime" in opts.backends else ()))
+    bundle = ensure_bundle(work, ckpt, "bundle", targets, opts.min_available, model)
     weights = weight_bytes(bundle)
     result = {"machine": describe(("numpy", "onnxruntime", "openvino")), "load_start": os.getloadavg(),
-              "settings": {"size": "512x512", "steps": opts.steps, "guidance": 7.0, "scheduler": "euler",
+              "settings": {"model": model, "size": size, "steps": opts.steps, "guidance": 7.0, "scheduler": "euler",
                            "threads": os.cpu_count()},
               "weights": weights, "artifact_bytes": {c: {b: v[2] for b, v in a.items()}
                                                     for c, a in artifacts(bundle).items()}}
@@ -476,7 +512,7 @@ def main() -> None:
         print("\n== generate ==", flush=True)
         for backend in opts.backends.split(","):
             argv = ["generate", str(bundle), "--prompt", PROMPT, "--steps", str(opts.steps), "--guidance", "7",
-                    "--seed", "0", "--size", "512x512", "--backend", f"all={backend}", "--out",
+                    "--seed", "0", "--size", size, "--backend", f"all={backend}", "--out",
                     str(runs / f"{backend}.png"), "--json"]
             gen[f"precast {backend}"] = r = run_child("generate", {"argv": argv}, runs, backend, opts.min_available)
             text = "\n".join(r.pop("lines"))
@@ -486,13 +522,13 @@ def main() -> None:
                 r["where"] = {c: (w["backend"], w["artifact"]) for c, w in report["components"].items()}
         if opts.low_memory:          # one component at a time under a budget: the low-memory plan
             plain = ensure_bundle(work, ckpt, "bundle-nowinograd", "  - openvino: {device: CPU, winograd: false}\n",
-                                  opts.min_available)
+                                  opts.min_available, model) if "openvino" in opts.backends else None
             for folder, backend in ((plain, "openvino"), (bundle, "onnxruntime")):
                 if backend not in opts.backends.split(","):
                     continue
                 name = f"{backend} cpu:{opts.low_memory}"       # openvino: the blob without Winograd
                 argv = ["generate", str(folder), "--prompt", PROMPT, "--steps", str(opts.steps), "--guidance", "7",
-                        "--seed", "0", "--size", "512x512", "--backend", f"all={backend}", "--params-backend",
+                        "--seed", "0", "--size", size, "--backend", f"all={backend}", "--params-backend",
                         f"cpu:{opts.low_memory}", "--out", str(runs / f"{backend}-low.png"), "--json"]
                 gen[name] = r = run_child("generate", {"argv": argv}, runs, f"{backend}-low", opts.min_available)
                 text = "\n".join(r.pop("lines"))
@@ -506,7 +542,7 @@ def main() -> None:
                 wait_for_memory(opts.min_available, f"stable-diffusion.cpp {wtype}")
                 print(f"  stable-diffusion.cpp {wtype} ...", flush=True)
                 cmd = [str(sdcpp), "-m", str(ckpt), "-p", PROMPT, "--steps", str(opts.steps), "--cfg-scale", "7",
-                       "-W", "512", "-H", "512", "-s", "0", "-t", str(os.cpu_count()), "--sampling-method", "euler",
+                       "-W", str(side), "-H", str(side), "-s", "0", "-t", str(os.cpu_count()), "--sampling-method", "euler",
                        "-o", str(runs / f"sdcpp-{wtype}.png"), "-v", "--type", wtype]
                 r = measured(cmd, runs / f"sdcpp-{wtype}.log", line_marks=sdcpp_stage)
                 r.pop("lines")
