@@ -471,11 +471,11 @@ def test_lora_matches_diffusers_in_peft_and_comfyui_spellings(tmp_path):
               tmp_path / "qwen_image_bf16.safetensors")
     from precast.compiler.demo_zimage import tiny_tokenizer_json
     (tmp_path / "tokenizer.json").write_text(tiny_tokenizer_json())
-    params, rng, rank = dict(model.named_parameters()), np.random.default_rng(5), 4
+    from test_flux import _peft_lora
+    rng, rank = np.random.default_rng(5), 4
     mods = ["transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k", "transformer_blocks.0.attn.add_k_proj",
             "transformer_blocks.1.img_mlp.net.0.proj", "transformer_blocks.1.txt_mod.1", "img_in"]
-    lora = {m: (0.3 * rng.standard_normal((rank, params[m + ".weight"].shape[1])).astype(np.float32),
-                0.3 * rng.standard_normal((params[m + ".weight"].shape[0], rank)).astype(np.float32)) for m in mods}
+    lora = _peft_lora(rng, model, mods, rank)
     save_np({f"transformer.{m}.lora_{ab}.weight": t for m, (a, b) in lora.items() for ab, t in (("A", a), ("B", b))},
             str(tmp_path / "peft.safetensors"))
     save_np({f"diffusion_model.{m}.lora_{ud}.weight": t for m, (a, b) in lora.items() for ud, t in (("down", a), ("up", b))}

@@ -157,11 +157,11 @@ def test_lora_in_diffusers_names_matches_diffusers(demo, tmp_path):
     0.8 computes what diffusers' own adapter does; ComfyUI / ai-toolkit's `diffusion_model.` spelling."""
     from safetensors.numpy import save_file as save_np
     model = _diffusers_transformer({k: v.float() for k, v in load_file(demo["file"]).items()})
-    params, rng, rank = dict(model.named_parameters()), np.random.default_rng(9), 4
+    from test_flux import _peft_lora
+    rng, rank = np.random.default_rng(9), 4
     mods = ["layers.0.attention.to_q", "layers.0.attention.to_v", "layers.1.attention.to_out.0",
             "layers.1.feed_forward.w1", "noise_refiner.0.attention.to_k", "context_refiner.0.feed_forward.w2"]
-    lora = {m: (0.3 * rng.standard_normal((rank, params[m + ".weight"].shape[1])).astype(np.float32),
-                0.3 * rng.standard_normal((params[m + ".weight"].shape[0], rank)).astype(np.float32)) for m in mods}
+    lora = _peft_lora(rng, model, mods, rank)
     save_np({f"diffusion_model.{m}.lora_{ab}.weight": t for m, (a, b) in lora.items() for ab, t in (("A", a), ("B", b))},
             str(tmp_path / "lora.safetensors"))
     proc = precast("export", demo["file"], "--out", tmp_path / "x", "--component", "transformer", "--set", AXES,
