@@ -267,6 +267,7 @@ def test_img2img_matches_diffusers(demo, reference, monkeypatch):
         run = QwenImageTxt2Img(demo["bundle"], backend, width=64, height=64, strict=True, image_input=True)
         ours = run(prompt, steps=4, latents=noise, progress=False, init_image=init, strength=0.75)
         assert psnr(ours, want) >= 40.0, (backend, psnr(ours, want))
+        print(f"{backend}: img2img PSNR vs QwenImageImg2ImgPipeline {psnr(ours, want):.1f} dB")
     a, b = (run(prompt, steps=4, latents=noise, progress=False, init_image=x, strength=0.3) for x in (init, 255 - init))
     assert psnr(a, b) < 30, psnr(a, b)
 

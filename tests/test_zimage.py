@@ -326,6 +326,7 @@ def test_img2img_matches_diffusers(demo, tmp_path, monkeypatch):
         ours = run(prompt, negative, steps=8, guidance=guidance, latents=noise, progress=False, init_image=init,
                    strength=strength)
         assert want.std() > 0.05 and psnr(ours, want) >= 40.0, (strength, psnr(ours, want))
+        print(f"img2img strength {strength or 0.6}, guidance {guidance}: PSNR vs ZImageImg2ImgPipeline {psnr(ours, want):.1f} dB")
     a, b = (run(prompt, steps=8, latents=noise, progress=False, init_image=x, strength=0.3) for x in (init, 255 - init))
     assert psnr(a, b) < 30, psnr(a, b)
     Image.fromarray(init).save(tmp_path / "init.png")
