@@ -226,7 +226,9 @@ def write_pipeline_folder(root: Path, model: dict, components: dict[str, dict], 
         pad_zero = kind == "openclip"
         if kind == "t5":
             add_t5_tokenizer(writer, Path(source), rel, source_folder=folder)
-        elif kind == "qwen2":
+        elif kind == "qwen2":       # read from beside the model: only when its text encoder is exported too
+            if folder.replace("tokenizer", "text_encoder") not in components:
+                continue
             add_llm_tokenizer(writer, Path(source), rel, source_folder=folder)
         else:
             add_tokenizer(writer, Path(source), rel, pad_zero=pad_zero, source_folder=folder)

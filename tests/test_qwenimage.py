@@ -470,8 +470,6 @@ def test_lora_matches_diffusers_in_peft_and_comfyui_spellings(tmp_path):
                                                     joint_attention_dim=48, axes_dims_rope=tuple(AXES)))
     save_file({"model.diffusion_model." + k: v.contiguous() for k, v in model.state_dict().items()},
               tmp_path / "qwen_image_bf16.safetensors")
-    from precast.compiler.demo_zimage import tiny_tokenizer_json
-    (tmp_path / "tokenizer.json").write_text(tiny_tokenizer_json())
     from test_flux import _peft_lora
     rng, rank = np.random.default_rng(5), 4
     mods = ["transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k", "transformer_blocks.0.attn.add_k_proj",
