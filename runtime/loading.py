@@ -326,12 +326,13 @@ class BundleModel:
 
     def _vae_budget(self, comp: str) -> int | None:
         """Bytes a VAE pass may take on its device: its budget (--params-backend DEVICE:SIZE, a GPU's memory;
-        the CPU's RAM) less the weights of the components selected there."""
+        the CPU's available memory when the run started, else its RAM) less the weights of the components
+        selected there."""
         choice = self.selections[comp].choice if comp in self.selections else None
         if choice is None:
             return None
         placement = self.placements[module_of(comp)]
-        budget, _ = device_budget(choice.device, dict(placement.budgets), self.devices)
+        budget, _ = device_budget(choice.device, dict(placement.budgets), self.devices, automatic=True)
         budget = budget if budget is not None else (choice.device.memory or None)
         weights = sum((s.choice.memory or {}).get("weights", 0) for s in self.selections.values()
                       if s.choice is not None and s.choice.device.id == choice.device.id)

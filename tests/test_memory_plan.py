@@ -117,3 +117,15 @@ def test_a_user_budget_overrides_the_automatic_one(tiny_bundle, tmp_path):
     te = small["components"]["text_encoder"]          # ~13 MB of weights
     assert te["device"] is None
     assert any("exceed cpu's budget 4.0 MiB (--params-backend budget)" in p["reason"] for p in te["passed_over"])
+
+
+
+def test_a_vae_pass_is_budgeted_from_the_available_memory(tiny_bundle, tmp_path):
+    """What a VAE pass may take on the CPU (runtime/vae_tiling.py tiles past it) is the memory available when the run
+    started less the weights selected there; a user's cpu:SIZE replaces the available memory."""
+    for i, (available, params) in enumerate(((300 * MiB, None), (8 << 30, None), (8 << 30, "cpu:500M"))):
+        pipe = open_bundle(tiny_bundle[0], sysroot=str(_root(tmp_path / str(i), available))).pipeline(
+            "cpu", params_backend=params).pipe
+        weights = sum(r["memory"]["weights"] for r in pipe.report()["components"].values())
+        budget = 500 * MiB if params else available       # binary units
+        assert pipe._vae_budget("vae_decoder") == budget - weights, (available, params)
