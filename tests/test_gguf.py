@@ -394,3 +394,37 @@ def test_zimage_and_its_qwen3_encoder_as_gguf_export_their_dequantization(tmp_pa
                    *map(str, common))
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "llama.cpp llama GGUF file" in lines[0] and str(llama) in lines[0]
+
+
+def test_qwen_image_and_its_qwen25_encoder_as_gguf_export_their_dequantization(tmp_path):
+    """Qwen-Image as GGUF split files: the transformer in diffusers' names (city96's) and the Qwen2.5-VL text model in
+    llama.cpp's qwen2vl names (q/k/v biases included), beside the model's VAE and tokenizer: both export to the
+    graphs and weight bytes of .safetensors twins of gguf's dequantization."""
+    from precast.compiler.demo_qwenimage import (TINY_QWEN25, TINY_QWEN_IMAGE, qwen25_layout, qwen_vae_layout,
+                                                 qwenimage_layout)
+    from precast.compiler.demo_weights import Component, write_components
+    from precast.compiler.demo_zimage import tiny_tokenizer_json
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.QWEN2VL, TINY_QWEN25.layers)
+    hf = {names.get_name(k, try_suffixes=(".weight", ".bias")): k for k in qwen25_layout(TINY_QWEN25)}
+    assert None not in hf and len(hf) == len(qwen25_layout(TINY_QWEN25))
+    llama = {v: k for k, v in hf.items()}
+    write_gguf(tmp_path / "qwen-image-Q8_0.gguf", "qwen_image", _weights(qwenimage_layout(TINY_QWEN_IMAGE), 9),
+               types=(Q.Q8_0, Q.Q4_K, Q.F16))
+    write_gguf(tmp_path / "Qwen2.5-VL-7B-Q8_0.gguf", "qwen2vl",
+               {llama[k]: v for k, v in _weights(qwen25_layout(TINY_QWEN25), 10).items()}, types=(Q.Q8_0, Q.Q6_K, Q.F16))
+    q_ref, te_ref = reference(tmp_path / "qwen-image-Q8_0.gguf"), reference(tmp_path / "Qwen2.5-VL-7B-Q8_0.gguf")
+    _twin(tmp_path / "q_twin.safetensors", q_ref)
+    _twin(tmp_path / "te_twin.safetensors", {"model." + hf[k]: v for k, v in te_ref.items()})
+    write_components(tmp_path / "qwen_image_vae.safetensors", [Component("vae", "vae.", qwen_vae_layout(), False)], 0,
+                     "bf16")
+    (tmp_path / "tokenizer.json").write_text(tiny_tokenizer_json())
+    common = ("--vae", tmp_path / "qwen_image_vae.safetensors", "--set", "transformer.axes_dims_rope=[4,6,6]",
+              "--component", "transformer", "--component", "text_encoder")
+    a = _export(tmp_path / "qwen-image-Q8_0.gguf", tmp_path / "a", "fp32", "--text-encoder",
+                tmp_path / "Qwen2.5-VL-7B-Q8_0.gguf", *common)
+    b = _export(tmp_path / "q_twin.safetensors", tmp_path / "b", "fp32", "--text-encoder", tmp_path / "te_twin.safetensors",
+                *common)
+    for comp in ("transformer", "text_encoder"):
+        _same_export(a, b, comp)
+    assert _check_weights(a, "text_encoder", te_ref, "fp32", rename=hf.get) >= 0.6 * len(te_ref)
+    assert json.loads((a / "precast_export.json").read_text())["family"] == "qwenimage"
