@@ -12,9 +12,9 @@ and FlowMatchEulerDiscreteScheduler.scale_noise); the step previews' estimate (x
 gives its conditioning (`encode`), how the transformer reads latents (`to_transformer` / `from_transformer`), its
 timestep feed, any fixed feeds and, where it differs from the usual, how guidance combines the two velocities
 (`guide`) and, where its latents are normalised otherwise, `encode_image`. Also `t5_length`, `txt2img_only`
-(the families that run no img2img / inpainting: their one-line refusals), `img2img_mode` (the families that run
-img2img: Z-Image, Qwen-Image; no inpainting), `check_latent_stats` and `chat_cut_warnings` (what an LLM text encoder's family cuts off a prompt:
-Z-Image, FLUX.2, Qwen-Image).
+(the families that run no img2img / inpainting: their one-line refusals), `img2img_mode` and `first_step` (the
+families that run img2img: Z-Image, Qwen-Image; no inpainting), `check_latent_stats` and `chat_cut_warnings`
+(what an LLM text encoder's family cuts off a prompt: Z-Image, FLUX.2, Qwen-Image).
 Imports numpy and the runtime's own modules; never the compiler.
 """
 from __future__ import annotations
@@ -90,7 +90,7 @@ def txt2img_only(manifest, init: bool, mask: bool, strength: float | None, steps
     return "txt2img", None
 
 
-def start_index(steps: int, strength: float) -> int:
+def first_step(steps: int, strength: float) -> int:
     """The first step an img2img run takes: these pipelines' get_timesteps (init_timestep = min(steps * strength,
     steps), no int() first, unlike SD's; t_start = int(steps - init_timestep)): at least one step is run."""
     return int(max(steps - min(steps * strength, steps), 0))
@@ -228,7 +228,7 @@ class FlowPipeline(BundleModel):
             if not self.image_input:
                 raise UserError("init_image=: img2img needs the VAE encoder loaded: open the pipeline with "
                                 "image_input=True")
-            first = start_index(steps, strength)
+            first = first_step(steps, strength)
             image_latents = self.encode_image(image_tensor(init_image, self.width, self.height))
         cond = self.encode(prompt)
         cfg = self.spec.negative and guidance > 1.0
