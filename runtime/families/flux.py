@@ -18,7 +18,7 @@ from ..errors import UserError
 from ..image_size import latent_factor
 from ..manifest import Manifest
 from .family import Family, Flow, LatentRGB
-from .flow_matching import FLOW_SAMPLERS, FlowPipeline, t5_length, txt2img_only
+from .flow_matching import FLOW_SAMPLERS, FlowPipeline, img2img_mode, t5_length, txt2img_only
 from ..embeddings import encoder_feeds
 from ..prompts import clip_truncated, emphasize, t5_input
 
@@ -196,7 +196,7 @@ FLUX_RGB = LatentRGB(((-0.0346, 0.0244, 0.0681), (0.0034, 0.0210, 0.0687), (0.02
 FAMILIES = (
     Family("flux", "Flux", ("text_encoder", "text_encoder_2", "transformer", "vae_decoder"), "transformer", 0.3611,
            FluxTxt2Img, dit_requests, latent_shift=0.1159, patch=2, steps=28, guidance=3.5, samplers=FLOW_SAMPLERS,
-           negative=False, check_mode=txt2img_only,
+           negative=False, check_mode=img2img_mode,
            variants={"dev": Flow(DYNAMIC, 28, 3.5, 512),
                      "schnell": Flow({"use_dynamic_shifting": False, "shift": 1.0}, 4, 0.0, 256)}, latent_rgb=FLUX_RGB),
     Family("chroma", "Chroma", ("text_encoder", "transformer", "vae_decoder"), "transformer", 0.3611, FluxTxt2Img,
