@@ -114,7 +114,7 @@ def out_paths(out, n: int) -> list:
               help="SD's sigma schedule: normal (default: the model's own spacing), karras, exponential, "
                    "sgm-uniform (DDIM: normal or sgm-uniform; LCM: its own). Flow-matching models keep theirs.")
 @click.option("--init-image", "init_image", default=None, type=click.Path(),
-              help="img2img (SD 1.x/2.x/XL, Flux, Z-Image, Qwen-Image): start from this PNG, encoded by the bundle's VAE encoder. Without "
+              help="img2img (SD 1.x/2.x/XL, Flux, SD3, Z-Image, Qwen-Image): start from this PNG, encoded by the bundle's VAE encoder. Without "
                    "--size the output has the image's size (multiples of 8); with --size the image is "
                    "centre-cropped to that aspect ratio and resized (bilinear, antialiased).")
 @click.option("--mask", default=None, type=click.Path(),

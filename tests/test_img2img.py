@@ -417,10 +417,10 @@ def test_bundle_without_vae_encoder_and_other_families_are_refused(tiny_bundle, 
     from precast.runtime.generate import check_image_mode
     with pytest.raises(UserError, match="rebuild it with vae_encoder in the recipe's components"):
         open_bundle(tiny_bundle[0]).img2img("x", picture())
-    sd3 = SimpleNamespace(root="b", model={"family": "sd3"}, components={"transformer": {}, "vae_encoder": {}})
+    chroma = SimpleNamespace(root="b", model={"family": "chroma"}, components={"transformer": {}, "vae_encoder": {}})
     with pytest.raises(UserError, match=r"img2img and inpainting are for SD 1.x/2.x/XL bundles now \(img2img for "
-                                        r"Flux, Z-Image and Qwen-Image too\); this one is sd3"):
-        check_image_mode(sd3, True, False, None, 20)
+                                        r"Flux, SD3, Z-Image and Qwen-Image too\); this one is chroma"):
+        check_image_mode(chroma, True, False, None, 20)
     zimage = SimpleNamespace(root="z", model={"family": "zimage"}, components={"transformer": {}})
     with pytest.raises(UserError, match="^z: img2img encodes the image with the VAE encoder, which this bundle lacks"):
         check_image_mode(zimage, True, False, None, 8)

@@ -255,6 +255,36 @@ def test_pipeline_matches_diffusers(files, bundles, name, steps, guidance):
     assert psnr(ours, want) >= 40.0, psnr(ours, want)
 
 
+def test_img2img_matches_diffusers(files, bundles, tmp_path, monkeypatch):
+    """img2img with CFG against StableDiffusion3Img2ImgPipeline (same noise; the VAE's mean, shifted and scaled) on a
+    tiny SD3.5-medium bundle with its VAE encoder (ONNX Runtime): PSNR >= 40 dB at strength 0.6 (the default) and 0.9."""
+    from PIL import Image
+    from diffusers import StableDiffusion3Img2ImgPipeline
+    from diffusers.pipelines.stable_diffusion_3 import pipeline_stable_diffusion_3_img2img as m
+    from test_img2img import picture
+    from precast.runtime.families.sd3 import SD3Txt2Img
+    recipe = _recipe(tmp_path, files["medium"], "[onnxruntime]", ALL + ("vae_encoder",), "i2i")
+    proc = precast("build", recipe, "--out", tmp_path / "b", env={"PRECAST_CACHE": str(bundles["t5"].parent / "cache")})
+    assert proc.returncode == 0, proc.stderr
+    noise = np.random.default_rng(7).standard_normal((1, 16, 32, 32)).astype(np.float32)
+    original = m.retrieve_latents
+    monkeypatch.setattr(m, "randn_tensor", lambda shape, **k: torch.from_numpy(noise.copy()).reshape(shape))
+    monkeypatch.setattr(m, "retrieve_latents", lambda out, generator=None, sample_mode="sample":
+                        original(out, generator, "argmax"))
+    pipe = StableDiffusion3Img2ImgPipeline(**_diffusers_pipeline(bundles["t5"], files["medium"], True).components)
+    init = picture(64, 64)
+    run = SD3Txt2Img(tmp_path / "b", "onnxruntime", width=64, height=64, strict=True, image_input=True)
+    for strength in (None, 0.9):
+        with torch.no_grad():
+            want = pipe(PROMPT, negative_prompt="blurry", image=Image.fromarray(init), strength=strength or 0.6,
+                        height=64, width=64, num_inference_steps=5, guidance_scale=4.5, max_sequence_length=T5_TOKENS,
+                        output_type="np").images[0]
+        ours = run(PROMPT, "blurry", steps=5, guidance=4.5, latents=noise, progress=False, init_image=init,
+                   strength=strength)
+        print(f"strength {strength or 0.6}: img2img PSNR vs StableDiffusion3Img2ImgPipeline {psnr(ours, want):.1f} dB")
+        assert want.std() > 0.05 and psnr(ours, want) >= 40.0, (strength, psnr(ours, want))
+
+
 def test_lora_merges_as_diffusers_applies_it_in_peft_and_kohya_spellings(files, tmp_path):
     """A PEFT LoRA over diffusers' module names (to_q / to_k / to_v: row blocks of SAI's fused qkv) and the
     same LoRA in kohya's SAI spelling (lora_unet_joint_blocks_N_x_block_attn_qkv, block-diagonal up) merge

@@ -13,7 +13,7 @@ gives its conditioning (`encode`), how the transformer reads latents (`to_transf
 timestep feed, any fixed feeds and, where it differs from the usual, how guidance combines the two velocities
 (`guide`) and, where its latents are normalised otherwise, `encode_image`. Also `t5_length`, `txt2img_only`
 (the families that run no img2img / inpainting: their one-line refusals), `img2img_mode` and `first_step` (the
-families that run img2img: Flux, Z-Image, Qwen-Image; no inpainting), `check_latent_stats` and `chat_cut_warnings`
+families that run img2img: Flux, SD3, Z-Image, Qwen-Image; no inpainting), `check_latent_stats` and `chat_cut_warnings`
 (what an LLM text encoder's family cuts off a prompt: Z-Image, FLUX.2, Qwen-Image).
 Imports numpy and the runtime's own modules; never the compiler.
 """
@@ -36,7 +36,7 @@ from .family import Family
 
 SCHEDULER = "flow-euler"      # the default sampler of these families (runtime/flow.py SAMPLERS: the others)
 FLOW_SAMPLERS = tuple(SAMPLERS)       # the --scheduler names these families take (flow-euler first)
-IMG2IMG_STRENGTH = 0.6     # the default strength of diffusers' Flux / ZImage / QwenImage Img2ImgPipelines
+IMG2IMG_STRENGTH = 0.6     # the default strength of diffusers' Flux / SD3 / ZImage / QwenImage Img2ImgPipelines
 NAMES = {"cli": ("--init-image", "--mask", "--strength"), "api": ("init_image=", "mask=", "strength=")}
 
 
@@ -83,8 +83,8 @@ def txt2img_only(manifest, init: bool, mask: bool, strength: float | None, steps
     if mask and not init:
         raise UserError(f"{n[1]}: inpainting needs the image the mask applies to: give {n[0]} too")
     if init:
-        raise UserError(f"{n[0]}: img2img and inpainting are for SD 1.x/2.x/XL bundles now (img2img for Flux, Z-Image "
-                        f"and Qwen-Image too); this one is {manifest.model.get('family')}")
+        raise UserError(f"{n[0]}: img2img and inpainting are for SD 1.x/2.x/XL bundles now (img2img for Flux, SD3, "
+                        f"Z-Image and Qwen-Image too); this one is {manifest.model.get('family')}")
     if strength is not None:
         raise UserError(f"{n[2]}: applies to img2img and inpainting; give {n[0]} too")
     return "txt2img", None
