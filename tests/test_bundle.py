@@ -553,7 +553,9 @@ def test_tar_headers_tarfile_would_read_whole_or_parse_slowly_are_refused_first(
     start = time.perf_counter()
     with pytest.raises(BadInput) as e:
         unpack_bundle(archive, work / "u")
-    assert time.perf_counter() - start < 0.5
+    # refused on the header: well under a second on an idle machine; the bound is loose for a loaded one (a 2-core CI
+    # run took 0.53 s once) and still far under what reading or parsing the header took (7 s to minutes)
+    assert time.perf_counter() - start < 3.0
     line = str(e.value)
     assert line.startswith(f"{archive}: refused, ") and words in line and line.endswith("; nothing was written"), line
     assert "\n" not in line and list(work.iterdir()) == []
