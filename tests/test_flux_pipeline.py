@@ -212,7 +212,7 @@ def test_flux_img2img_matches_diffusers(bundles, tmp_path, monkeypatch):
     from PIL import Image
     from diffusers import FluxImg2ImgPipeline
     from diffusers.pipelines.flux import pipeline_flux_img2img as m
-    from test_img2img import picture
+    from test_img2img import picture, same_start
     from precast.runtime.families.flux import FluxTxt2Img
     bundle, ckpt = bundles["tiny-flux-dev"]
     recipe = _recipe(tmp_path, "tiny-flux-dev", "[onnxruntime]").read_text()
@@ -220,10 +220,7 @@ def test_flux_img2img_matches_diffusers(bundles, tmp_path, monkeypatch):
     proc = precast("build", tmp_path / "i2i.yaml", "--out", tmp_path / "b", env={"PRECAST_CACHE": str(bundle.parent / "cache")})
     assert proc.returncode == 0, proc.stderr
     noise = np.random.default_rng(6).standard_normal((1, 16, 32, 32)).astype(np.float32)
-    original = m.retrieve_latents
-    monkeypatch.setattr(m, "randn_tensor", lambda shape, **k: torch.from_numpy(noise.copy()).reshape(shape))
-    monkeypatch.setattr(m, "retrieve_latents", lambda out, generator=None, sample_mode="sample":
-                        original(out, generator, "argmax"))
+    same_start(monkeypatch, m, noise)
     pipe = FluxImg2ImgPipeline(**_flux_pipeline(bundle, ckpt, "tiny-flux-dev").components)
     init, prompt = picture(64, 64), "a photo of an astronaut riding a horse on the moon"
     run = FluxTxt2Img(tmp_path / "b", "onnxruntime", width=64, height=64, strict=True, image_input=True)

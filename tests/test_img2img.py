@@ -53,6 +53,15 @@ def picture(w=SIZE, h=SIZE, seed=3) -> np.ndarray:
     return (np.clip(img, 0, 1) * 255).round().astype(np.uint8)
 
 
+def same_start(monkeypatch, module, noise: np.ndarray) -> None:
+    """A diffusers img2img pipeline module made to start as precast does: its randn_tensor returns `noise` (reshaped
+    to what it asks for) and retrieve_latents takes the VAE distribution's mode (precast encodes deterministically)."""
+    original = module.retrieve_latents
+    monkeypatch.setattr(module, "randn_tensor", lambda shape, **k: torch.from_numpy(noise.copy()).reshape(shape))
+    monkeypatch.setattr(module, "retrieve_latents", lambda out, generator=None, sample_mode="sample":
+                        original(out, generator, "argmax"))
+
+
 def mask_picture(w=SIZE, h=SIZE) -> np.ndarray:
     m = np.zeros((h, w), np.uint8)
     m[h * 3 // 16:h * 13 // 16, w * 5 // 16:w * 11 // 16 + 3] = 255   # edges off the 8-pixel grid

@@ -250,13 +250,10 @@ def test_img2img_matches_diffusers(demo, reference, monkeypatch):
     from PIL import Image
     from diffusers import QwenImageImg2ImgPipeline
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_img2img as m
-    from test_img2img import picture
+    from test_img2img import picture, same_start
     from precast.runtime.families.qwenimage import QwenImageTxt2Img
     noise = np.random.default_rng(6).standard_normal((1, 16, 8, 8)).astype(np.float32)
-    original = m.retrieve_latents
-    monkeypatch.setattr(m, "randn_tensor", lambda shape, **k: torch.from_numpy(noise.copy()).reshape(shape))
-    monkeypatch.setattr(m, "retrieve_latents", lambda out, generator=None, sample_mode="sample":
-                        original(out, generator, "argmax"))
+    same_start(monkeypatch, m, noise)
     pipe = QwenImageImg2ImgPipeline(**reference.components)
     init, prompt = picture(64, 64), "a photo of an astronaut riding a horse on the moon"
     with torch.no_grad():

@@ -261,16 +261,13 @@ def test_img2img_matches_diffusers(files, bundles, tmp_path, monkeypatch):
     from PIL import Image
     from diffusers import StableDiffusion3Img2ImgPipeline
     from diffusers.pipelines.stable_diffusion_3 import pipeline_stable_diffusion_3_img2img as m
-    from test_img2img import picture
+    from test_img2img import picture, same_start
     from precast.runtime.families.sd3 import SD3Txt2Img
     recipe = _recipe(tmp_path, files["medium"], "[onnxruntime]", ALL + ("vae_encoder",), "i2i")
     proc = precast("build", recipe, "--out", tmp_path / "b", env={"PRECAST_CACHE": str(bundles["t5"].parent / "cache")})
     assert proc.returncode == 0, proc.stderr
     noise = np.random.default_rng(7).standard_normal((1, 16, 32, 32)).astype(np.float32)
-    original = m.retrieve_latents
-    monkeypatch.setattr(m, "randn_tensor", lambda shape, **k: torch.from_numpy(noise.copy()).reshape(shape))
-    monkeypatch.setattr(m, "retrieve_latents", lambda out, generator=None, sample_mode="sample":
-                        original(out, generator, "argmax"))
+    same_start(monkeypatch, m, noise)
     pipe = StableDiffusion3Img2ImgPipeline(**_diffusers_pipeline(bundles["t5"], files["medium"], True).components)
     init = picture(64, 64)
     run = SD3Txt2Img(tmp_path / "b", "onnxruntime", width=64, height=64, strict=True, image_input=True)

@@ -308,13 +308,10 @@ def test_img2img_matches_diffusers(demo, tmp_path, monkeypatch):
     from PIL import Image
     from diffusers import ZImageImg2ImgPipeline
     from diffusers.pipelines.z_image import pipeline_z_image_img2img as m
-    from test_img2img import picture
+    from test_img2img import picture, same_start
     from precast.runtime.families.zimage import ZImageTxt2Img
     noise = np.random.default_rng(4).standard_normal((1, 16, 32, 32)).astype(np.float32)
-    original = m.retrieve_latents
-    monkeypatch.setattr(m, "randn_tensor", lambda shape, **k: torch.from_numpy(noise.copy()).reshape(shape))
-    monkeypatch.setattr(m, "retrieve_latents", lambda out, generator=None, sample_mode="sample":
-                        original(out, generator, "argmax"))
+    same_start(monkeypatch, m, noise)
     pipe = ZImageImg2ImgPipeline(**_zimage_pipeline(demo, tmp_path).components)
     init, prompt = picture(64, 64), "a photo of an astronaut riding a horse on the moon"
     run = ZImageTxt2Img(demo["ort"], "onnxruntime", width=64, height=64, strict=True, image_input=True)
