@@ -1,8 +1,8 @@
 """The Python API for apps: open a bundle, see what would run where and why, load and run components
 with numpy feeds, and generate images with the family's reference pipeline in one call.
 
-Owns: `open_bundle`, `Bundle` (plan, load, pipeline, txt2img, img2img, inpaint) and `Component`, the
-`verify` argument's values ("auto" | "full", as `--verify`), and `machine`, the devices and assignment
+Owns: `open_bundle`, `Bundle` (plan, load, pipeline, txt2img, img2img, inpaint; `load` returns a
+runtime/component.py `Component`), the `verify` argument's values ("auto" | "full", as `--verify`), and `machine`, the devices and assignment
 a call works with. What would run where is runtime/report.py's (`Report`); one generation (settings,
 defaults, the family's pipeline, `Image`) is runtime/generate.py's; selection, fallback and the
 `--backend` grammar are runtime/select.py's and runtime/assign.py's. `precast doctor` and `precast
@@ -26,7 +26,7 @@ value is one UserError line naming the keyword and the fix. Imports numpy and th
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Union
@@ -35,6 +35,7 @@ import numpy as np
 
 from .assign import COMPONENT_MODULE, Placement, assign_modules
 from .checks import check_strength, check_vae_tiling, is_int, shown
+from .component import Component
 from .devices import Device, apply_device_override, discover_devices
 from .errors import Cancelled, UserError
 from .families import family_of
@@ -46,7 +47,6 @@ from .manifest import Manifest, read_manifest
 from .report import ComponentPlan, Option, PassedOver, Report, plan_of, report_of
 from .select import component_report, installed_backends, load_component, nothing_runs, select_all, select_component
 from .step_hooks import CancelHook, PreviewCallback, StepCallback, preview_method
-from .embeddings import encoder_feeds, EXTRA_TOKENS_INPUT
 from .control import check_net
 
 __all__ = ["open_bundle", "Bundle", "Report", "ComponentPlan", "Option", "PassedOver", "Component", "Pipeline",
@@ -55,71 +55,6 @@ __all__ = ["open_bundle", "Bundle", "Report", "ComponentPlan", "Option", "Passed
 Verify = Literal["auto", "full"]
 Size = Union[str, tuple[int, int], None]           # "WIDTHxHEIGHT", (width, height), or the bundle's optimal
 DEFAULT_MODULES = ("te", "diffusion", "vae")          # what doctor assigns (assign_modules' default)
-
-
-# ---- components ----------------------------------------------------------------------------------
-class Component:
-    """One loaded component: `run({input: array}) -> {output: array}` on its backend and device."""
-
-    def __init__(self, bundle: "Bundle", name: str, session, plan: ComponentPlan):
-        self.bundle, self.name, self.session, self.plan = bundle, name, session, plan
-        spec = bundle.manifest.components[name]
-        self.inputs: dict[str, list] = {i["name"]: i.get("shape") for i in spec["inputs"]}     # manifest IO
-        self.outputs: dict[str, list] = {o["name"]: o.get("shape") for o in spec["outputs"]}
-
-    @property
-    def input_names(self) -> list[str]:
-        return list(self.session.input_names)
-
-    @property
-    def output_names(self) -> list[str]:
-        return list(self.session.output_names)
-
-    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Runs the component; each feed is cast to the dtype the artifact declares. A text encoder's
-        textual-inversion input (`token_embeddings_extra`) is filled in when only `input_ids` is fed. Each
-        feed is checked against the manifest's IO first (rank, fixed dimensions, a numeric dtype)."""
-        if not isinstance(feeds, Mapping):
-            raise UserError(f"{self.name}: feeds={type(feeds).__name__}: expected a dict of input name -> numpy "
-                            f"array (it takes {', '.join(self.input_names)})")
-        feeds = self._with_defaults({k: self._feed(k, v) for k, v in feeds.items()})
-        names = self.input_names
-        missing = [n for n in names if n not in feeds]
-        unknown = sorted(set(feeds) - set(names))
-        if missing or unknown:
-            what = "; ".join(filter(None, [missing and f"missing {', '.join(missing)}",
-                                           unknown and f"no input named {', '.join(unknown)}"]))
-            raise UserError(f"{self.name}: {what} (it takes {', '.join(names)})")
-        return dict(self.session.run(feeds))
-
-    __call__ = run
-
-    def _feed(self, name: str, value) -> np.ndarray:
-        label = f"{self.name}: feeds[{name!r}]"
-        try:
-            arr = np.asarray(value)
-        except ValueError as e:       # ragged nested lists
-            raise UserError(f"{label}: not an array ({e})") from None
-        if arr.dtype.kind not in "biuf":
-            raise UserError(f"{label}: expected a numeric numpy array, got {type(value).__name__} of {arr.dtype}")
-        fixed = (getattr(self.session, "input_shapes", None) or {}).get(name)   # the loaded artifact's dims
-        named = self.inputs.get(name) or []                                     # the manifest's, by name
-        want = fixed or named
-        if want and (arr.ndim != len(want) or any(isinstance(d, int) and d != n for d, n in zip(want, arr.shape))):
-            dims = [d if isinstance(d, int) else (named[i] if i < len(named) else "?") for i, d in enumerate(want)]
-            raise UserError(f"{label} has shape {list(arr.shape)}; the loaded {self.name} takes "
-                            f"[{', '.join(map(str, dims))}] (named dimensions vary; the image size is set when it loads: "
-                            f"bundle.load({self.name!r}, size=...))")
-        return arr
-
-    def _with_defaults(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        if EXTRA_TOKENS_INPUT in self.input_names and EXTRA_TOKENS_INPUT not in feeds and "input_ids" in feeds:
-            hidden = int(self.bundle.manifest.components[self.name].get("config", {}).get("hidden", 768))
-            feeds = {**encoder_feeds(self.session, self.name, feeds["input_ids"], None, hidden), **feeds}
-        return feeds
-
-    def __repr__(self) -> str:
-        return f"<Component {self.name}: {self.plan.artifact} via {self.plan.backend} on {self.plan.device}>"
 
 
 def _check_backends(backend, params_backend) -> None:
@@ -232,8 +167,8 @@ class Bundle:
                  vae_tiling: bool | None = None, vae_tile: int | None = None) -> Pipeline:
         """The family's pipeline, loaded (kept: the same arguments return the same pipeline).
         `image_input`: the VAE encoder loaded too, for img2img and inpainting (SD 1.x/2.x/XL bundles that
-        have one; img2img for Flux, SD3, Z-Image and Qwen-Image too); such a pipeline also serves txt2img. `controlnets`: the bundle's ControlNets (by name)
-        to load for `controls=` calls. `vae_tiling`: the VAE decodes (and encodes) in overlapping tiles --
+        have one; img2img for Flux, SD3, Z-Image and Qwen-Image too); such a pipeline also serves txt2img.
+        `controlnets`: the bundle's ControlNets (by name) to load for `controls=` calls. `vae_tiling`: the VAE decodes (and encodes) in overlapping tiles --
         True always, False never, None (default) when the image is past its engine's profile or its device's
         memory --, `vae_tile` px a side (default 512, within the engine's profile; runtime/vae_tiling.py)."""
         _check_backends(backend, params_backend)

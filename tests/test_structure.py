@@ -29,7 +29,7 @@ RUNTIME_LAYERS = [
     {"families", "families.flow_matching", "families.sd", "families.flux", "families.sd3", "families.zimage",
      "families.flux2", "families.qwenimage"},
     # 6: the Python API
-    {"report", "step_hooks", "generate", "api", "oci.push", "oci.pull", "oci.store"},
+    {"report", "component", "step_hooks", "generate", "api", "oci.push", "oci.pull", "oci.store"},
     # 7: the command line, and the package (which re-exports the API lazily)
     {"run_commands", "doctor_command", "rerun", "remote_commands", "cli", ""},
 ]
