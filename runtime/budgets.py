@@ -70,6 +70,16 @@ def memory_plan(weights: int, device: Device, budget: int | None, source: str, s
     return {**out, "plan": "too-big"}
 
 
+def _note(c, text: str) -> None:
+    """`text` added to the candidate's note (one line, parts joined by "; ")."""
+    c.note = "; ".join(filter(None, [c.note, text]))
+
+
+def _peaks(peaks: dict[str, int]) -> str:
+    """Each plan's expected peak, as doctor and the warnings say them: "resident 5.31 GiB, one at a time ..."."""
+    return ", ".join(f"{p.replace('-', ' ')} {_gib(v)}" for p, v in peaks.items())
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
 
@@ -93,12 +103,11 @@ def apply_budgets(sel, manifest: Manifest, placement: Placement, devices: list[D
             continue
         if c.backend == "openvino" and c.device.kind != "cpu" and budget is not None:
             c.weight_budget = budget        # told to OpenVINO's GPU plugin (sessions.openvino_gpu_memory)
-            c.note = "; ".join(filter(None, [c.note, f"OpenVINO GPU plugin given {_gib(budget)} of device memory "
-                                                     f"({source})"]))
+            _note(c, f"OpenVINO GPU plugin given {_gib(budget)} of device memory ({source})")
         if c.memory["plan"] == "stream":
             c.weight_budget = budget
-            c.note = "; ".join(filter(None, [c.note, f"streams {_gib(c.memory['streamed'])} of {_gib(weights)} "
-                                                     f"weights from host memory ({_gib(budget)} on {c.device.id})"]))
+            _note(c, f"streams {_gib(c.memory['streamed'])} of {_gib(weights)} weights from host memory "
+                     f"({_gib(budget)} on {c.device.id})")
         keep.append(c)
     sel.viable = keep
     return dropped
@@ -140,14 +149,14 @@ def share_budgets(sels: dict, placements: dict[str, Placement], devices: list[De
                    f"{len(chosen)} components need {_gib(total)} together, {dev}'s budget is {_gib(budget)}")
             for c in chosen:
                 c.memory = {**c.memory, "plan": "one-at-a-time", "together": total}
-                c.note = "; ".join(filter(None, [c.note, f"loaded one at a time: {why}"]))
+                _note(c, f"loaded one at a time: {why}")
         if auto:
             peak = peaks[chosen[0].memory["plan"]]
             for c in chosen:
                 c.memory = {**c.memory, "fits": peak <= budget}
                 if peak > budget:
-                    c.note = "; ".join(filter(None, [c.note, f"expected peak {_gib(peak)} exceeds the {_gib(budget)} "
-                                                             f"of {source}; kept on {dev}, the last resort"]))
+                    _note(c, f"expected peak {_gib(peak)} exceeds the {_gib(budget)} of {source}; kept on {dev}, "
+                             "the last resort")
 
 
 def memory_summary(memories: dict[str, dict], devices: list[Device]) -> dict[str, dict]:
@@ -168,8 +177,7 @@ def memory_summary(memories: dict[str, dict], devices: list[Device]) -> dict[str
             d["components"].append(comp)
     for dev, d in out.items():
         if d["fits"] is False:
-            plans = ", ".join(f"{p.replace('-', ' ')} {_gib(v)}" for p, v in d["peaks"].items())
-            d["warning"] = (f"no memory plan fits {dev}: expected peak {plans}; {dev} has {_gib(d['budget'])} of "
+            d["warning"] = (f"no memory plan fits {dev}: expected peak {_peaks(d['peaks'])}; {dev} has {_gib(d['budget'])} of "
                             f"{d['budget_from']}. generate still tries (the estimate may be pessimistic); to fit: "
                             f"free memory, build the bundle at a smaller precision (precision: fp16, or weights: "
                             f"int8 / int4), with a low-memory target option (openvino winograd: false), or use a "
@@ -179,10 +187,9 @@ def memory_summary(memories: dict[str, dict], devices: list[Device]) -> dict[str
 
 def plan_line(dev: str, plan: dict) -> str:
     """One of memory_summary's records as doctor says it: each plan's expected peak, the budget, the plan used."""
-    peaks = ", ".join(f"{p.replace('-', ' ')} {_gib(v)}" for p, v in plan["peaks"].items())
     have = f"; {_gib(plan['budget'])} {plan['budget_from']}" if plan["budget"] is not None else ""
     used = "them one at a time" if plan["plan"] == "one-at-a-time" else "them resident"
-    return f"{dev}: expected peak {peaks}{have} -> generate loads {used}" + " (does not fit)" * (plan["fits"] is False)
+    return f"{dev}: expected peak {_peaks(plan['peaks'])}{have} -> generate loads {used}" + " (does not fit)" * (plan["fits"] is False)
 
 
 def keep_shared_plan(before, after) -> None:
