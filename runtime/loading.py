@@ -324,6 +324,13 @@ class BundleModel:
         self.tiled[comp[len("vae_"):]] = tiling.record(*hw, f) if tiling else None
         return run_tiled(run, x, tiling, f, latent) if tiling else run(x)
 
+    def vae_mean(self, pixels: np.ndarray) -> np.ndarray:
+        """The VAE encoder's distribution's MEAN for pixels [N, 3, H, W] in [-1, 1], float32 [N, C, H/f, W/f]
+        (diffusers samples the distribution by default; the mean is its mode, deterministic): the first half of
+        the encoder's output channels, through `vae_run` (in tiles where planned)."""
+        params = self.vae_run("vae_encoder", pixels)
+        return params[:, :params.shape[1] // 2]
+
     def _vae_budget(self, comp: str) -> int | None:
         """Bytes a VAE pass may take on its device: its budget (--params-backend DEVICE:SIZE, a GPU's memory;
         the CPU's available memory when the run started, else its RAM) less the weights of the components

@@ -198,11 +198,8 @@ class FlowPipeline(BundleModel):
 
     def encode_image(self, pixels: np.ndarray) -> np.ndarray:
         """[1, 3, H, W] in [-1, 1] -> latents as the denoiser's are ([1, C, h, w], before `to_transformer`): the
-        VAE encoder's distribution's MEAN (diffusers samples it; the mean is its mode, deterministic), less the
-        shift, times the scale (in tiles where runtime/vae_tiling.py plans them)."""
-        params = self.vae_run("vae_encoder", pixels)
-        mean = params[:, :params.shape[1] // 2].astype(np.float32)
-        return (mean - np.float32(self.latent_shift)) * np.float32(self.latent_scale)
+        VAE encoder's mean (BundleModel.vae_mean) less the shift, times the scale."""
+        return (self.vae_mean(pixels) - np.float32(self.latent_shift)) * np.float32(self.latent_scale)
 
     # ---- generation --------------------------------------------------------------------------------
     def __call__(self, prompt: str, negative: str = "", steps: int | None = None, seed: int = 0,

@@ -235,11 +235,9 @@ class Txt2Img(BundleModel):
         return np.array([[h, w, crop[0], crop[1], *tail]], np.float32)
 
     def encode_image(self, pixels: np.ndarray) -> np.ndarray:
-        """[1, 3, H, W] in [-1, 1] -> scaled latents [1, 4, H/f, W/f]: the VAE encoder's distribution's
-        MEAN (diffusers samples it by default; the mean is its mode, deterministic) x latent_scale; in tiles
-        where runtime/vae_tiling.py plans them (BundleModel.vae_run)."""
-        params = self.vae_run("vae_encoder", pixels)
-        return params[:, :params.shape[1] // 2] * np.float32(self.latent_scale)
+        """[1, 3, H, W] in [-1, 1] -> scaled latents [1, 4, H/f, W/f]: the VAE encoder's mean (BundleModel.vae_mean)
+        x latent_scale."""
+        return self.vae_mean(pixels) * np.float32(self.latent_scale)
 
     def __call__(self, prompt: str, negative: str = "", steps: int = 20, seed: int = 0, guidance: float = 7.5,
                  scheduler: str = "euler", latents: np.ndarray | None = None, progress: bool = True,
