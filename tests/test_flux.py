@@ -278,6 +278,11 @@ def _peft_lora(rng, model, modules, rank=4):
     return out
 
 
+def peft_tensors(lora: dict, prefix: str = "transformer") -> dict[str, np.ndarray]:
+    """A `_peft_lora` LoRA as a diffusers / PEFT file holds it: {prefix.module.lora_A/B.weight: array}."""
+    return {f"{prefix}.{m}.lora_{ab}.weight": t for m, (a, b) in lora.items() for ab, t in (("A", a), ("B", b))}
+
+
 def test_flux_lora_matches_diffusers_in_peft_and_kohya_spellings(files, tmp_path):
     """A diffusers/PEFT LoRA (transformer.transformer_blocks.0.attn.to_q, ...: row blocks of BFL's fused
     qkv / linear1) merges to what diffusers' own adapter computes; the same LoRA in kohya's BFL
@@ -292,8 +297,7 @@ def test_flux_lora_matches_diffusers_in_peft_and_kohya_spellings(files, tmp_path
             "single_transformer_blocks.1.proj_out", "x_embedder"]
     lora = _peft_lora(np.random.default_rng(12), model, mods, rank)
     peft = tmp_path / "peft.safetensors"
-    save_file({f"transformer.{m}.lora_{ab}.weight": t for m, (a, b) in lora.items() for ab, t in (("A", a), ("B", b))},
-              str(peft))
+    save_file(peft_tensors(lora), str(peft))
     # kohya, BFL names: q|k|v (and q|k|v|mlp) as one module of rank 3r (4r), alpha keeping alpha/rank = 1
     kohya = {}
 

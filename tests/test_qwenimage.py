@@ -467,13 +467,12 @@ def test_lora_matches_diffusers_in_peft_and_comfyui_spellings(tmp_path):
                                                     joint_attention_dim=48, axes_dims_rope=tuple(AXES)))
     save_file({"model.diffusion_model." + k: v.contiguous() for k, v in model.state_dict().items()},
               tmp_path / "qwen_image_bf16.safetensors")
-    from test_flux import _peft_lora
+    from test_flux import _peft_lora, peft_tensors
     rng, rank = np.random.default_rng(5), 4
     mods = ["transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k", "transformer_blocks.0.attn.add_k_proj",
             "transformer_blocks.1.img_mlp.net.0.proj", "transformer_blocks.1.txt_mod.1", "img_in"]
     lora = _peft_lora(rng, model, mods, rank)
-    save_np({f"transformer.{m}.lora_{ab}.weight": t for m, (a, b) in lora.items() for ab, t in (("A", a), ("B", b))},
-            str(tmp_path / "peft.safetensors"))
+    save_np(peft_tensors(lora), str(tmp_path / "peft.safetensors"))
     save_np({f"diffusion_model.{m}.lora_{ud}.weight": t for m, (a, b) in lora.items() for ud, t in (("down", a), ("up", b))}
             | {f"diffusion_model.{m}.alpha": np.array(float(rank), np.float32) for m in mods},
             str(tmp_path / "comfy.safetensors"))

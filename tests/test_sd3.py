@@ -288,18 +288,13 @@ def test_lora_merges_as_diffusers_applies_it_in_peft_and_kohya_spellings(files, 
     to what diffusers' own adapter computes."""
     from safetensors.numpy import save_file
     model = ref.sd3_reference(files["medium"], TINY_SD35_MEDIUM)
-    params = dict(model.named_parameters())
+    from test_flux import _peft_lora, peft_tensors
     rng, rank = np.random.default_rng(12), 4
     mods = ["transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k", "transformer_blocks.0.attn.to_v",
             "transformer_blocks.1.attn.add_k_proj", "transformer_blocks.1.ff.net.0.proj", "transformer_blocks.0.attn2.to_out.0"]
-    lora = {}
-    for m in mods:
-        o, i = params[f"{m}.weight"].shape
-        lora[m] = (0.5 * rng.standard_normal((rank, i)).astype(np.float32),
-                   0.5 * rng.standard_normal((o, rank)).astype(np.float32))
+    lora = _peft_lora(rng, model, mods, rank)
     peft = tmp_path / "peft.safetensors"
-    save_file({f"transformer.{m}.lora_{ab}.weight": t for m, (a, b) in lora.items() for ab, t in (("A", a), ("B", b))},
-              str(peft))
+    save_file(peft_tensors(lora), str(peft))
     kohya = {}
     down = np.concatenate([lora[m][0] for m in mods[:3]])
     h = lora[mods[0]][1].shape[0]

@@ -157,13 +157,12 @@ def test_lora_in_diffusers_names_matches_diffusers(demo, tmp_path):
     0.8 computes what diffusers' own adapter does; ComfyUI / ai-toolkit's `diffusion_model.` spelling."""
     from safetensors.numpy import save_file as save_np
     model = _diffusers_transformer({k: v.float() for k, v in load_file(demo["file"]).items()})
-    from test_flux import _peft_lora
+    from test_flux import _peft_lora, peft_tensors
     rng, rank = np.random.default_rng(9), 4
     mods = ["layers.0.attention.to_q", "layers.0.attention.to_v", "layers.1.attention.to_out.0",
             "layers.1.feed_forward.w1", "noise_refiner.0.attention.to_k", "context_refiner.0.feed_forward.w2"]
     lora = _peft_lora(rng, model, mods, rank)
-    save_np({f"diffusion_model.{m}.lora_{ab}.weight": t for m, (a, b) in lora.items() for ab, t in (("A", a), ("B", b))},
-            str(tmp_path / "lora.safetensors"))
+    save_np(peft_tensors(lora, "diffusion_model"), str(tmp_path / "lora.safetensors"))
     proc = precast("export", demo["file"], "--out", tmp_path / "x", "--component", "transformer", "--set", AXES,
                    "--lora", f"{tmp_path / 'lora.safetensors'}:0.8")
     assert proc.returncode == 0, proc.stderr
@@ -176,8 +175,8 @@ def test_lora_in_diffusers_names_matches_diffusers(demo, tmp_path):
             return -model([torch.from_numpy(lat[0])[:, None]], torch.from_numpy(t), [torch.from_numpy(cap[0])],
                           return_dict=False)[0][0][:, 0].numpy()
     plain = reference()
-    model.load_lora_adapter({f"transformer.{m}.lora_{ab}.weight": torch.from_numpy(x) for m, (a, b) in lora.items()
-                             for ab, x in (("A", a), ("B", b))}, prefix="transformer", adapter_name="x")
+    model.load_lora_adapter({k: torch.from_numpy(v) for k, v in peft_tensors(lora).items()}, prefix="transformer",
+                            adapter_name="x")
     model.set_adapters(["x"], weights=[0.8])
     want = reference()
     feeds = {"hidden_states": lat, "encoder_hidden_states": cap, "attention_mask": np.ones((1, 16), np.int32),
