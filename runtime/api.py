@@ -167,7 +167,7 @@ class Bundle:
                  vae_tiling: bool | None = None, vae_tile: int | None = None) -> Pipeline:
         """The family's pipeline, loaded (kept: the same arguments return the same pipeline).
         `image_input`: the VAE encoder loaded too, for img2img and inpainting (SD 1.x/2.x/XL bundles that
-        have one; img2img for Flux, SD3, Z-Image and Qwen-Image too); such a pipeline also serves txt2img.
+        have one; img2img for Flux, Chroma, SD3, Z-Image and Qwen-Image too); such a pipeline also serves txt2img.
         `controlnets`: the bundle's ControlNets (by name) to load for `controls=` calls. `vae_tiling`: the VAE decodes (and encodes) in overlapping tiles --
         True always, False never, None (default) when the image is past its engine's profile or its device's
         memory --, `vae_tile` px a side (default 512, within the engine's profile; runtime/vae_tiling.py)."""

@@ -13,7 +13,7 @@ gives its conditioning (`encode`), how the transformer reads latents (`to_transf
 timestep feed, any fixed feeds and, where it differs from the usual, how guidance combines the two velocities
 (`guide`) and, where its latents are normalised otherwise, `encode_image`. Also `t5_length`, `txt2img_only`
 (the families that run no img2img / inpainting: their one-line refusals), `img2img_mode` and `first_step` (the
-families that run img2img: Flux, SD3, Z-Image, Qwen-Image; no inpainting), `check_latent_stats` and `chat_cut_warnings`
+families that run img2img: Flux, Chroma, SD3, Z-Image, Qwen-Image; no inpainting), `check_latent_stats` and `chat_cut_warnings`
 (what an LLM text encoder's family cuts off a prompt: Z-Image, FLUX.2, Qwen-Image).
 Imports numpy and the runtime's own modules; never the compiler.
 """
@@ -83,7 +83,7 @@ def txt2img_only(manifest, init: bool, mask: bool, strength: float | None, steps
     if mask and not init:
         raise UserError(f"{n[1]}: inpainting needs the image the mask applies to: give {n[0]} too")
     if init:
-        raise UserError(f"{n[0]}: img2img and inpainting are for SD 1.x/2.x/XL bundles now (img2img for Flux, SD3, "
+        raise UserError(f"{n[0]}: img2img and inpainting are for SD 1.x/2.x/XL bundles now (img2img for Flux, Chroma, SD3, "
                         f"Z-Image and Qwen-Image too); this one is {manifest.model.get('family')}")
     if strength is not None:
         raise UserError(f"{n[2]}: applies to img2img and inpainting; give {n[0]} too")

@@ -18,7 +18,7 @@ from ..errors import UserError
 from ..image_size import latent_factor
 from ..manifest import Manifest
 from .family import Family, Flow, LatentRGB
-from .flow_matching import FLOW_SAMPLERS, FlowPipeline, img2img_mode, t5_length, txt2img_only
+from .flow_matching import FLOW_SAMPLERS, FlowPipeline, img2img_mode, t5_length
 from ..embeddings import encoder_feeds
 from ..prompts import clip_truncated, emphasize, t5_input
 
@@ -201,6 +201,6 @@ FAMILIES = (
                      "schnell": Flow({"use_dynamic_shifting": False, "shift": 1.0}, 4, 0.0, 256)}, latent_rgb=FLUX_RGB),
     Family("chroma", "Chroma", ("text_encoder", "transformer", "vae_decoder"), "transformer", 0.3611, FluxTxt2Img,
            dit_requests, latent_shift=0.1159, patch=2, steps=28, guidance=3.5, samplers=FLOW_SAMPLERS,
-           check_mode=txt2img_only, variants={"": Flow(DYNAMIC, 35, 5.0, 512)}, latent_rgb=FLUX_RGB),
+           check_mode=img2img_mode, variants={"": Flow(DYNAMIC, 35, 5.0, 512)}, latent_rgb=FLUX_RGB),
 )
 FluxTxt2Img.families = {f.name: f for f in FAMILIES}
