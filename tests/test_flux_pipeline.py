@@ -208,7 +208,7 @@ def test_a_bundle_built_for_several_t5_lengths_runs_its_engines(tmp_path):
 
 def test_flux_img2img_matches_diffusers(bundles, tmp_path, monkeypatch):
     """img2img on Flux dev (ONNX Runtime, the bundle with its VAE encoder) against FluxImg2ImgPipeline with the same
-    noise and the VAE's mean: PSNR >= 40 dB at strength 0.6 (the default) and 0.8; Chroma stays txt2img in one line."""
+    noise and the VAE's mean: PSNR >= 40 dB at strength 0.6 (the default) and 0.8."""
     from PIL import Image
     from diffusers import FluxImg2ImgPipeline
     from diffusers.pipelines.flux import pipeline_flux_img2img as m

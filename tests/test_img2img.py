@@ -426,10 +426,10 @@ def test_bundle_without_vae_encoder_and_other_families_are_refused(tiny_bundle, 
     from precast.runtime.generate import check_image_mode
     with pytest.raises(UserError, match="rebuild it with vae_encoder in the recipe's components"):
         open_bundle(tiny_bundle[0]).img2img("x", picture())
-    chroma = SimpleNamespace(root="b", model={"family": "chroma"}, components={"transformer": {}, "vae_encoder": {}})
+    flux2 = SimpleNamespace(root="b", model={"family": "flux2"}, components={"transformer": {}, "vae_encoder": {}})
     with pytest.raises(UserError, match=r"img2img and inpainting are for SD 1.x/2.x/XL bundles now \(img2img for "
-                                        r"Flux, SD3, Z-Image and Qwen-Image too\); this one is chroma"):
-        check_image_mode(chroma, True, False, None, 20)
+                                        r"Flux, Chroma, SD3, Z-Image and Qwen-Image too\); this one is flux2"):
+        check_image_mode(flux2, True, False, None, 20)
     zimage = SimpleNamespace(root="z", model={"family": "zimage"}, components={"transformer": {}})
     with pytest.raises(UserError, match="^z: img2img encodes the image with the VAE encoder, which this bundle lacks"):
         check_image_mode(zimage, True, False, None, 8)
