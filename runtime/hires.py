@@ -79,9 +79,10 @@ def check_hires(manifest, family, base: tuple[int, int], scale=None, size=None, 
     if scale is not None and size is not None:
         raise UserError(f"{o_size}: give {o_scale} or {o_size}, not both")
     what = shown(o_scale, scale) if scale is not None else shown(o_size, size, quote=True)
-    if not family.image_modes:
+    if not (family.image_modes or family.img2img):
         raise UserError(f"{what}: the hires fix's second pass is img2img, which {family.title} bundles do not run "
-                        "(SD 1.x/2.x/XL do); generate at the larger size instead")
+                        "(SD 1.x/2.x/XL, Flux, Chroma, SD3, Z-Image and Qwen-Image do); generate at the larger size "
+                        "instead")
     f = latent_factor(manifest)
     if scale is not None:
         scale = check_number(scale, o_scale, f"more than 1, e.g. {DEFAULTS['scale']:g}")
@@ -105,7 +106,7 @@ def check_hires(manifest, family, base: tuple[int, int], scale=None, size=None, 
     if steps is not None:
         steps = check_steps(steps, o_steps)
     denoise = check_strength(DEFAULTS["denoise"] if denoise is None else denoise, o_denoise)
-    if start_index(steps or base_steps, denoise) >= (steps or base_steps):
+    if family.image_modes and start_index(steps or base_steps, denoise) >= (steps or base_steps):   # SD's rule
         raise UserError(f"{shown(o_denoise, denoise)} with {steps or base_steps} steps runs no step "
                         f"(int(steps x denoise) = 0): raise {o_denoise} or {o_steps}")
     return Hires(width, height, steps, denoise, upscaler, scale)

@@ -234,7 +234,21 @@ def test_flux_img2img_matches_diffusers(bundles, tmp_path, monkeypatch):
         assert want.std() > 0.05 and psnr(ours, want) >= 40.0, (strength, psnr(ours, want))
 
 
-def test_chroma_img2img_matches_diffusers(bundles, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def chroma_i2i(bundles, tmp_path_factory):
+    """The tiny Chroma with its VAE encoder, ONNX Runtime, 64x64 to 128x128 px (img2img and the hires fix)."""
+    bundle, _ = bundles["tiny-chroma"]
+    tmp = tmp_path_factory.mktemp("chroma-i2i")
+    recipe = _recipe(tmp, "tiny-chroma", "[onnxruntime]").read_text()
+    recipe = recipe.replace("transformer, vae_decoder]", "transformer, vae_decoder, vae_encoder]").replace(
+        "height: 64, width: 64", "height: {min: 64, opt: 64, max: 128}, width: {min: 64, opt: 64, max: 128}")
+    (tmp / "i2i.yaml").write_text(recipe)
+    proc = precast("build", tmp / "i2i.yaml", "--out", tmp / "b", env={"PRECAST_CACHE": str(bundle.parent / "cache")})
+    assert proc.returncode == 0, proc.stderr
+    return tmp / "b"
+
+
+def test_chroma_img2img_matches_diffusers(bundles, chroma_i2i, tmp_path, monkeypatch):
     """img2img on Chroma (true CFG with a negative prompt) against ChromaImg2ImgPipeline, its masks made boolean as
     ChromaPipeline's are (its float 0/1 mask is added to the attention scores: huggingface/diffusers#12116):
     PSNR >= 40 dB at strength 0.6 (the default) and 0.85; `generate --init-image` runs it from the CLI."""
@@ -245,10 +259,6 @@ def test_chroma_img2img_matches_diffusers(bundles, tmp_path, monkeypatch):
     from test_img2img import picture, same_start
     from precast.runtime.families.flux import FluxTxt2Img
     bundle, ckpt = bundles["tiny-chroma"]
-    recipe = _recipe(tmp_path, "tiny-chroma", "[onnxruntime]").read_text()
-    (tmp_path / "i2i.yaml").write_text(recipe.replace("transformer, vae_decoder]", "transformer, vae_decoder, vae_encoder]"))
-    proc = precast("build", tmp_path / "i2i.yaml", "--out", tmp_path / "b", env={"PRECAST_CACHE": str(bundle.parent / "cache")})
-    assert proc.returncode == 0, proc.stderr
     noise = np.random.default_rng(8).standard_normal((1, 16, 32, 32)).astype(np.float32)
     same_start(monkeypatch, m, noise)
     monkeypatch.setattr(ChromaImg2ImgPipeline, "_prepare_attention_mask", ChromaPipeline._prepare_attention_mask)
@@ -257,7 +267,7 @@ def test_chroma_img2img_matches_diffusers(bundles, tmp_path, monkeypatch):
                                  tokenizer=T5TokenizerFast(tokenizer_file=str(bundle / "tokenizer/tokenizer.json")),
                                  transformer=ref.chroma_reference(ckpt, DEMOS["tiny-chroma"]))
     init, prompt, negative = picture(64, 64), "a lighthouse at dusk, oil painting", "blurry, low quality"
-    run = FluxTxt2Img(tmp_path / "b", "onnxruntime", width=64, height=64, strict=True, image_input=True)
+    run = FluxTxt2Img(chroma_i2i, "onnxruntime", width=64, height=64, strict=True, image_input=True)
     with torch.no_grad():
         pe, pm = pipe._get_t5_prompt_embeds(prompt, max_sequence_length=T5_TOKENS)
         ne, nm = pipe._get_t5_prompt_embeds(negative, max_sequence_length=T5_TOKENS)
@@ -271,7 +281,38 @@ def test_chroma_img2img_matches_diffusers(bundles, tmp_path, monkeypatch):
         print(f"strength {strength or 0.6}: img2img PSNR vs ChromaImg2ImgPipeline {psnr(ours, want):.1f} dB")
         assert want.std() > 0.05 and psnr(ours, want) >= 40.0, (strength, psnr(ours, want))
     Image.fromarray(init).save(tmp_path / "init.png")
-    proc = precast("generate", tmp_path / "b", "--prompt", prompt, "--init-image", tmp_path / "init.png", "--steps", "4",
+    proc = precast("generate", chroma_i2i, "--prompt", prompt, "--init-image", tmp_path / "init.png", "--steps", "4",
                    "--out", tmp_path / "c.png", "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["mode"] == "img2img" and (tmp_path / "c.png").stat().st_size > 1000
+
+
+def test_flow_hires_is_the_first_pass_then_img2img_by_hand(chroma_i2i):
+    """The hires fix on a flow family (Chroma, true CFG): the first pass at 64x64, then img2img at 128x128 from its
+    upscaled latents (A1111's "Latent": torch's bilinear interpolate) or from its decoded image resized and encoded
+    again ("bilinear"), each image's noise from its own seed there -- the same pixels as those two calls by hand."""
+    from precast.runtime.api import open_bundle
+    from precast.runtime.hires import upscale_latents
+    bundle = open_bundle(str(chroma_i2i))
+    settings = {"negative": "blurry", "seed": 5, "backend": "onnxruntime", "guidance": 4.0}
+    base = bundle.txt2img("a red fox", steps=3, **settings)
+    by_hand = bundle.img2img("a red fox", base.to_uint8(), strength=0.6, steps=4, size=(128, 128), **settings)
+    hires = bundle.txt2img("a red fox", steps=3, hires_scale=2, hires_steps=4, hires_denoise=0.6,
+                           hires_upscaler="bilinear", **settings)
+    assert base.size == (64, 64) and hires.size == (128, 128)
+    assert hires.to_uint8().tobytes() == by_hand.to_uint8().tobytes()
+    pipe = bundle.pipeline("onnxruntime").pipe
+    kwargs = {"negative": "blurry", "guidance": 4.0, "progress": False}
+    latents = pipe("a red fox", seeds=[5, 6], steps=3, decode=False, **kwargs)
+    assert latents.shape == (2, 16, 32, 32)
+    second = pipe.at_size(128, 128, pipe.spec.requests(bundle.manifest, 1, 128, 128))   # the same engines
+    assert second is not None and second.loaded is pipe.loaded
+    by_hand = second("a red fox", seeds=[5, 6], steps=4, init_latents=upscale_latents(latents, 64, 64, "latent"),
+                     strength=0.6, **kwargs)
+    latent = bundle.pipeline("onnxruntime").images("a red fox", steps=3, hires_scale=2, hires_steps=4, hires_denoise=0.6,
+                                                   batch=2, **{k: v for k, v in settings.items() if k != "backend"})
+    for made, want in zip(latent, by_hand):
+        assert made.to_uint8().tobytes() == (np.clip(want, 0, 1) * 255).round().astype(np.uint8).tobytes()
+    assert latent[1].settings["hires"] == {"scale": 2.0, "size": "128x128", "steps": 4, "denoise": 0.6,
+                                           "upscaler": "latent"} and latent[1].seed == 6
+    assert not np.array_equal(latent[0].to_uint8(), hires.to_uint8())     # the upscalers differ

@@ -150,8 +150,9 @@ def test_hires_is_refused_in_one_line_before_anything_runs(bundles, tmp_path):
     bundle = open_bundle(str(bundles["dyn"]))
     with pytest.raises(UserError, match=r"hires_upscaler='lanczos': choose one of latent, latent-nearest-exact, "):
         bundle.txt2img("a", hires_scale=2, hires_upscaler="lanczos")
-    with pytest.raises(UserError, match=r"^hires_size='128x128': the hires fix's second pass is img2img, which Flux "):
-        check_hires(bundle.manifest, FAMILIES["flux"], (64, 64), size="128x128", names="api")
+    with pytest.raises(UserError, match=r"^hires_size='128x128': the hires fix's second pass is img2img, which FLUX.2 "
+                                        r"bundles do not run \(SD 1.x/2.x/XL, Flux, Chroma, SD3, Z-Image and Qwen-Image"):
+        check_hires(bundle.manifest, FAMILIES["flux2"], (64, 64), size="128x128", names="api")
 
 
 def test_from_png_reruns_hires_and_tiled_pngs_byte_for_byte(bundles, tmp_path):

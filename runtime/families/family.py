@@ -49,6 +49,7 @@ class Family:
     schedules: dict[str, tuple[str, ...]] = field(default_factory=dict)
     negative: bool = True             # whether a negative prompt is used (Flux: distilled guidance, none)
     image_modes: bool = False         # img2img and inpainting
+    img2img: bool = False             # img2img without inpainting (the flow families that run it)
     controlnets: bool = False
     variants: dict[str, Flow] = field(default_factory=dict)    # flow-matching: the released models' defaults
     # (manifest, init: bool, mask: bool, strength, steps, names "cli" | "api") -> (mode, strength), checked

@@ -205,7 +205,8 @@ class FlowPipeline(BundleModel):
     def __call__(self, prompt: str, negative: str = "", steps: int | None = None, seed: int = 0,
                  guidance: float | None = None, latents: np.ndarray | None = None, progress: bool = True,
                  scheduler: str = SCHEDULER, seeds: list[int] | None = None, init_image: np.ndarray | None = None,
-                 strength: float | None = None) -> np.ndarray:
+                 strength: float | None = None, init_latents: np.ndarray | None = None,
+                 decode: bool = True) -> np.ndarray:
         """Returns the decoded image as float32 [H, W, 3] in [0, 1]; with `seeds`, one image per seed,
         [N, H, W, 3], each from its own seed's noise (image i is the single image of seeds[i]), as many per
         transformer call as its engine's profile takes (`batches`: the images of each call).
@@ -213,20 +214,25 @@ class FlowPipeline(BundleModel):
         Guidance above 1 runs the negative prompt too (CFG: a second call of the same batch) in the
         families that read one. `scheduler`: one of runtime/flow.py's SAMPLERS (default flow-euler).
         `init_image` (uint8 [H, W, 3], any size: fitted to the pipeline's by runtime/images.py's rule) makes it
-        img2img from that image at `strength` (default 0.6; the pipeline opened with image_input=True)."""
+        img2img from that image at `strength` (default 0.6; the pipeline opened with image_input=True).
+        `init_latents`: img2img from these latents (as `encode_image` makes them, one row per image or one for
+        all) instead of an encoded image (the hires fix's second pass); `decode=False` returns the latents
+        [N, C, h, w] undecoded, as `encode_image` makes them."""
         steps = self.defaults["steps"] if steps is None else steps
         guidance = self.defaults["guidance"] if guidance is None else guidance
         check_steps(steps)
         run = self.run_stages = {}
         t0 = time.perf_counter()
         first, image_latents = 0, None
-        if init_image is not None or strength is not None:
-            _, strength = self.spec.check_mode(self.manifest, init_image is not None, False, strength, steps, "api")
-            if not self.image_input:
+        if init_image is not None or strength is not None or init_latents is not None:
+            image = init_image is not None or init_latents is not None
+            _, strength = self.spec.check_mode(self.manifest, image, False, strength, steps, "api")
+            if init_latents is None and not self.image_input:
                 raise UserError("init_image=: img2img needs the VAE encoder loaded: open the pipeline with "
                                 "image_input=True")
             first = first_step(steps, strength)
-            image_latents = self.encode_image(image_tensor(init_image, self.width, self.height))
+            image_latents = init_latents.astype(np.float32) if init_latents is not None else \
+                self.encode_image(image_tensor(init_image, self.width, self.height))
         cond = self.encode(prompt)
         cfg = self.spec.negative and guidance > 1.0
         uncond = self.encode(negative) if cfg else None
@@ -249,7 +255,8 @@ class FlowPipeline(BundleModel):
             sampler = SAMPLERS[scheduler](self.schedule, steps, self.image_tokens(x))
             if image_latents is not None:        # img2img: the image noised to the first sigma run
                 sigma = np.float32(sampler.sigmas[first])
-                x = self.to_transformer((sigma * noise + (np.float32(1) - sigma) * image_latents).astype(np.float32))
+                base = image_latents[at:at + n] if len(image_latents) > 1 else image_latents
+                x = self.to_transformer((sigma * noise + (np.float32(1) - sigma) * base).astype(np.float32))
             seen: list = []      # the last velocity call's (x, j, v), for previews
 
             def velocity(x: np.ndarray, j: int) -> np.ndarray:    # guided, at point j of the sampler's table
@@ -269,6 +276,8 @@ class FlowPipeline(BundleModel):
             out.append(self.from_transformer(x))
             self.batches.append(n)
         transformer = None       # one at a time: the VAE decoder may load only once the denoiser is released
+        if not decode:
+            return np.concatenate(out)
         image = self.decode(np.concatenate(out) / np.float32(self.latent_scale) + np.float32(self.latent_shift))
         image = np.clip(image / 2 + 0.5, 0.0, 1.0)
         return image[0] if single else image

@@ -108,15 +108,22 @@ def image_ids(rows: int, cols: int) -> np.ndarray:
 class PackedFlowPipeline(FlowPipeline):
     """A flow-matching pipeline whose transformer reads 2x2 patches of latents as tokens (Flux, Chroma, FLUX.2,
     Qwen-Image): `channels` (the latents', a quarter of the transformer's hidden_states width) and the packed
-    grid `rows` x `cols` read from the manifest; noise drawn at the latents' shape, packed on the way in and
-    unpacked on the way out."""
+    grid `rows` x `cols` of the pipeline's size (at_size's copy has its own); noise drawn at the latents' shape,
+    packed on the way in and unpacked on the way out."""
     size_why = "{family} packs 2x2 latents of the VAE's 1/{f} scale"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         inputs = {i["name"]: i["shape"] for i in self.manifest.components["transformer"]["inputs"]}
         self.channels = int(inputs["hidden_states"][-1]) // 4
-        self.rows, self.cols = packed_grid(self.manifest, self.height, self.width)
+
+    @property
+    def rows(self) -> int:
+        return packed_grid(self.manifest, self.height, self.width)[0]
+
+    @property
+    def cols(self) -> int:
+        return packed_grid(self.manifest, self.height, self.width)[1]
 
     def noise(self, seed: int) -> np.ndarray:
         shape = (1, self.channels, 2 * self.rows, 2 * self.cols)
@@ -196,11 +203,11 @@ FLUX_RGB = LatentRGB(((-0.0346, 0.0244, 0.0681), (0.0034, 0.0210, 0.0687), (0.02
 FAMILIES = (
     Family("flux", "Flux", ("text_encoder", "text_encoder_2", "transformer", "vae_decoder"), "transformer", 0.3611,
            FluxTxt2Img, dit_requests, latent_shift=0.1159, patch=2, steps=28, guidance=3.5, samplers=FLOW_SAMPLERS,
-           negative=False, check_mode=img2img_mode,
+           negative=False, check_mode=img2img_mode, img2img=True,
            variants={"dev": Flow(DYNAMIC, 28, 3.5, 512),
                      "schnell": Flow({"use_dynamic_shifting": False, "shift": 1.0}, 4, 0.0, 256)}, latent_rgb=FLUX_RGB),
     Family("chroma", "Chroma", ("text_encoder", "transformer", "vae_decoder"), "transformer", 0.3611, FluxTxt2Img,
            dit_requests, latent_shift=0.1159, patch=2, steps=28, guidance=3.5, samplers=FLOW_SAMPLERS,
-           check_mode=img2img_mode, variants={"": Flow(DYNAMIC, 35, 5.0, 512)}, latent_rgb=FLUX_RGB),
+           check_mode=img2img_mode, img2img=True, variants={"": Flow(DYNAMIC, 35, 5.0, 512)}, latent_rgb=FLUX_RGB),
 )
 FluxTxt2Img.families = {f.name: f for f in FAMILIES}

@@ -174,6 +174,7 @@ QWEN_RGB = LatentRGB(((-0.1299, -0.1692, 0.2932), (0.0671, 0.0406, 0.0442), (0.3
 FAMILIES = (
     Family("qwenimage", "Qwen-Image", ("text_encoder", "transformer", "vae_decoder"), "transformer", 1.0,
            QwenImageTxt2Img, qwenimage_requests, patch=2, steps=50, guidance=4.0, samplers=FLOW_SAMPLERS,
-           check_mode=img2img_mode, variants={"base": Flow(SCHEDULE, 50, 4.0, MAX_TOKENS)}, latent_rgb=QWEN_RGB),
+           check_mode=img2img_mode, img2img=True, variants={"base": Flow(SCHEDULE, 50, 4.0, MAX_TOKENS)},
+           latent_rgb=QWEN_RGB),
 )
 QwenImageTxt2Img.families = {f.name: f for f in FAMILIES}

@@ -141,7 +141,7 @@ SD3_RGB = LatentRGB(((-0.0922, -0.0175, 0.0749), (0.0311, 0.0633, 0.0954), (0.19
                      (-0.1448, -0.1463, -0.1189)), (0.2394, 0.2135, 0.1925))
 FAMILIES = (
     Family("sd3", "SD3", NEEDED, "transformer", 1.5305, SD3Txt2Img, sd3_requests, latent_shift=0.0609, patch=2,
-           optional=(T5,), steps=28, guidance=7.0, samplers=FLOW_SAMPLERS, check_mode=img2img_mode,
+           optional=(T5,), steps=28, guidance=7.0, samplers=FLOW_SAMPLERS, check_mode=img2img_mode, img2img=True,
            variants={"3-medium": Flow(SD3_FLOW, 28, 7.0, 256), "3.5-medium": Flow(SD3_FLOW, 40, 4.5, 256),
                      "3.5-large": Flow(SD3_FLOW, 40, 4.5, 256), "3.5-large-turbo": Flow(SD3_FLOW, 4, 1.0, 256)},
            latent_rgb=SD3_RGB),

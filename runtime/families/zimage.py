@@ -125,7 +125,7 @@ class ZImageTxt2Img(FlowPipeline):
 FAMILIES = (
     Family("zimage", "Z-Image", ("text_encoder", "transformer", "vae_decoder"), "transformer", 0.3611, ZImageTxt2Img,
            zimage_requests, latent_shift=0.1159, patch=2, steps=8, guidance=1.0, samplers=FLOW_SAMPLERS,
-           check_mode=img2img_mode, latent_rgb=FLUX_RGB,
+           check_mode=img2img_mode, img2img=True, latent_rgb=FLUX_RGB,
            variants={"turbo": Flow({"use_dynamic_shifting": False, "shift": 3.0}, 8, 1.0, 512)}),
 )
 ZImageTxt2Img.families = {f.name: f for f in FAMILIES}
