@@ -84,3 +84,33 @@ def test_what_comfyui_reads_unscaled_still_exports(scaled, tmp_path):
                       lambda k, shape: fp8_table if k == table else f.read(k, raw=True))
     proc = _export(tmp_path / "table.safetensors", tmp_path / "out2")
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_large_tensors_written_in_row_blocks_are_the_same_bytes(scaled, tmp_path, monkeypatch, dtype):
+    """A stored tensor past onnx_writer.BLOCK_BYTES is read, decoded (scaled fp8 included) and written in blocks
+    of rows; with the blocks made tiny (every weight past 1 KiB goes in parts: Flux's fused q | k | v, the T5
+    embedding table, Z-Image's qkv cut in three) the data files are byte for byte those written whole."""
+    from click.testing import CliRunner
+    from precast.compiler.demo_weights import write_components
+    from precast.compiler.demo_zimage import DEMO_AXES as Z_AXES, zimage_components
+    from precast.compiler.graphs import onnx_writer
+    from precast.runtime.cli import main
+    bare = tmp_path / "z_image_bf16.safetensors"
+    write_components(bare, zimage_components(layout="bare"), 2, "bf16")
+    z_axes = "transformer.axes_dims_rope=" + json.dumps(Z_AXES).replace(" ", "")
+    runs = {"flux": (scaled, ["--component", "transformer", "--component", "text_encoder_2", "--set", AXES]),
+            "zimage": (bare, ["--component", "transformer", "--set", z_axes])}
+    for block in (None, 1024):
+        if block:
+            monkeypatch.setattr(onnx_writer, "BLOCK_BYTES", block)
+        for name, (src, args) in runs.items():
+            out = tmp_path / f"{name}-{block}"
+            res = CliRunner().invoke(main, ["export", str(src), "--out", str(out), "--dtype", dtype, *args])
+            assert res.exit_code == 0, res.output
+    for name in runs:
+        comps = [c.name for c in (tmp_path / f"{name}-None").iterdir() if (c / "model.onnx_data").is_file()]
+        assert comps
+        for comp in comps:
+            whole, parts = (tmp_path / f"{name}-{b}" / comp / "model.onnx_data" for b in (None, 1024))
+            assert whole.read_bytes() == parts.read_bytes(), (name, comp)

@@ -2,7 +2,9 @@
 
 Owns: the data file's layout (fixed before anything is written, so the bytes are the same
 whatever order tensors are written in), reading, transforming (a LoRA merge), casting and
-checking each weight (NaN/inf, the target dtype's range) as it is written on WRITERS threads.
+checking each weight (NaN/inf, the target dtype's range) as it is written on WRITERS threads; a
+large stored tensor (an LLM's embedding table: 0.4-0.7 G values) in row blocks of about BLOCK_BYTES, so
+the peak memory is a few blocks, not the tensor beside its decoded copy.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from ..errors import BadInput
 from .onnx_graph import ALIGN_LARGE, ALIGN_SMALL, IR_VERSION, LARGE, NP_OF, OPSET, Graph, Weight
 
 WRITERS = 2          # weight-writer threads: two keep this machine's 2 cores busy (measured in benchmarks/export_unet.py)
+BLOCK_BYTES = 64 << 20   # a stored tensor past this is read, decoded and written in row blocks of about this size
 
 
 def _cast_weight(arr: np.ndarray, elem_type: int) -> np.ndarray:
@@ -47,23 +50,35 @@ def _write_weights(graph: Graph, fd: int, placed: list[tuple[Weight, int, int]],
     and the kernel's page-cache copies release the GIL, so the threads share the cores); at most
     two tensors per thread are in flight, so memory stays near a handful of tensors."""
     def write_one(w: Weight, offset: int, size: int) -> int:
+        ref = getattr(graph.ckpt, "refs", {}).get(w.key)
+        blocks = ref.blocks(BLOCK_BYTES) if ref is not None and transform is None else None
+        if blocks:
+            done = 0
+            for rows in blocks:
+                done += write_block(w, ref.read_block(rows, NP_OF[w.elem_type]), offset + done)
+            if done != size:
+                raise RuntimeError(f"{w.key}: {done} bytes, expected {size}")
+            return size
         # BF16 -> bf16 (and F16 -> fp16) exports copy the bytes as they are; fp8 decodes straight into the
         # export's dtype, except where a transform (a LoRA) needs the exact float32 values first
         arr = graph.ckpt.read(w.key, raw=True, target=None if w.key in exact else NP_OF[w.elem_type])
         if transform is not None:
             arr = transform(w, arr)
+        if write_block(w, arr, offset) != size:
+            raise RuntimeError(f"{w.key}: {arr.nbytes} bytes, expected {size}")
+        return size
+
+    def write_block(w: Weight, arr: np.ndarray, offset: int) -> int:
+        """Cast, check and pwrite `arr` (a weight, or a block of its rows) at `offset`; its bytes written."""
         cast = _cast_weight(arr, w.elem_type)
         # the narrower of the two is checked: a widening cast (fp16 -> fp32) cannot make inf
         if _has_non_finite(cast if cast.itemsize <= arr.itemsize else arr):
             # read in float32 to say which it is: damaged (NaN/inf) or past the export dtype's range
             _refuse_non_finite(graph, w, arr if arr.dtype != cast.dtype else graph.ckpt.read(w.key), cast)
-        arr = cast
-        if arr.nbytes != size:
-            raise RuntimeError(f"{w.key}: {arr.nbytes} bytes, expected {size}")
-        view, done = memoryview(arr.reshape(-1).view(np.uint8)), 0   # ml_dtypes arrays have no buffer format
-        while done < size:
+        view, done = memoryview(cast.reshape(-1).view(np.uint8)), 0   # ml_dtypes arrays have no buffer format
+        while done < view.nbytes:
             done += os.pwrite(fd, view[done:], offset + done)
-        return size
+        return done
 
     def finish(future) -> None:
         size = future.result()

@@ -192,14 +192,19 @@ class SafetensorsFile:
     def keys(self) -> list[str]:
         return list(self.tensors)
 
-    def read(self, key: str, raw: bool = False) -> np.ndarray:
+    def read(self, key: str, raw: bool = False, rows: tuple[int, int] | None = None) -> np.ndarray:
         """One tensor as numpy: BF16 widened to float32 and F8 decoded to float32 through ml_dtypes,
-        or (`raw`) BF16 / F8 as ml_dtypes arrays over the bytes read, with no conversion."""
+        or (`raw`) BF16 / F8 as ml_dtypes arrays over the bytes read, with no conversion. `rows` (a, b):
+        only rows a..b-1 of its first axis are read (a large tensor written in parts)."""
         info = self.tensors[key]
-        data = os.pread(self._fd, info.end - info.start, info.start)
-        if len(data) != info.end - info.start:
+        shape, start, end = info.shape, info.start, info.end
+        if rows is not None:
+            row = (end - start) // shape[0]
+            shape, start, end = (rows[1] - rows[0], *shape[1:]), start + rows[0] * row, start + rows[1] * row
+        data = os.pread(self._fd, end - start, start)
+        if len(data) != end - start:
             raise _bad(self.path, f"tensor '{key}' could not be read in full (file changed while reading?)")
-        arr = np.frombuffer(data, dtype=DTYPES[info.dtype][1]).reshape(info.shape)
+        arr = np.frombuffer(data, dtype=DTYPES[info.dtype][1]).reshape(shape)
         if info.dtype == "BF16" or info.dtype.startswith("F8"):
             kind = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn,
                     "F8_E5M2": ml_dtypes.float8_e5m2}[info.dtype]

@@ -98,6 +98,29 @@ class TensorRef:
             arr = arr[self.rows[0]:self.rows[1]]
         return arr.reshape(self.shape)
 
+    def blocks(self, max_bytes: int) -> list[tuple[int, int]] | None:
+        """Row ranges of the stored tensor (within `rows`) that read as at most about `max_bytes` each and,
+        written one after another, make the tensor's bytes (row-major: a reshape keeps them); None when it
+        cannot be read in parts (fused, GGUF) or needs no parts."""
+        if self.parts or not isinstance(self.file, SafetensorsFile):
+            return None
+        info = self.file.tensors[self.key]
+        if not info.shape or info.end - info.start <= max_bytes:
+            return None
+        a, b = self.rows or (0, info.shape[0])
+        step = max(1, max_bytes * info.shape[0] // (info.end - info.start))
+        return [(i, min(i + step, b)) for i in range(a, b, step)]
+
+    def read_block(self, rows: tuple[int, int], target: np.dtype) -> np.ndarray:
+        """Rows [a, b) of the stored tensor (one of `blocks`), as `read(raw=True, target=target)` gives
+        them: fp8 decoded into `target`, a scaled tensor times its scale, else as stored."""
+        stored = self.file.tensors[self.key].dtype
+        arr = self.file.read(self.key, raw=True, rows=rows)
+        scale = float(self.file.read(self.scale).astype(np.float32).reshape(())) if self.scale else None
+        if stored in fp8_decode.KINDS:
+            return fp8_decode.decode_fp8(arr, stored, target, scale)
+        return arr if scale is None else arr.astype(np.float32) * np.float32(scale)
+
 
 def tensor_ref(f: SafetensorsFile, key: str, canon: str) -> TensorRef:
     """Where canonical tensor `canon` lies. The VAE's mid attention is a 1x1 conv in LDM names;
