@@ -141,6 +141,41 @@ def test_transformer_matches_diffusers(demo, reference, tmp_path):
             assert rel_err(_run_ov(tmp_path / "x" / "transformer", feeds)[0], want) <= 1e-4
 
 
+
+def test_lora_in_diffusers_names_matches_diffusers(demo, tmp_path):
+    """A PEFT LoRA in diffusers' names (transformer_blocks.N.attn.to_q / add_k_proj: rows of the BFL file's fused
+    qkv; a single block's fused to_qkv_mlp_proj (linear1) and to_out; the feed-forwards; the embedders) merged into
+    the export of the BFL-named demo file at strength 0.7 computes what diffusers' own adapter does (<= 1e-4);
+    ai-toolkit / ComfyUI's `diffusion_model.` spelling."""
+    from safetensors.numpy import save_file as save_np
+    from test_flux import _peft_lora, peft_tensors
+    from precast.runtime.families.flux2 import latent_ids, text_ids
+    model = _transformer({k: v.float() for k, v in load_file(demo["file"]).items()})
+    rng = np.random.default_rng(11)
+    mods = ["transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_v", "transformer_blocks.1.attn.add_k_proj",
+            "transformer_blocks.0.attn.to_out.0", "transformer_blocks.1.ff.linear_in", "transformer_blocks.0.ff_context.linear_out",
+            "single_transformer_blocks.0.attn.to_qkv_mlp_proj", "single_transformer_blocks.1.attn.to_out", "x_embedder"]
+    lora = _peft_lora(rng, model, mods, 4)
+    save_np(peft_tensors(lora, "diffusion_model"), str(tmp_path / "lora.safetensors"))
+    proc = precast("export", demo["file"], "--out", tmp_path / "x", "--component", "transformer", "--set", AXES,
+                   "--lora", f"{tmp_path / 'lora.safetensors'}:0.7")
+    assert proc.returncode == 0, proc.stderr
+    feeds = {"hidden_states": rng.standard_normal((1, 24, 128)).astype(np.float32),
+             "encoder_hidden_states": rng.standard_normal((1, 12, TINY_FLUX2.context)).astype(np.float32),
+             "timestep": np.array([0.41], np.float32), "img_ids": latent_ids(4, 6), "txt_ids": text_ids(12)}
+
+    def reference():
+        with torch.no_grad():
+            return model(**{k: torch.from_numpy(v) for k, v in feeds.items()}, return_dict=False)[0].numpy()
+    plain = reference()
+    model.load_lora_adapter({k: torch.from_numpy(v) for k, v in peft_tensors(lora).items()}, prefix="transformer",
+                            adapter_name="x")
+    model.set_adapters(["x"], weights=[0.7])
+    want = reference()
+    got = _session(tmp_path / "x" / "transformer").run(None, feeds)[0]
+    assert rel_err(want, plain) > 1e-2            # the LoRA changes the output
+    assert rel_err(got, want) <= 1e-4, rel_err(got, want)
+
 def test_vae_matches_diffusers(demo, reference, tmp_path):
     """BFL's flux2-vae layout (quant convs nested under encoder. / decoder.) given with --vae: decoder and encoder
     against AutoencoderKLFlux2 <= 1e-4 (ONNX Runtime; the decoder on OpenVINO too), and its batch-norm statistics
