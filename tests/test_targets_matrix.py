@@ -28,7 +28,9 @@ TABLE = [
     ("openvino", ("precision=bf16", "ir=true", "compress_to_fp16=true"), {d: "ok" for d in DTYPES}),
     ("openvino", ("precision=f16", "winograd=false", "performance_hint=THROUGHPUT", "num_streams=2", "threads=1"),
      {d: "ok" for d in DTYPES}),
-    ("openvino", ("compress_to_fp16=true",), {d: ["compress_to_fp16", "ir=true"] for d in DTYPES}),
+    ("openvino", ("compress_to_fp16=true",), {d: "ok" for d in DTYPES}),
+    ("openvino", ("compress_to_fp16=true", "weights=int8"), {d: ["compress_to_fp16 and weights=int8", "choose one"]
+                                                            for d in DTYPES}),
     ("openvino:GPU", (), {d: ["device GPU", "not present on this machine"] for d in DTYPES}),
     ("tensorrt-rtx:sm_86", ("weight_streaming=true",), {d: "ok" for d in DTYPES}),
     ("tensorrt-rtx:sm_75", (), {"fp32": TURING["fp32"], "fp16": "ok", "bf16": TURING["bf16"]}),

@@ -106,9 +106,9 @@ def _normalized(backend: str, opts: dict) -> dict:
         out["gfx"] = gfx
     if backend == "openvino" and isinstance(out.get("device"), str):
         out["device"] = out["device"].strip().upper()
-    if backend == "openvino" and out.get("compress_to_fp16") and not out.get("ir"):
-        raise BadInput("target openvino: compress_to_fp16 applies to the saved IR only; add ir=true, "
-                       "or drop compress_to_fp16 (the compiled blob's precision is the precision option)")
+    if backend == "openvino" and out.get("compress_to_fp16") and out.get("weights"):
+        raise BadInput(f"target openvino: compress_to_fp16 and weights={out['weights']} both set how the weights are "
+                       "stored; choose one")
     return out
 
 

@@ -9,7 +9,10 @@ does fast: f32 unless AMX makes bf16 faster; static shapes when the profile is s
 model rewrites applied before compiling (Winograd 3x3 convolutions on CPU in f32 with static
 shapes: openvino_winograd.py, option `winograd: false` turns it off; a half-precision export's
 attention made fusable on CPU: runtime/openvino_attention.py, which the runtime's compile-on-load
-fallback applies too) and recording that config,
+fallback applies too; option `compress_to_fp16`: every float weight, the Winograd-transformed ones
+included, stored in fp16 in the engine and widened to the inference precision inside the kernels --
+half the weights' memory, the arithmetic unchanged: exactly f32 on fp16-rounded weights) and recording
+that config,
 because an imported blob does not remember it: the runtime must pass the same config to
 import_model.
 """
@@ -119,6 +122,9 @@ class OpenVinoTarget:
         if device == "CPU" and job.static and config["INFERENCE_PRECISION_HINT"] == "f32" \
                 and spec.get("winograd", True) and weights is None:    # quantized weights: convolutions as NNCF left them
             rewrites["winograd"] = rewrite_convolutions(model)
+        if spec.get("compress_to_fp16"):     # after the rewrites, so their constants are stored in fp16 too
+            _note(job, "compress_to_fp16")
+            rewrites["weights_fp16"] = compress_weights_fp16(model, ov)
         compression = None
         if weights:        # weight-only int8 / int4 (quantize.py): NNCF on the ov.Model, before compiling
             _note(job, f"compress_weights {weights}")
@@ -143,6 +149,32 @@ class OpenVinoTarget:
         return {"entry": "model.blob", "device": device, "compile_config": config, "static": job.static,
                 "precision": compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name(),
                 "rewrites": rewrites, "weights": {"format": weights, **compression} if weights else None}
+
+
+FP16_LEAST = 4096      # elements: a float constant this large is a weight, stored in fp16 by compress_to_fp16
+
+
+def compress_weights_fp16(model, ov) -> int:
+    """Every f32 constant of FP16_LEAST elements or more stored in fp16, widened where it is used (OpenVINO's
+    own compression, as ovc --compress_to_fp16 runs it: the CPU's MatMul and Convolution kernels read the fp16
+    weights as they are); the smaller ones -- epsilons, scales, the timestep embedding's frequencies, biases,
+    norms -- put back as they were, so only the weights are rounded. Returns how many are stored in fp16."""
+    from openvino._offline_transformations import compress_model_transformation
+    f32 = ov.Type.f32
+    small = {op.get_friendly_name(): op.get_data().copy() for op in model.get_ops()
+             if op.get_type_name() == "Constant" and op.get_element_type() == f32 and 0 < op.get_data().size < FP16_LEAST}
+    compress_model_transformation(model)
+    stored = 0
+    for op in model.get_ops():
+        source = op.input_value(0).get_node() if op.get_type_name() == "Convert" else None
+        if source is None or source.get_type_name() != "Constant" or source.get_element_type() != ov.Type.f16:
+            continue
+        original = small.get(source.get_friendly_name().removesuffix("_compressed"))
+        if original is None:
+            stored += 1
+        else:
+            op.output(0).replace(ov.opset13.constant(original).output(0))
+    return stored
 
 
 def _note(job: BuildJob, phase: str) -> None:
