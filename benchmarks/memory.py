@@ -35,6 +35,9 @@ Full-size runs wait until MemAvailable >= --min-available GiB (the machine is sh
 The work folder (default benchmarks/results/work/memory: checkpoint 2.1 GB, cache and bundles ~15 GB) is
 deleted at the end unless --keep.
 
+--openvino-options 'compress_to_fp16: true' builds every OpenVINO bundle with those target options too (the
+weights kept in fp16 in the engine, f32 arithmetic).
+
 Usage: .venv/bin/python benchmarks/memory.py [--model sd15|sdxl] [--backends openvino,onnxruntime] [--options] [--no-generate] [--low-memory 3.5G]
            [--sdcpp BIN | --sdcpp-src DIR] [--steps 4] [--unet-calls 2] [--work DIR] [--keep] [--json OUT]
 """
@@ -482,6 +485,8 @@ def main() -> None:
     ap.add_argument("--sdcpp-types", default="f32,f16", help="stable-diffusion.cpp weight types to run ('' none)")
     ap.add_argument("--low-memory", default=None, metavar="SIZE", help="also generate with --params-backend cpu:SIZE "
                     "(components one at a time; OpenVINO on a blob built without Winograd), e.g. 3.5G")
+    ap.add_argument("--openvino-options", default="", metavar="YAML",
+                    help="more options of every OpenVINO target built, e.g. 'compress_to_fp16: true'")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--unet-calls", type=int, default=2)
     ap.add_argument("--only", action="append", help="options: only the variants whose name holds this (repeatable)")
@@ -497,7 +502,8 @@ def main() -> None:
     size = f"{side}x{side}"
     ckpt = work / f"{model}_random_fp16.safetensors"
     ensure_model_checkpoint(model, ckpt)
-    targets = "".join(f"  - {t}\n" for t in (("openvino: {device: CPU}",) if "openvino" in opts.backends else ())
+    ov_extra = f", {opts.openvino_options}" if opts.openvino_options else ""
+    targets = "".join(f"  - {t}\n" for t in ((f"openvino: {{device: CPU{ov_extra}}}",) if "openvino" in opts.backends else ())
                       + (("onnxruntime",) if "onnxruntime" in opts.backends else ()))
     bundle = ensure_bundle(work, ckpt, "bundle", targets, opts.min_available, model)
     weights = weight_bytes(bundle)
@@ -521,7 +527,8 @@ def main() -> None:
                 r["seconds"] = report["seconds"]
                 r["where"] = {c: (w["backend"], w["artifact"]) for c, w in report["components"].items()}
         if opts.low_memory:          # one component at a time under a budget: the low-memory plan
-            plain = ensure_bundle(work, ckpt, "bundle-nowinograd", "  - openvino: {device: CPU, winograd: false}\n",
+            plain = ensure_bundle(work, ckpt, "bundle-nowinograd",
+                                  f"  - openvino: {{device: CPU, winograd: false{ov_extra}}}\n",
                                   opts.min_available, model) if "openvino" in opts.backends else None
             for folder, backend in ((plain, "openvino"), (bundle, "onnxruntime")):
                 if backend not in opts.backends.split(","):
@@ -562,8 +569,8 @@ def main() -> None:
             variants["openvino blob, pages kept (before)"] = (folder, meta, {"keep_pages": True})
             variants["openvino blob, pages released after import (before)"] = (folder, meta, {"release_after": True})
             variants["openvino blob, pages released during import (runtime)"] = (folder, meta, {})
-            plain = ensure_bundle(work, ckpt, "bundle-nowinograd", "  - openvino: {device: CPU, winograd: false}\n",
-                                  opts.min_available)
+            plain = ensure_bundle(work, ckpt, "bundle-nowinograd",
+                                  f"  - openvino: {{device: CPU, winograd: false{ov_extra}}}\n", opts.min_available)
             folder2, meta2, _ = artifacts(plain)["unet"]["openvino"]
             variants["openvino blob without Winograd, pages released after import"] = (folder2, meta2,
                                                                                       {"release_after": True})
