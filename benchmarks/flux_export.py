@@ -830,6 +830,55 @@ def print_phases(parts: dict) -> None:
 
 
 # ---- main ---------------------------------------------------------------------------------
+def start_work(work: Path) -> Path:
+    """The work folder made (prepare_work), its logs folder, and SIGTERM / SIGHUP made to end the run as
+    Ctrl-C does (the work folder is deleted on the way out). Returns the logs folder."""
+    prepare_work(work)
+    logs = work / "logs"
+    logs.mkdir()
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, on_signal)
+    return logs
+
+
+def aborted(results: dict, e: BaseException) -> None:
+    """Why the run stopped, in `results`; the children still running killed; a bug's traceback printed."""
+    results["aborted"] = f"{type(e).__name__}: {e}"
+    print(f"\naborted: {results['aborted']}", flush=True)
+    for p in list(RUNNING):
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if not isinstance(e, (KeyboardInterrupt, RuntimeError)):
+        traceback.print_exc()
+
+
+def finish(results: dict, work: Path, logs: Path, t_all: float, packages: tuple) -> None:
+    """The end of a run: the logs' tails kept, the work folder deleted (and results/work when empty), the
+    disk, time, load and machine (with these packages' versions) recorded, each part's table row collected."""
+    results["logs"] = {p.name: tail(p, 8) for p in sorted(logs.glob("*.log"))} if logs.exists() else {}
+    shutil.rmtree(work, ignore_errors=True)
+    if work.parent == (HERE / "results" / "work").resolve():
+        try:
+            work.parent.rmdir()                   # only if empty: other benchmarks keep files there
+        except OSError:
+            pass
+    results["work_folder_removed"] = not work.exists()
+    results["disk_free_gb_end"] = round(free_bytes(work.parent) / GB, 1)
+    results["total_s"] = round(time.perf_counter() - t_all, 1)
+    results["loadavg_end"] = os.getloadavg()
+    results["machine"] = describe(packages)
+    results["machine"]["kernel"] = os.uname().release
+    results["machine"]["disk"] = "virtio block device (/dev/vda), ext4"
+    for p in results["parts"].values():
+        p["source"].pop("plan", None)
+    results["table"] = [p["summary"] for p in results["parts"].values() if p.get("summary")]
+
+
 def prepare_work(work: Path) -> None:
     if work.exists() and any(work.iterdir()) and not (work / MARKER).exists():
         raise SystemExit(f"--work {work}: exists, is not empty and was not made by this script; "
@@ -875,15 +924,7 @@ def main() -> None:
         peer_cfg.update(num_layers=1, num_single_layers=1)
 
     work = opts.work.resolve()
-    prepare_work(work)
-    logs = work / "logs"
-    logs.mkdir()
-
-    def on_signal(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-    for s in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, on_signal)
-
+    logs = start_work(work)
     results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "small": opts.small, "parts": {}, "peer": {},
                      "disk_free_gb_start": round(free_bytes(work) / GB, 1), "loadavg_start": os.getloadavg(),
                      "floors": {"peak_rss_max_gb": RSS_FLOOR / GB, "time_max_x_copy": TIME_FLOOR},

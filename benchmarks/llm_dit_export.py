@@ -38,18 +38,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import signal
 import sys
 import time
-import traceback
 from dataclasses import asdict, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import flux_export as fe  # noqa: E402  (benchmarks/flux_export.py: copy, export child, check, work folder)
-from machine import describe  # noqa: E402
 
 GB = fe.GB
 PARTS = ("zimage", "qwen3-4b", "qwen-image", "qwen25-7b")
@@ -203,14 +199,7 @@ def main() -> None:
     from precast.compiler import demo_dit as dd
     cfgs = configs(opts.small, opts.qwen_image_depth)
     work = opts.work.resolve()
-    fe.prepare_work(work)
-    logs = work / "logs"
-    logs.mkdir()
-
-    def on_signal(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-    for s in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, on_signal)
+    logs = fe.start_work(work)
 
     params = {n: dd.parameter_count(layout_of(n, cfgs[n])) for n in parts}
     results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(["python", *sys.argv]),
@@ -243,33 +232,9 @@ def main() -> None:
                 for path in [src_path, *(p for p, _ in extra)]:
                     path.unlink(missing_ok=True)
     except BaseException as e:
-        results["aborted"] = f"{type(e).__name__}: {e}"
-        print(f"\naborted: {results['aborted']}", flush=True)
-        for p in list(fe.RUNNING):
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if not isinstance(e, (KeyboardInterrupt, RuntimeError)):
-            traceback.print_exc()
+        fe.aborted(results, e)
     finally:
-        results["logs"] = {p.name: fe.tail(p, 8) for p in sorted(logs.glob("*.log"))} if logs.exists() else {}
-        shutil.rmtree(work, ignore_errors=True)
-        if work.parent == (HERE / "results" / "work").resolve():
-            try:
-                work.parent.rmdir()                   # only if empty: other benchmarks keep files there
-            except OSError:
-                pass
-        results["work_folder_removed"] = not work.exists()
-        results["disk_free_gb_end"] = round(fe.free_bytes(work.parent) / GB, 1)
-        results["total_s"] = round(time.perf_counter() - t_all, 1)
-        results["loadavg_end"] = os.getloadavg()
-        results["machine"] = describe(("precast", "numpy", "onnx", "ml_dtypes", "safetensors"))
-        results["machine"]["kernel"] = os.uname().release
-        results["machine"]["disk"] = "virtio block device (/dev/vda), ext4"
-        for p in results["parts"].values():
-            p["source"].pop("plan", None)
-        results["table"] = [p["summary"] for p in results["parts"].values() if p.get("summary")]
+        fe.finish(results, work, logs, t_all, ("precast", "numpy", "onnx", "ml_dtypes", "safetensors"))
         opts.json.parent.mkdir(parents=True, exist_ok=True)
         opts.json.write_text(json.dumps(results, indent=1, default=str) + "\n")
         fe.print_phases(results["parts"])

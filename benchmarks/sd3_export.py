@@ -42,8 +42,6 @@ import argparse
 import json
 import os
 import re
-import signal
-import shutil
 import struct
 import sys
 import time
@@ -54,7 +52,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import flux_export as fe  # noqa: E402  (benchmarks/flux_export.py: copy, export child, check, watchdog)
-from machine import describe  # noqa: E402
 
 GB = fe.GB
 PARTS = ("export", "peer")
@@ -265,14 +262,7 @@ def main() -> None:
     cfg = sd3_cfg(opts.small)
     peer_cfg = diffusers_config(cfg)
     work = opts.work.resolve()
-    fe.prepare_work(work)
-    logs = work / "logs"
-    logs.mkdir()
-
-    def on_signal(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-    for s in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, on_signal)
+    logs = fe.start_work(work)
 
     params = dd.parameter_count(ds.sd3_layout(cfg))
     results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(["python", *sys.argv]),
@@ -303,34 +293,9 @@ def main() -> None:
                 results["peer"][v] = fe.run_peer(v, src_path, work, logs, int(opts.peer_cap_gib * 2**30),
                                                  opts.peer_timeout, peer_cfg, "watchdog")
     except BaseException as e:
-        results["aborted"] = f"{type(e).__name__}: {e}"
-        print(f"\naborted: {results['aborted']}", flush=True)
-        for p in list(fe.RUNNING):
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if not isinstance(e, (KeyboardInterrupt, RuntimeError)):
-            traceback.print_exc()
+        fe.aborted(results, e)
     finally:
-        results["logs"] = {p.name: fe.tail(p, 8) for p in sorted(logs.glob("*.log"))} if logs.exists() else {}
-        shutil.rmtree(work, ignore_errors=True)
-        if work.parent == (HERE / "results" / "work").resolve():
-            try:
-                work.parent.rmdir()                   # only if empty: other benchmarks keep files there
-            except OSError:
-                pass
-        results["work_folder_removed"] = not work.exists()
-        results["disk_free_gb_end"] = round(fe.free_bytes(work.parent) / GB, 1)
-        results["total_s"] = round(time.perf_counter() - t_all, 1)
-        results["loadavg_end"] = os.getloadavg()
-        results["machine"] = describe(("precast", "numpy", "onnx", "ml_dtypes", "safetensors", "torch", "diffusers",
-                                       "psutil"))
-        results["machine"]["kernel"] = os.uname().release
-        results["machine"]["disk"] = "virtio block device (/dev/vda), ext4"
-        for p in results["parts"].values():
-            p["source"].pop("plan", None)
-        results["table"] = [p["summary"] for p in results["parts"].values() if p.get("summary")]
+        fe.finish(results, work, logs, t_all, ("precast", "numpy", "onnx", "ml_dtypes", "safetensors", "torch", "diffusers", "psutil"))
         results["note"] = ("page cache dropped (sync + drop_caches + fadvise) before every copy, export and peer; "
                            "copy and export both pay for writing their output to the disk (fsync)")
         opts.json.parent.mkdir(parents=True, exist_ok=True)

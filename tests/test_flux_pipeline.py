@@ -291,16 +291,12 @@ def test_flow_hires_is_the_first_pass_then_img2img_by_hand(chroma_i2i):
     """The hires fix on a flow family (Chroma, true CFG): the first pass at 64x64, then img2img at 128x128 from its
     upscaled latents (A1111's "Latent": torch's bilinear interpolate) or from its decoded image resized and encoded
     again ("bilinear"), each image's noise from its own seed there -- the same pixels as those two calls by hand."""
+    from test_hires_tiling import pixel_hires_is_img2img_by_hand
     from precast.runtime.api import open_bundle
     from precast.runtime.hires import upscale_latents
     bundle = open_bundle(str(chroma_i2i))
     settings = {"negative": "blurry", "seed": 5, "backend": "onnxruntime", "guidance": 4.0}
-    base = bundle.txt2img("a red fox", steps=3, **settings)
-    by_hand = bundle.img2img("a red fox", base.to_uint8(), strength=0.6, steps=4, size=(128, 128), **settings)
-    hires = bundle.txt2img("a red fox", steps=3, hires_scale=2, hires_steps=4, hires_denoise=0.6,
-                           hires_upscaler="bilinear", **settings)
-    assert base.size == (64, 64) and hires.size == (128, 128)
-    assert hires.to_uint8().tobytes() == by_hand.to_uint8().tobytes()
+    hires = pixel_hires_is_img2img_by_hand(bundle, settings)
     pipe = bundle.pipeline("onnxruntime").pipe
     kwargs = {"negative": "blurry", "guidance": 4.0, "progress": False}
     latents = pipe("a red fox", seeds=[5, 6], steps=3, decode=False, **kwargs)
