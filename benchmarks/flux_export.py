@@ -982,15 +982,7 @@ def main() -> None:
                 t5_path.unlink(missing_ok=True)
                 host.unlink(missing_ok=True)
     except BaseException as e:
-        results["aborted"] = f"{type(e).__name__}: {e}"
-        print(f"\naborted: {results['aborted']}", flush=True)
-        for p in list(RUNNING):
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if not isinstance(e, (KeyboardInterrupt, RuntimeError)):
-            traceback.print_exc()
+        aborted(results, e)
     finally:
         # keep the small logs' tails in the JSON, then delete the whole work folder
         results["logs"] = {p.name: tail(p, 8) for p in sorted(logs.glob("*.log"))} if logs.exists() else {}
