@@ -984,23 +984,8 @@ def main() -> None:
     except BaseException as e:
         aborted(results, e)
     finally:
-        # keep the small logs' tails in the JSON, then delete the whole work folder
-        results["logs"] = {p.name: tail(p, 8) for p in sorted(logs.glob("*.log"))} if logs.exists() else {}
-        shutil.rmtree(work, ignore_errors=True)
-        if work.parent == (HERE / "results" / "work").resolve():
-            try:
-                work.parent.rmdir()                   # only if empty: other benchmarks keep files there
-            except OSError:
-                pass
-        results["disk_free_gb_end"] = round(free_bytes(work.parent) / GB, 1)
-        results["total_s"] = round(time.perf_counter() - t_all, 1)
-        results["loadavg_end"] = os.getloadavg()
-        results["machine"] = describe(("precast", "numpy", "onnx", "ml_dtypes", "safetensors", "torch", "diffusers",
-                                       "psutil"))
-        results["machine"]["kernel"] = os.uname().release
-        results["machine"]["disk"] = "virtio block device (/dev/vda), ext4"
-        for p in results["parts"].values():
-            p["source"].pop("plan", None)
+        finish(results, work, logs, t_all, ("precast", "numpy", "onnx", "ml_dtypes", "safetensors", "torch", "diffusers",
+                                            "psutil"))
         rows = [r for p in results["parts"].values() for r in (p.get("summary"), p.get("what_if_summary")) if r]
         results["table"] = rows
         results["note"] = ("page cache dropped (sync + drop_caches + fadvise) before every copy, export and peer; "
