@@ -66,7 +66,7 @@ demo-flux: setup
 	$(BIN)/precast generate $(DEMO)/flux-bundle --prompt "a photo of a cat" --size 64x64 --out $(DEMO)/flux-cat.png
 
 test: test-setup interop-setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # Benchmarks (minutes to an hour; full-size weights are generated into benchmarks/results/work).
 bench: test-setup

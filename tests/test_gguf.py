@@ -428,3 +428,35 @@ def test_qwen_image_and_its_qwen25_encoder_as_gguf_export_their_dequantization(t
         _same_export(a, b, comp)
     assert _check_weights(a, "text_encoder", te_ref, "fp32", rename=hf.get) >= 0.6 * len(te_ref)
     assert json.loads((a / "precast_export.json").read_text())["family"] == "qwenimage"
+
+
+def test_flux2_klein_and_its_qwen3_encoder_as_gguf_export_their_dequantization(tmp_path):
+    """FLUX.2 klein as GGUF split files: the transformer in BFL's names (fused qkv, linear1 = q | k | v | gate | up,
+    as city96-style converters keep them) and the 28-layer Qwen3 in llama.cpp's names, beside BFL's VAE and the
+    tokenizer: both export to the graphs and weight bytes of .safetensors twins of gguf's dequantization."""
+    from precast.compiler.demo_flux2 import TINY_FLUX2, TINY_QWEN3_28, flux2_layout, write_flux2_vae_file
+    from precast.compiler.demo_zimage import qwen3_layout, tiny_tokenizer_json
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.QWEN3, TINY_QWEN3_28.layers)
+    hf = {names.get_name(k, try_suffixes=(".weight", ".bias")): k for k in qwen3_layout(TINY_QWEN3_28)}
+    assert None not in hf and len(hf) == len(qwen3_layout(TINY_QWEN3_28))
+    llama = {v: k for k, v in hf.items()}
+    write_gguf(tmp_path / "flux-2-klein-4b-Q8_0.gguf", "flux", _weights(flux2_layout(TINY_FLUX2), 11),
+               types=(Q.Q8_0, Q.Q5_K, Q.BF16))
+    write_gguf(tmp_path / "Qwen3-4B-Q8_0.gguf", "qwen3",
+               {llama[k]: v for k, v in _weights(qwen3_layout(TINY_QWEN3_28), 12).items()}, types=(Q.Q8_0, Q.Q4_K, Q.F16))
+    f_ref, te_ref = reference(tmp_path / "flux-2-klein-4b-Q8_0.gguf"), reference(tmp_path / "Qwen3-4B-Q8_0.gguf")
+    _twin(tmp_path / "f_twin.safetensors", f_ref)
+    _twin(tmp_path / "qwen_twin.safetensors", {"model." + hf[k]: v for k, v in te_ref.items()})
+    write_flux2_vae_file(tmp_path / "flux2-vae.safetensors")
+    (tmp_path / "tokenizer.json").write_text(tiny_tokenizer_json())
+    common = ("--vae", tmp_path / "flux2-vae.safetensors", "--set", "transformer.axes_dims_rope=[4,4,4,4]",
+              "--component", "transformer", "--component", "text_encoder")
+    a = _export(tmp_path / "flux-2-klein-4b-Q8_0.gguf", tmp_path / "a", "fp32", "--text-encoder",
+                tmp_path / "Qwen3-4B-Q8_0.gguf", *common)
+    b = _export(tmp_path / "f_twin.safetensors", tmp_path / "b", "fp32", "--text-encoder",
+                tmp_path / "qwen_twin.safetensors", *common)
+    for comp in ("transformer", "text_encoder"):
+        _same_export(a, b, comp)
+    assert _check_weights(a, "text_encoder", te_ref, "fp32", rename=hf.get) >= 0.6 * len(te_ref)
+    report = json.loads((a / "precast_export.json").read_text())
+    assert report["family"] == "flux2" and "Q8_0" in report["source_quantization"]
