@@ -1,8 +1,8 @@
-"""OpenVINO target option `compress_to_fp16`: the engine keeps its weights in fp16 and widens them inside the
-kernels (issue 34's half-precision weights, f32 arithmetic). On the tiny SD UNet exported in fp32: the blob is
-smaller by at least 40 % of the weights' fp32 bytes (half of them, less the few constants OpenVINO keeps wide); its output equals, to float32 rounding, an f32 engine compiled from the same export with its
-weights rounded to fp16 beforehand (the arithmetic unchanged); it is within fp16 rounding of the f32 engine, not
-equal to it; with Winograd (static shapes) the transformed weights are stored in fp16 too."""
+"""OpenVINO target option `compress_to_fp16`: the engine stores its weights in fp16, the arithmetic unchanged. On the
+tiny SD UNet exported in fp32: the blob is smaller by at least 40 % of the weights' fp32 bytes (half of them, less
+the few constants OpenVINO keeps wide); its output equals, to float32 rounding, an f32 engine compiled from the same
+export with its weights rounded to fp16 beforehand; it is within fp16 rounding of the f32 engine, not equal to it;
+with Winograd (static shapes) the transformed weights are stored in fp16 too."""
 import json
 import shutil
 from pathlib import Path

@@ -10,9 +10,9 @@ model rewrites applied before compiling (Winograd 3x3 convolutions on CPU in f32
 shapes: openvino_winograd.py, option `winograd: false` turns it off; a half-precision export's
 attention made fusable on CPU: runtime/openvino_attention.py, which the runtime's compile-on-load
 fallback applies too; option `compress_to_fp16`: every float weight, the Winograd-transformed ones
-included, stored in fp16 in the engine and widened to the inference precision inside the kernels --
-half the weights' memory, the arithmetic unchanged: exactly f32 on fp16-rounded weights) and recording
-that config,
+included, stored in fp16 in the engine and widened to the inference precision by OpenVINO -- half the
+engine file, the arithmetic unchanged: exactly f32 on fp16-rounded weights; the CPU plugin widens them
+when it loads the engine, so the memory is not halved there) and recording that config,
 because an imported blob does not remember it: the runtime must pass the same config to
 import_model.
 """
@@ -156,8 +156,7 @@ FP16_LEAST = 4096      # elements: a float constant this large is a weight, stor
 
 def compress_weights_fp16(model, ov) -> int:
     """Every f32 constant of FP16_LEAST elements or more stored in fp16, widened where it is used (OpenVINO's
-    own compression, as ovc --compress_to_fp16 runs it: the CPU's MatMul and Convolution kernels read the fp16
-    weights as they are); the smaller ones -- epsilons, scales, the timestep embedding's frequencies, biases,
+    own compression, as ovc --compress_to_fp16 runs it); the smaller ones -- epsilons, scales, the timestep embedding's frequencies, biases,
     norms -- put back as they were, so only the weights are rounded. Returns how many are stored in fp16."""
     from openvino._offline_transformations import compress_model_transformation
     f32 = ov.Type.f32
