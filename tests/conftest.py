@@ -42,6 +42,23 @@ def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(ours.astype(np.float64) - ref).max() / np.abs(ref).max())
 
 
+def run_half(folder, feeds: dict, dtype: str) -> list[np.ndarray]:
+    """A half-precision export (folder/model.onnx) run as a user runs it: fp16 on ONNX Runtime, its float inputs fed
+    in fp16 (optimum's convention); bf16 on OpenVINO, f32 compute on the bf16 weights. Outputs as float32."""
+    from pathlib import Path
+    folder = Path(folder)
+    if dtype == "fp16":
+        import onnxruntime as ort
+        sess = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+        kinds = {i.name: i.type for i in sess.get_inputs()}
+        outs = sess.run(None, {k: v.astype(np.float16) if kinds[k] == "tensor(float16)" else v for k, v in feeds.items()})
+    else:
+        from precast.runtime.sessions import OpenVinoSession
+        outs = list(OpenVinoSession(folder / "model.onnx", "CPU", {"INFERENCE_PRECISION_HINT": "f32"},
+                                    from_onnx=True).run(feeds).values())
+    return [np.asarray(o, np.float32) for o in outs]
+
+
 @pytest.fixture(scope="session")
 def demo_ckpt(tmp_path_factory):
     from precast.compiler.demo_model import write_demo_model

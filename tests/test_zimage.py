@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import reference_dit as ref
-from conftest import precast, rel_err
+from conftest import precast, rel_err, run_half
 from precast.compiler.demo_dit import TINY_VAE16, write_vae16_file
 from precast.compiler.demo_zimage import (DEMO_AXES, DIT_PREFIX, LLM_PREFIX, TINY_QWEN3, TINY_ZIMAGE,
                                           tiny_tokenizer_json, write_demo_zimage, write_qwen3_file, zimage_components)
@@ -114,6 +114,43 @@ def test_llm_encoder_matches_transformers(tmp_path, kind, reads):
         assert "norm.weight" not in g.weights
 
 
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2.5"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_llm_encoder_half_precision_stays_close(tmp_path, kind, dtype):
+    """The encoder exported in fp16 (ONNX Runtime) and bf16 (OpenVINO, f32 compute on the bf16 weights) against
+    transformers' fp32 run, held to what transformers itself loses in that precision: no worse than twice the error of
+    its own fp16 / bf16 run of the same weights, with a floor of 1e-2 (as the T5's test); padded rows included."""
+    import copy
+    from transformers import Qwen2Config, Qwen2Model, Qwen3Config, Qwen3Model
+    torch.manual_seed(1)
+    common = dict(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=4, num_attention_heads=6,
+                  num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1e6 if kind == "qwen3" else 1e4)
+    model = _randomized(Qwen3Model(Qwen3Config(head_dim=8, **common)) if kind == "qwen3" else
+                        Qwen2Model(Qwen2Config(**common)))
+    save_file({"model." + k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "te.safetensors")
+    g = Graph("text_encoder", open_checkpoint(tmp_path / "te.safetensors"), LLM, dtype)
+    reads = (-2,) if kind == "qwen3" else (-1,)
+    build_llm_encoder(g, llm_config(g, {} if kind == "qwen3" else {"num_attention_heads": 6}, {}, reads=reads,
+                                    theta=common["rope_theta"]))
+    save_model(g, str(tmp_path / "onnx"))
+    ids = np.random.default_rng(2).integers(0, 300, (2, 21))
+    mask = np.ones((2, 21), np.int64)
+    mask[1, 13:] = 0
+
+    @torch.no_grad()
+    def reference(torch_dtype):
+        states = copy.deepcopy(model).to(torch_dtype)(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                                                       output_hidden_states=True).hidden_states
+        return states[reads[0]].float().numpy()
+    want = reference(torch.float32)
+    theirs = rel_err(reference(torch.float16 if dtype == "fp16" else torch.bfloat16), want)
+    feeds = {"input_ids": ids.astype(np.int32), "attention_mask": mask.astype(np.int32)}
+    run = run_half(tmp_path / "onnx", feeds, dtype)[0]
+    ours = rel_err(run, want)
+    print(f"{kind} {dtype}: ours {ours:.2e}, transformers' own {theirs:.2e}")
+    assert np.isfinite(run).all() and ours <= max(2 * theirs, 1e-2), (ours, theirs)
+
 # ---- the transformer ---------------------------------------------------------------------------
 
 def _diffusers_transformer(sd):
@@ -150,6 +187,36 @@ def test_transformer_matches_diffusers(demo, tmp_path):
         if h == 8 and w == 12:
             assert rel_err(_run_ov(tmp_path / "x" / "transformer", feeds)[0][0], want) <= 1e-4
 
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_transformer_half_precision_stays_close(demo, tmp_path, dtype):
+    """The transformer exported in fp16 (ONNX Runtime) and bf16 (OpenVINO, f32 compute on bf16 weights) against
+    diffusers' fp32 run: no worse than twice the error of diffusers' own fp16 / bf16 run, floor 1e-2."""
+    import copy
+    proc = precast("export", demo["file"], "--out", tmp_path / "x", "--component", "transformer", "--set", AXES,
+                   "--dtype", dtype)
+    assert proc.returncode == 0, proc.stderr
+    model = _diffusers_transformer({k: v.float() for k, v in load_file(demo["file"]).items()})
+    rng = np.random.default_rng(5)
+    lat = rng.standard_normal((1, 16, 8, 12)).astype(np.float32)
+    cap = rng.standard_normal((1, 40, TINY_ZIMAGE.cap_dim)).astype(np.float32)
+    t = np.array([0.37], np.float32)
+
+    @torch.no_grad()
+    def reference(torch_dtype):
+        m = copy.deepcopy(model).to(torch_dtype)
+        out = m([torch.from_numpy(lat[0]).to(torch_dtype)[:, None]], torch.from_numpy(t).to(torch_dtype),
+                [torch.from_numpy(cap[0, :13]).to(torch_dtype)], return_dict=False)[0][0]
+        return -out[:, 0].float().numpy()
+    want = reference(torch.float32)
+    theirs = rel_err(reference(torch.float16 if dtype == "fp16" else torch.bfloat16), want)
+    feeds = {"hidden_states": lat, "encoder_hidden_states": cap, "attention_mask": (np.arange(40) < 13)[None].astype(np.int32),
+             "timestep": t}
+    run = run_half(tmp_path / "x" / "transformer", feeds, dtype)[0][0]
+    ours = rel_err(run, want)
+    print(f"z-image transformer {dtype}: ours {ours:.2e}, diffusers' own {theirs:.2e}")
+    assert np.isfinite(run).all() and ours <= max(2 * theirs, 1e-2), (ours, theirs)
 
 def test_lora_in_diffusers_names_matches_diffusers(demo, tmp_path):
     """A LoRA in diffusers' names (diffusion_model.layers.N.attention.to_q ...: rows of the original file's fused
