@@ -234,18 +234,23 @@ def test_flux_img2img_matches_diffusers(bundles, tmp_path, monkeypatch):
         assert want.std() > 0.05 and psnr(ours, want) >= 40.0, (strength, psnr(ours, want))
 
 
-@pytest.fixture(scope="module")
-def chroma_i2i(bundles, tmp_path_factory):
-    """The tiny Chroma with its VAE encoder, ONNX Runtime, 64x64 to 128x128 px (img2img and the hires fix)."""
+def _chroma_dynamic(bundles, tmp, encoder: bool):
+    """The tiny Chroma, ONNX Runtime, 64x64 to 128x128 px, with or without its VAE encoder."""
     bundle, _ = bundles["tiny-chroma"]
-    tmp = tmp_path_factory.mktemp("chroma-i2i")
-    recipe = _recipe(tmp, "tiny-chroma", "[onnxruntime]").read_text()
-    recipe = recipe.replace("transformer, vae_decoder]", "transformer, vae_decoder, vae_encoder]").replace(
+    recipe = _recipe(tmp, "tiny-chroma", "[onnxruntime]").read_text().replace(
         "height: 64, width: 64", "height: {min: 64, opt: 64, max: 128}, width: {min: 64, opt: 64, max: 128}")
-    (tmp / "i2i.yaml").write_text(recipe)
-    proc = precast("build", tmp / "i2i.yaml", "--out", tmp / "b", env={"PRECAST_CACHE": str(bundle.parent / "cache")})
+    if encoder:
+        recipe = recipe.replace("transformer, vae_decoder]", "transformer, vae_decoder, vae_encoder]")
+    (tmp / "r.yaml").write_text(recipe)
+    proc = precast("build", tmp / "r.yaml", "--out", tmp / "b", env={"PRECAST_CACHE": str(bundle.parent / "cache")})
     assert proc.returncode == 0, proc.stderr
     return tmp / "b"
+
+
+@pytest.fixture(scope="module")
+def chroma_i2i(bundles, tmp_path_factory):
+    """The tiny Chroma with its VAE encoder, 64x64 to 128x128 px (img2img and the hires fix)."""
+    return _chroma_dynamic(bundles, tmp_path_factory.mktemp("chroma-i2i"), True)
 
 
 def test_chroma_img2img_matches_diffusers(bundles, chroma_i2i, tmp_path, monkeypatch):
@@ -287,16 +292,19 @@ def test_chroma_img2img_matches_diffusers(bundles, chroma_i2i, tmp_path, monkeyp
     assert json.loads(proc.stdout)["mode"] == "img2img" and (tmp_path / "c.png").stat().st_size > 1000
 
 
-def test_flow_hires_is_the_first_pass_then_img2img_by_hand(chroma_i2i):
+def test_flow_hires_is_the_first_pass_then_img2img_by_hand(bundles, chroma_i2i, tmp_path):
     """The hires fix on a flow family (Chroma, true CFG): the first pass at 64x64, then img2img at 128x128 from its
     upscaled latents (A1111's "Latent": torch's bilinear interpolate) or from its decoded image resized and encoded
-    again ("bilinear"), each image's noise from its own seed there -- the same pixels as those two calls by hand."""
+    again ("bilinear"), each image's noise from its own seed there -- the same pixels as those two calls by hand; the
+    latent upscaler on a bundle without the VAE encoder."""
     from test_hires_tiling import pixel_hires_is_img2img_by_hand
     from precast.runtime.api import open_bundle
     from precast.runtime.hires import upscale_latents
     bundle = open_bundle(str(chroma_i2i))
     settings = {"negative": "blurry", "seed": 5, "backend": "onnxruntime", "guidance": 4.0}
     hires = pixel_hires_is_img2img_by_hand(bundle, settings)
+    bundle = open_bundle(str(_chroma_dynamic(bundles, tmp_path, False)))    # the latent upscaler needs no VAE encoder
+    assert "vae_encoder" not in bundle.manifest.components
     pipe = bundle.pipeline("onnxruntime").pipe
     kwargs = {"negative": "blurry", "guidance": 4.0, "progress": False}
     latents = pipe("a red fox", seeds=[5, 6], steps=3, decode=False, **kwargs)

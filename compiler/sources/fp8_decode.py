@@ -55,7 +55,7 @@ def decode_fp8(raw: np.ndarray, kind: str, target, scale: float | None = None) -
     out = np.empty(flat.size, dtype=target)
     pairs, into = flat[:even].view(np.uint16), out[:even].view(table.dtype)
     for i in range(0, pairs.size, CHUNK):      # gathered in place, a cache-sized chunk at a time: no temporary
-        np.take(table, pairs[i:i + CHUNK], out=into[i:i + CHUNK])
+        np.take(table, pairs[i:i + CHUNK], out=into[i:i + CHUNK], mode="clip")   # uint16: always in range
     if even != flat.size:
         out[-1] = _values(kind, target, scale)[flat[-1]]
     return out.reshape(raw.shape)

@@ -19,6 +19,7 @@ import_model.
 from __future__ import annotations
 
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 from ...runtime.cpu import cpu_flags, default_precision, isa_level
@@ -33,7 +34,7 @@ from .quantize import quantized, weights_as_parts
 from .quantize_openvino import compress_openvino, transposes_into_matmuls
 
 IR_OVER = 4 << 30      # store: auto keeps exports over 4 GiB as IR (see the module docstring)
-REWRITES = "winograd-f4x4-1,attention-f32-1"   # bump when a model rewrite changes: it is part of the cache key
+REWRITES = "winograd-f4x4-1,attention-f32-1,fp16-weights-1"   # bump when a model rewrite changes: it is part of the cache key
 
 
 class OpenVinoTarget:
@@ -156,12 +157,14 @@ FP16_LEAST = 4096      # elements: a float constant this large is a weight, stor
 
 def compress_weights_fp16(model, ov) -> int:
     """Every f32 constant of FP16_LEAST elements or more stored in fp16, widened where it is used (OpenVINO's
-    own compression, as ovc --compress_to_fp16 runs it); the smaller ones -- epsilons, scales, the timestep embedding's frequencies, biases,
-    norms -- put back as they were, so only the weights are rounded. Returns how many are stored in fp16."""
+    own compression, as ovc --compress_to_fp16 runs it); the smaller ones -- epsilons, scales, the timestep
+    embedding's frequencies, most biases and norms -- put back as they were (compressed too, they cost the tiny
+    UNet 4e-3 relative), so only the weights are rounded. Returns how many are stored in fp16."""
     from openvino._offline_transformations import compress_model_transformation
-    f32 = ov.Type.f32
-    small = {op.get_friendly_name(): op.get_data().copy() for op in model.get_ops()
-             if op.get_type_name() == "Constant" and op.get_element_type() == f32 and 0 < op.get_data().size < FP16_LEAST}
+    consts = [op for op in model.get_ops() if op.get_type_name() == "Constant" and op.get_element_type() == ov.Type.f32]
+    seen = Counter(op.get_friendly_name() for op in consts)
+    small = {op.get_friendly_name(): op.get_data().copy() for op in consts       # a name seen twice: left compressed
+             if 0 < op.get_data().size < FP16_LEAST and seen[op.get_friendly_name()] == 1}
     compress_model_transformation(model)
     stored = 0
     for op in model.get_ops():

@@ -224,15 +224,16 @@ class FlowPipeline(BundleModel):
         run = self.run_stages = {}
         t0 = time.perf_counter()
         first, image_latents = 0, None
-        if init_image is not None or strength is not None or init_latents is not None:
-            image = init_image is not None or init_latents is not None
-            _, strength = self.spec.check_mode(self.manifest, image, False, strength, steps, "api")
-            if init_latents is None and not self.image_input:
+        if init_latents is not None:      # the hires fix's second pass: latents given, no VAE encoder needed
+            strength = check_strength(IMG2IMG_STRENGTH if strength is None else strength)
+            first, image_latents = first_step(steps, strength), init_latents.astype(np.float32)
+        elif init_image is not None or strength is not None:
+            _, strength = self.spec.check_mode(self.manifest, init_image is not None, False, strength, steps, "api")
+            if not self.image_input:
                 raise UserError("init_image=: img2img needs the VAE encoder loaded: open the pipeline with "
                                 "image_input=True")
             first = first_step(steps, strength)
-            image_latents = init_latents.astype(np.float32) if init_latents is not None else \
-                self.encode_image(image_tensor(init_image, self.width, self.height))
+            image_latents = self.encode_image(image_tensor(init_image, self.width, self.height))
         cond = self.encode(prompt)
         cfg = self.spec.negative and guidance > 1.0
         uncond = self.encode(negative) if cfg else None
