@@ -305,27 +305,13 @@ def test_scaled_fp8_split_files_export_their_dequantized_weights(tmp_path):
     """ComfyUI's scaled fp8 split files for FLUX.2 klein (the transformer in BFL names and the 28-layer Qwen3, each
     Linear weight fp8 with its float32 scale_weight): both export to the graphs and weight bytes of files holding the
     float32 values they dequantize to (weight x scale_weight), as Z-Image's and Flux's fp8 files do."""
-    import onnx
-    from safetensors.numpy import save_file as save_np
+    from test_zimage import fp8_exports_equal_their_twins
     fp8, te = tmp_path / "flux-2-klein-4b-fp8_scaled.safetensors", tmp_path / "qwen_3_4b_fp8_scaled.safetensors"
     write_components(fp8, flux2_components(layout="bare"), 3, "fp8_e4m3_scaled")
     write_qwen3_file(te, TINY_QWEN3_28, seed=4, dtype="fp8_e4m3_scaled")
-    for src in (fp8, te):                   # fp8 weights, each with its float32 scale
-        sd = load_file(src)
-        assert sum(k.endswith(".scale_weight") for k in sd) >= 10 and torch.float8_e4m3fn in {v.dtype for v in sd.values()}
-        save_np({k: v.numpy() for k, v in ref.dequantize(ref.load_tensors(src)).items()}, str(tmp_path / ("twin_" + src.name)))
-    (tmp_path / "tokenizer.json").write_text(tiny_tokenizer_json())
     write_flux2_vae_file(tmp_path / "flux2-vae.safetensors")
-    outs = []
-    for name, (a, b) in {"fp8": (fp8, te), "twin": (tmp_path / ("twin_" + fp8.name), tmp_path / ("twin_" + te.name))}.items():
-        proc = precast("export", a, "--out", tmp_path / name, "--text-encoder", b, "--vae", tmp_path / "flux2-vae.safetensors",
-                       "--set", AXES, "--component", "transformer", "--component", "text_encoder")
-        assert proc.returncode == 0, proc.stderr
-        outs.append(tmp_path / name)
-    for comp in ("transformer", "text_encoder"):
-        ga, gb = (onnx.load(str(x / comp / "model.onnx"), load_external_data=False).graph for x in outs)
-        assert ga == gb, comp
-        assert (outs[0] / comp / "model.onnx_data").read_bytes() == (outs[1] / comp / "model.onnx_data").read_bytes()
+    fp8_exports_equal_their_twins(fp8, te, tmp_path / "flux2-vae.safetensors", AXES, tmp_path)
+
 
 # ---- refusals ------------------------------------------------------------------------------------------------
 

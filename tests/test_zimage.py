@@ -442,22 +442,28 @@ def test_scaled_fp8_split_files_export_their_dequantized_weights(tmp_path):
     """ComfyUI's scaled fp8 split files (z_image_turbo_fp8_scaled and an fp8-scaled Qwen3 beside it): the
     transformer and the text encoder export to the same graphs and weight bytes as files of the float32 values
     they dequantize to (weight x scale_weight), as Flux's fp8 files do."""
-    from safetensors.numpy import save_file as save_np
     fp8, te = tmp_path / "z_image_turbo_fp8_scaled.safetensors", tmp_path / "qwen_3_4b_fp8_scaled.safetensors"
     write_components(fp8, zimage_components(layout="bare"), 3, "fp8_e4m3_scaled")
     write_qwen3_file(te, seed=4, dtype="fp8_e4m3_scaled")
+    write_vae16_file(tmp_path / "ae.safetensors")
+    fp8_exports_equal_their_twins(fp8, te, tmp_path / "ae.safetensors", AXES, tmp_path)
+
+
+def fp8_exports_equal_their_twins(fp8, te, vae, axes: str, tmp_path) -> None:
+    """Scaled fp8 split files (transformer `fp8`, text encoder `te`: fp8 weights with float32 scales) export, with
+    `vae` and a tokenizer.json beside them, to the graphs and weight bytes of twins holding their float32
+    dequantization (weight x scale_weight)."""
+    from safetensors.numpy import save_file as save_np
     for src in (fp8, te):                   # fp8 weights, each with its float32 scale
         sd = load_file(src)
         assert sum(k.endswith(".scale_weight") for k in sd) >= 10 and torch.float8_e4m3fn in {v.dtype for v in sd.values()}
-    for src in (fp8, te):
         save_np({k: v.numpy() for k, v in ref.dequantize(ref.load_tensors(src)).items()},
                 str(tmp_path / ("twin_" + src.name)))
     (tmp_path / "tokenizer.json").write_text(tiny_tokenizer_json())
-    write_vae16_file(tmp_path / "ae.safetensors")
     outs = []
     for name, (a, b) in {"fp8": (fp8, te), "twin": (tmp_path / ("twin_" + fp8.name), tmp_path / ("twin_" + te.name))}.items():
-        proc = precast("export", a, "--out", tmp_path / name, "--text-encoder", b, "--vae", tmp_path / "ae.safetensors",
-                       "--set", AXES, "--component", "transformer", "--component", "text_encoder")
+        proc = precast("export", a, "--out", tmp_path / name, "--text-encoder", b, "--vae", vae,
+                       "--set", axes, "--component", "transformer", "--component", "text_encoder")
         assert proc.returncode == 0, proc.stderr
         outs.append(tmp_path / name)
     for comp in ("transformer", "text_encoder"):
