@@ -15,7 +15,10 @@ the work folder, then:
    by OpenVINO at run time for that size: no engine of the bundle takes it) against tiled (the bundle's
    512x512 engine over 3x3 tiles overlapping by 128 px, runtime/vae_tiling.py, as generate picks it): decode
    seconds (median of REPEAT), the process's peak RSS (VmHWM at its end; ru_maxrss too, which on Linux carries
-   the parent's mark over exec) and its RSS after the load; and the two images' PSNR.
+   the parent's mark over exec) and its RSS after the load; and the two images' PSNR. Then exact (the bundle's
+   `vae_decoder_tiled` engine, segment by segment in tiles with whole-image GroupNorms, runtime/vae_segments.py,
+   as generate picks it when the bundle has one) the same way, and its PSNR against the plain decode.
+   `--parts vae` builds a bundle of the two VAE decoders alone.
 
 Ratios are printed with the CPU's name; a JSON file keeps every number. The work folder (default
 benchmarks/results/work/generate_features: checkpoint 2.1 GB, cache and bundle ~8 GB) is deleted at the end
@@ -46,8 +49,9 @@ PROMPT = "a photograph of an astronaut riding a horse"
 SAMPLERS = ("euler", "euler-a", "heun", "dpm2", "dpm2-a", "dpm++2m", "dpm++2m-sde", "dpm++sde", "ddim", "unipc", "lcm")
 
 
-def ensure_bundle(work: Path) -> Path:
-    """The full-size SD 1.5 OpenVINO CPU bundle, batch 1..4 at 512x512, built once into `work`."""
+def ensure_bundle(work: Path, vae_only: bool = False) -> Path:
+    """The full-size SD 1.5 OpenVINO CPU bundle, batch 1..4 at 512x512, built once into `work` (`vae_only`: its
+    VAE decoders alone, plain and tiled)."""
     from export_unet import ensure_checkpoint
     work.mkdir(parents=True, exist_ok=True)
     bundle = work / "bundle"
@@ -58,7 +62,8 @@ def ensure_bundle(work: Path) -> Path:
     ensure_checkpoint(ckpt)
     recipe = work / "sd15-features.yaml"
     recipe.write_text("# written by benchmarks/generate_features.py\nname: sd15-features\n"
-                      f"model:\n  source: {ckpt}\ncomponents: [text_encoder, unet, vae_decoder]\nprecision: fp32\n"
+                      f"model:\n  source: {ckpt}\ncomponents: [{'' if vae_only else 'text_encoder, unet, '}"
+                      "vae_decoder, vae_decoder_tiled]\nprecision: fp32\n"
                       "profiles:\n  batch: {min: 1, opt: 1, max: 4}\n  height: 512\n  width: 512\n  tokens: 77\n"
                       "targets:\n  - openvino: {device: CPU}\n")
     print(f"precast build {recipe} ...", flush=True)
@@ -147,15 +152,20 @@ def child_vae(mode: str, bundle: str, out_npy: str, repeat: int) -> None:
     """In a fresh process: load the VAE decoder as generate would for 1024x1024 and decode REPEAT times."""
     import numpy as np
     from precast.runtime.api import open_bundle
+    from precast.runtime.vae_segments import decode as decode_exact
     from precast.runtime.vae_tiling import plan, run_tiled
     t0 = time.perf_counter()
     b = open_bundle(bundle)
-    comp = b.load("vae_decoder", "cpu:openvino", size=(1024, 1024) if mode == "plain" else (512, 512))
+    comp = b.load("vae_decoder_tiled", "cpu:openvino") if mode == "exact" else \
+        b.load("vae_decoder", "cpu:openvino", size=(1024, 1024) if mode == "plain" else (512, 512))
     load_s = time.perf_counter() - t0
     rss_loaded = int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmRSS")))
     z = np.random.default_rng(0).standard_normal((1, 4, 128, 128)).astype(np.float32)
 
     def run(x):
+        if mode == "exact":
+            spec = b.manifest.components["vae_decoder_tiled"]
+            return decode_exact(comp.run, spec["config"]["segments"], spec["inputs"], x)
         return comp.run({"latent_sample": x})["sample"]
     tiling = None
     if mode == "tiled":
@@ -178,7 +188,7 @@ def child_vae(mode: str, bundle: str, out_npy: str, repeat: int) -> None:
 def vae_decode(bundle: Path, work: Path, repeat: int) -> dict:
     import numpy as np
     out = {}
-    for mode in ("plain", "tiled"):
+    for mode in ("plain", "tiled", "exact"):
         npy = work / f"vae_{mode}.npy"
         proc = subprocess.run([sys.executable, __file__, "--vae-child", mode, str(bundle), str(npy), str(repeat)],
                               capture_output=True, text=True, cwd=ROOT)
@@ -191,14 +201,20 @@ def vae_decode(bundle: Path, work: Path, repeat: int) -> dict:
               f"(after load {r['rss_after_load_mib']:.0f} MiB; ru_maxrss {r['ru_maxrss_mib']:.0f}) via "
               f"{r['artifact']}" + (f", {r['tiling']['tiles']} tiles of {r['tiling']['tile']}" if r["tiling"] else ""),
               flush=True)
-    a, b = (np.clip(np.load(work / f"vae_{m}.npy").astype(np.float64) / 2 + 0.5, 0, 1) for m in ("plain", "tiled"))
+    a, b, c = (np.clip(np.load(work / f"vae_{m}.npy").astype(np.float64) / 2 + 0.5, 0, 1)
+               for m in ("plain", "tiled", "exact"))
     out["psnr_db"] = round(10 * math.log10(1 / float(np.mean((a - b) ** 2))), 2)
+    out["exact_psnr_db"] = round(10 * math.log10(1 / max(float(np.mean((a - c) ** 2)), 1e-30)), 2)
     out["time_ratio"] = round(out["tiled"]["median_decode_s"] / out["plain"]["median_decode_s"], 3)
     out["peak_ratio"] = round(out["tiled"]["peak_rss_mib"] / out["plain"]["peak_rss_mib"], 3)
+    out["exact_time_ratio"] = round(out["exact"]["median_decode_s"] / out["plain"]["median_decode_s"], 3)
+    out["exact_peak_ratio"] = round(out["exact"]["peak_rss_mib"] / out["plain"]["peak_rss_mib"], 3)
     plain_act = (out["plain"]["peak_rss_mib"] - out["plain"]["rss_after_load_mib"]) * 2**20
     out["plain_activation_bytes_per_pixel"] = round(plain_act / (1024 * 1024))
     print(f"tiled / plain: time {out['time_ratio']:.2f}x, peak RSS {out['peak_ratio']:.2f}x; PSNR {out['psnr_db']} dB; "
           f"plain decode's peak above its load: {out['plain_activation_bytes_per_pixel']} bytes per pixel", flush=True)
+    print(f"exact / plain: time {out['exact_time_ratio']:.2f}x, peak RSS {out['exact_peak_ratio']:.2f}x; PSNR "
+          f"{out['exact_psnr_db']} dB", flush=True)
     return out
 
 
@@ -247,8 +263,8 @@ def main() -> None:
           flush=True)
     work = args.work.resolve()
     try:
-        bundle = ensure_bundle(work)
         parts = args.parts.split(",")
+        bundle = ensure_bundle(work, vae_only=parts == ["vae"])
         result = {"machine": machine}
         if "sampler" in parts:
             result["sampler_overhead"] = run_part("sampler", bundle, f"{args.samplers}:{args.overhead_steps}")
@@ -272,7 +288,8 @@ def main() -> None:
     if "vae_1024" in result:
         v = result["vae_1024"]
         said.append(f"tiled VAE decode at 1024x1024 {v['time_ratio']:.2f}x the time and {v['peak_ratio']:.2f}x the "
-                    f"peak RSS of plain ({v['psnr_db']} dB)")
+                    f"peak RSS of plain ({v['psnr_db']} dB); exact {v['exact_time_ratio']:.2f}x and "
+                    f"{v['exact_peak_ratio']:.2f}x ({v['exact_psnr_db']} dB)")
     print(f"\n{machine['cpu']}: {'; '.join(said)}; {result['seconds']:.0f} s in all; {args.json}", flush=True)
 
 

@@ -56,7 +56,7 @@ def _io(values) -> list[dict]:
 
 
 def present_components(ckpt: Checkpoint, family: Detected) -> list[str]:
-    return [n for n, c in FAMILIES[family.name].components.items() if c.prefix_in(ckpt.refs)]
+    return [n for n, c in FAMILIES[family.name].components.items() if not c.optional and c.prefix_in(ckpt.refs)]
 
 
 def component_dtype(family: Family, name: str, dtype: str, vae_dtype: str = "auto") -> str:
@@ -92,7 +92,7 @@ def plan_graphs(ckpt: Checkpoint, names: list[str], dtype: str, overrides: dict,
             raise BadInput(f"{ckpt.path}: the {name} tensors' shapes do not fit a {family.name} {name} ({e}); "
                            "the checkpoint may be damaged or of another architecture") from None
         g.check_coverage(list(comp.scopes or (prefix,)), ignore=lambda k: k.endswith(IGNORED_SUFFIXES))
-        planned.append((comp, g, cfg.describe()))
+        planned.append((comp, g, {**cfg.describe(), **g.config_extra}))
     if fam.check_parts:
         fam.check_parts(fam, {c.name: cfg for c, _, cfg in planned}, ckpt.path, ckpt.vae_file)
     return planned

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..runtime.manifest import file_record
 from ..runtime.previews import PREVIEW_DECODER
+from ..runtime.vae_segments import TILED_DECODER
 from .bundle_writer import BundleWriter, add_llm_tokenizer, add_t5_tokenizer, add_tokenizer
 from .families import FAMILIES
 from .families.shared import CLIP_TOKENIZER, DPM_SOLVER, QWEN2_TOKENIZER, T5_TOKENIZER
@@ -34,7 +35,7 @@ def model_index(model: dict, components: list[str]) -> dict:
     out = {"_class_name": spec.pipeline, "_diffusers_version": DIFFUSERS_VERSION,
            "scheduler": ["diffusers", spec.scheduler],
            **{n: list(TOKENIZER_CLASS[kind]) for n, kind in family.tokenizers().items()}}
-    out.update({name: [None, None] for name in family.components})  # parts not in the folder
+    out.update({name: [None, None] for name, c in family.components.items() if not c.optional})  # parts not in it
     out.update({name: list(ONNX_PART) for name in components})
     out.update({k: list(v) if isinstance(v, list) else v for k, v in spec.index.items()})
     return out
@@ -170,8 +171,10 @@ def component_config(name: str, cfg: dict, model: dict) -> dict:
 def pipeline_files(model: dict, components: dict[str, dict]) -> dict[str, dict]:
     """relative path -> JSON data: every file of the folder except the graphs and tokenizers.
     `model`: family, prediction, latent_scale[, latent_shift, scheduler]; `components`: name -> config
-    (ControlNets and the preview decoder, which no diffusers pipeline folder of these classes holds, are left out)."""
-    components = {n: c for n, c in components.items() if not n.startswith("controlnet_") and n != PREVIEW_DECODER}
+    (ControlNets, the preview decoder and the tiled VAE decoder, which no diffusers pipeline folder of these classes
+    holds, are left out)."""
+    components = {n: c for n, c in components.items()
+                  if not n.startswith("controlnet_") and n not in (PREVIEW_DECODER, TILED_DECODER)}
     files = {"model_index.json": model_index(model, sorted(components)),
              "scheduler/scheduler_config.json": scheduler_config(model)}
     for name, cfg in components.items():

@@ -15,10 +15,12 @@ it) and the runtime pads the rows it feeds with zeros up to that size (runtime/e
 """
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 
 from ..runtime.manifest import MAX_PROFILE_SIDE
 from ..runtime.prompts import CLIP_TOKENS
+from ..runtime.vae_segments import SEGMENT_TILE
 from .errors import BadInput
 
 Range = tuple[int, int, int]  # min, opt, max
@@ -125,6 +127,9 @@ class ShapeProfile:
             base, _, k = d.partition("_div") if isinstance(d, str) else ("", "", "")
             if base in ("height", "width") and k.isdigit() and int(k) > 0:
                 symbolic[d] = tuple(-(-v // int(k)) for v in symbolic[base])
+        for d in dims:        # the tiled VAE decoder's segments (compiler/graphs/vae_segments.py): any tile they are fed
+            if isinstance(d, str) and re.fullmatch(r"tile\d+_(height|width)", d):
+                symbolic[d] = SEGMENT_TILE
         if "extra_tokens" in dims and all(symbolic[d][0] == symbolic[d][2] for d in dims
                                           if d in symbolic and d != "extra_tokens"):
             symbolic["extra_tokens"] = STATIC_EXTRA_TOKENS     # every other dimension fixed: a static engine

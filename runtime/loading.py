@@ -36,6 +36,7 @@ from .progress import bar
 from .prompts import weighted_ids
 from .select import component_report, covers, installed_backends, load_component, select_all, select_component
 from .text_encoders import bundle_tokenizers
+from .vae_segments import TILED_DECODER, decode as decode_segments
 from .vae_tiling import INPUTS as VAE_INPUTS, plan as tiling_plan, run_tiled, tile_requests
 from .verified import verify_mode
 
@@ -321,6 +322,11 @@ class BundleModel:
         engine = None if None in ranges else tuple((lo // unit, hi // unit) for lo, hi in ranges)
         tiling = tiling_plan(hw, engine, self.vae_tiling, self.vae_tile, f, self._vae_budget(comp),
                              f"the VAE {comp[len('vae_'):]}'s engine")
+        if tiling and latent and TILED_DECODER in self.manifest.components:    # exact: segment by segment
+            spec = self.manifest.components[TILED_DECODER]
+            self.tiled["decoder"] = {"exact": True, "segments": sum("segment" in s for s in spec["config"]["segments"]),
+                                     "why": tiling.why}
+            return decode_segments(self.tiled_decoder().run, spec["config"]["segments"], spec["inputs"], x)
         self.tiled[comp[len("vae_"):]] = tiling.record(*hw, f) if tiling else None
         return run_tiled(run, x, tiling, f, latent) if tiling else run(x)
 
@@ -389,13 +395,28 @@ class BundleModel:
             self._preview = tuple(shape), load_component(sel, outputs, placement.offload)[0]
         return self._preview[1]
 
+    _tiled_decoder = None     # the tiled VAE decoder's (session, report), once loaded
+
+    def tiled_decoder(self):
+        """The `vae_decoder_tiled` component's session (runtime/vae_segments.py), selected and loaded on first use on
+        the VAE's device, as the preview decoder is: no part of `needed`."""
+        if self._tiled_decoder is None:
+            placement = self.placements[module_of(TILED_DECODER)]
+            sel = select_component(self.manifest, TILED_DECODER, placement, self.devices, {}, self.installed,
+                                   self.verify_files)
+            outputs = [o["name"] for o in self.manifest.components[TILED_DECODER]["outputs"]]
+            session, cand, reasons = load_component(sel, outputs, placement.offload)
+            self._tiled_decoder = session, component_report(TILED_DECODER, cand, reasons)
+        return self._tiled_decoder[0]
+
     def report(self) -> dict:
         """What ran where, in the schema `doctor --json` shares (see README, "JSON output")."""
         self.wait_loaded()
         return {"devices": [d.describe() for d in self.devices], "device_warning": self.device_warning,
                 "installed_backends": self.installed,
                 "assignment": {m: p.describe() for m, p in self.placements.items()},
-                "components": {c: self.loaded[c].where for c in self.needed}}
+                "components": {**{c: self.loaded[c].where for c in self.needed},
+                               **({TILED_DECODER: self._tiled_decoder[1]} if self._tiled_decoder else {})}}
 
 
 def to_uint8(image: np.ndarray) -> np.ndarray:

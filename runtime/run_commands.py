@@ -151,9 +151,10 @@ def out_paths(out, n: int) -> list:
                    "(bilinear, A1111's 'Latent'; nearest-exact: 'Latent (nearest-exact)'); bilinear decodes the image, "
                    "resizes it (PIL's BILINEAR) and encodes it again (needs the VAE encoder). A1111's names work too.")
 @click.option("--vae-tiling/--no-vae-tiling", "vae_tiling", default=None,
-              help="Decode (and encode) with the VAE in overlapping, blended tiles. Default: only when the image is "
-                   "past the VAE engine's profile (its engine then decodes it in tiles, no rebuild) or its device's "
-                   "memory; --no-vae-tiling never.")
+              help="Decode (and encode) with the VAE in overlapping, blended tiles -- exactly, segment by segment, "
+                   "where the bundle has a vae_decoder_tiled. Default: only when the image is past the VAE engine's "
+                   "profile (its engine then decodes it in tiles, no rebuild) or its device's memory; --no-vae-tiling "
+                   "never.")
 @click.option("--vae-tile", "vae_tile", default=None, type=int, metavar="PIXELS",
               help="The VAE tiles' side in pixels when tiling (default 512, within the engine's profile); they overlap "
                    "by a quarter.")
@@ -309,6 +310,10 @@ def generate_cmd(bundle, prompt, negative, steps, seed, batch, count, from_png, 
             for line in ([pipe.device_warning] if pipe.device_warning else []) + warnings:
                 click.echo(f"warning: {line}", err=True)
             for part, t in ((k, v) for k, v in (image.vae_tiling or {}).items() if isinstance(v, dict)):
+                if t.get("exact"):
+                    click.echo(f"note: VAE {part} ran exactly, tile by tile through its {t['segments']} segments "
+                               f"({t['why']})", err=True)
+                    continue
                 click.echo(f"note: VAE {part} ran in {t['tiles']} tiles of {t['tile']} px, overlapping by "
                            f"{t['overlap']} px ({t['why']})", err=True)
             describe_where(report, sys.stdout)

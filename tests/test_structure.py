@@ -14,7 +14,7 @@ RUNTIME_LAYERS = [
     # 0: standard library and numpy only
     {"errors", "fileops", "fingerprint", "cpu", "progress", "flow", "protobuf", "trt_header", "openvino_attention",
      "tokenizer", "prompts", "devices.device", "families.family", "sigmas", "multistep", "sampler_names", "previews",
-     "oci", "oci.ref", "vae_tiling", "blob_pages"},
+     "oci", "oci.ref", "vae_tiling", "vae_segments", "blob_pages"},
     # 1: formats, records and one-file readers
     {"png", "verified", "schedulers", "sentencepiece_model", "onnx_header", "staging", "digests", "embeddings",
      "llm_tokenizer", "cli_support", "metadata", "devices.sysfs", "devices.amd", "devices.intel", "devices.nvidia",

@@ -30,6 +30,7 @@ class Component:
     missing_hint: str = ""         # what to do when a checkpoint lacks it
     tokenizer: str = ""            # a text encoder's: "clip", "openclip" (CLIP BPE padded with id 0 '!'), "t5" or
     # "qwen2" (an LLM's byte-level BPE, tokenizer.json)
+    optional: bool = False         # exported only when asked for by name (a recipe's components, --component)
 
     @property
     def config_key(self) -> str:

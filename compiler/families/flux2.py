@@ -15,7 +15,7 @@ from functools import partial
 from pathlib import Path
 
 from ..errors import BadInput
-from ..graphs import flux2, flux2_vae, ldm_vae, llm_encoder
+from ..graphs import flux2, flux2_vae, ldm_vae, llm_encoder, vae_segments
 from ..sources.llm_tokenizer_files import llm_tokenizer_files
 from ..sources.tensor_refs import DIT, LLM, VAE, Checkpoint
 from .family import Component, Detected, Diffusers, Family
@@ -33,7 +33,10 @@ TRANSFORMER = Component("transformer", (DIT,), "transformer", flux2.flux2_config
 VAES = {"vae_encoder": Component("vae_encoder", (VAE,), "vae", flux2_vae.flux2_vae_config, ldm_vae.build_vae_encoder,
                                  (VAE + "encoder.", VAE + "quant_conv.")),
         "vae_decoder": Component("vae_decoder", (VAE,), "vae", flux2_vae.flux2_vae_config, ldm_vae.build_vae_decoder,
-                                 (VAE + "decoder.", VAE + "post_quant_conv."))}
+                                 (VAE + "decoder.", VAE + "post_quant_conv.")),
+        "vae_decoder_tiled": Component("vae_decoder_tiled", (VAE,), "vae", flux2_vae.flux2_vae_config,
+                                       vae_segments.build_vae_decoder_tiled,
+                                       (VAE + "decoder.", VAE + "post_quant_conv."), optional=True)}
 DEMO = {"transformer": {"axes_dims_rope": [4, 4, 4, 4]}}   # the tiny demo's 16-wide heads
 
 

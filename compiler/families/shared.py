@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from functools import partial
 
-from ..graphs import clip_text, ldm_vae, t5_encoder
+from ..graphs import clip_text, ldm_vae, t5_encoder, vae_segments
 from ..sources.tensor_refs import T5, VAE
 from .family import Component
 
@@ -14,7 +14,10 @@ VAE_ENC = Component("vae_encoder", (VAE,), "vae", ldm_vae.vae_config, ldm_vae.bu
                     (VAE + "encoder.", VAE + "quant_conv."))
 VAE_DEC = Component("vae_decoder", (VAE,), "vae", ldm_vae.vae_config, ldm_vae.build_vae_decoder,
                     (VAE + "decoder.", VAE + "post_quant_conv."))
-VAES = {"vae_encoder": VAE_ENC, "vae_decoder": VAE_DEC}
+# the decoder cut at its GroupNorms, for exact tiled decoding (compiler/graphs/vae_segments.py); asked for by name
+VAE_DEC_TILED = Component("vae_decoder_tiled", (VAE,), "vae", ldm_vae.vae_config, vae_segments.build_vae_decoder_tiled,
+                          (VAE + "decoder.", VAE + "post_quant_conv."), optional=True)
+VAES = {"vae_encoder": VAE_ENC, "vae_decoder": VAE_DEC, "vae_decoder_tiled": VAE_DEC_TILED}
 
 # diffusers / transformers classes, as model_index.json names them
 CLIP_TOKENIZER = ["transformers", "CLIPTokenizer"]

@@ -70,6 +70,7 @@ class Graph(Layers):
         self.channels: dict[str, int] = {}   # NCHW tensor -> its channel count, where known (checks conv weights)
         self.widths: dict[str, int] = {}     # tensor -> its last axis, where known (checks Linear weights)
         self.notes: list[str] = []           # precision choices made while building, for the manifest
+        self.config_extra: dict = {}         # what the builder adds to the component's config record
         self._n = 0
 
     # ---- names, weights, constants -------------------------------------------------

@@ -1,0 +1,102 @@
+"""Exact tiled VAE decoding: the `vae_decoder_tiled` component's segments run tile by tile.
+
+Owns: `decode` (the component's program run over latents: each segment tile by tile on tiles widened by its
+reach, each GroupNorm's statistics measured over the whole feature map between segments, the mid-block's
+attention computed here), `group_stats`, `attention`, and the tile sides the component's engines take
+(`SEGMENT_TILE`, which the compiler's profiles read). The program and the graph are
+compiler/graphs/vae_segments.py's: a segment is local (convolutions, SiLU, nearest upsampling, adds), so a tile
+widened by the segment's `halo` input pixels on each side gives the exact output over its own part, and the
+image equals the plain decoder's to float rounding, at any size, whatever the tile. The price: the feature
+maps between segments live here whole (at 1024² the widest is 128 channels x 1024² = 512 MiB in f32), where
+runtime/vae_tiling.py's blended tiles hold one tile's. Standard library and numpy only.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+TILED_DECODER = "vae_decoder_tiled"
+SEGMENT_TILE = (1, 128, 1024)    # a segment input's side in its own pixels, halo included: min, opt, max built
+TILE_VALUES = 1 << 24            # channels x pixels of a segment's widest input per call, at most (64 MiB f32)
+QUERY_CHUNK = 1024               # attention queries per product (its scores: QUERY_CHUNK x positions floats)
+
+
+def decode(run, program: list[dict], inputs: list[dict], latents: np.ndarray, tile_values: int = TILE_VALUES,
+           max_side: int = SEGMENT_TILE[2]) -> np.ndarray:
+    """The sample [N, C, H, W] (float32) of latents [N, c, h, w]: `run(feeds) -> outputs` calls the component's
+    session; `inputs` are its input records (name, shape), each segment not running fed a 1x1 placeholder."""
+    n = len(latents)
+    idle = {i["name"]: np.zeros([n if d == "batch" else d if isinstance(d, int) else 1 for d in i["shape"]],
+                                np.float32) for i in inputs}
+    values = {"latent": np.asarray(latents, np.float32)}
+    last = {v: i for i, step in enumerate(program) for v in (step.get("inputs") or step["attention"]).values()}
+    for i, step in enumerate(program):
+        if "attention" in step:
+            a = step["attention"]
+            values[step["outputs"]["y"]] = attention(values[a["q"]], values[a["k"]], values[a["v"]])
+        else:
+            values.update(run_segment(run, step, values, idle, tile_values, max_side))
+        for v in [v for v, j in last.items() if j == i]:
+            del values[v]
+    return values["sample"]
+
+
+def run_segment(run, step: dict, values: dict, idle: dict, tile_values: int, max_side: int) -> dict:
+    """One segment over its whole input, tile by tile: {value: output} for its outputs."""
+    k, halo, scale = step["segment"], step["halo"], step["scale"]
+    ins = {role: values[v] for role, v in step["inputs"].items()}
+    n, _, h, w = next(iter(ins.values())).shape
+    feeds = dict(idle)
+    if step["norm"]:
+        feeds[f"s{k}_mean"], feeds[f"s{k}_rstd"] = group_stats(ins["x"], step["norm"]["groups"], step["norm"]["eps"])
+    widest = max(v.shape[1] for v in ins.values())
+    side = max(1, max(8, min(max_side, math.isqrt(max(1, tile_values // (n * widest))))) - 2 * halo)
+    outs: dict[str, np.ndarray] = {}
+    for y0, y1 in spans(h, side):
+        for x0, x1 in spans(w, side):
+            ey0, ex0, ey1, ex1 = max(0, y0 - halo), max(0, x0 - halo), min(h, y1 + halo), min(w, x1 + halo)
+            for role, v in ins.items():
+                feeds[f"s{k}_{role}"] = np.ascontiguousarray(v[:, :, ey0:ey1, ex0:ex1])
+            result = run(feeds)
+            for role, value in step["outputs"].items():
+                r = np.asarray(result[f"s{k}_{role}"], np.float32)
+                if value not in outs:
+                    outs[value] = np.empty((n, r.shape[1], h * scale, w * scale), np.float32)
+                outs[value][:, :, y0 * scale:y1 * scale, x0 * scale:x1 * scale] = \
+                    r[:, :, (y0 - ey0) * scale:(y1 - ey0) * scale, (x0 - ex0) * scale:(x1 - ex0) * scale]
+    return outs
+
+
+def spans(length: int, side: int) -> list[tuple[int, int]]:
+    """[start, end) of as few tiles of at most `side` as cover `length`, evenly sized."""
+    count = -(-length // max(1, side))
+    return [(i * length // count, (i + 1) * length // count) for i in range(count)]
+
+
+def group_stats(x: np.ndarray, groups: int, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """A GroupNorm's mean and 1 / sqrt(variance + eps) over x [N, C, H, W], per channel ([N, C, 1, 1] float32),
+    each group's accumulated in float64 one group at a time (no whole-map temporary)."""
+    n, c = x.shape[:2]
+    by_group = x.reshape(n, groups, -1)
+    mean, rstd = np.empty((n, groups)), np.empty((n, groups))
+    for i in range(n):
+        for j in range(groups):
+            mean[i, j] = m = by_group[i, j].mean(dtype=np.float64)
+            rstd[i, j] = 1.0 / math.sqrt(np.square(by_group[i, j] - m).mean() + eps)
+    return tuple(np.repeat(s, c // groups, axis=1).astype(np.float32)[:, :, None, None] for s in (mean, rstd))
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Single-head attention over positions, softmax(q k^T / sqrt(C)) v, on [N, C, H, W] maps (the VAE mid-block's),
+    QUERY_CHUNK queries at a time."""
+    n, c, h, w = q.shape
+    q2, k2, v2 = (np.asarray(t, np.float32).reshape(n, c, h * w) for t in (q, k, v))
+    out = np.empty((n, c, h * w), np.float32)
+    for i in range(0, h * w, QUERY_CHUNK):
+        s = np.matmul(q2[:, :, i:i + QUERY_CHUNK].transpose(0, 2, 1), k2) * np.float32(c ** -0.5)
+        s -= s.max(axis=-1, keepdims=True)
+        np.exp(s, out=s)
+        s /= s.sum(axis=-1, keepdims=True)
+        out[:, :, i:i + QUERY_CHUNK] = np.matmul(v2, s.transpose(0, 2, 1))
+    return out.reshape(n, c, h, w)
