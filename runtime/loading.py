@@ -2,7 +2,7 @@
 
 Owns: BundleModel (a bundle opened to generate: devices, assignment, selection, verified loading in
 loader threads or one at a time under a memory budget, the denoising loop's progress / hooks / timings,
-VAE decoding and encoding (tiled where runtime/vae_tiling.py plans it), a model at another image size
+its VAE passes (runtime/vae_passes.py's VaePasses: plain, blended tiles or exact tiles), a model at another image size
 sharing its loaded engines (`at_size`, the hires fix's second pass), step previews (the preview decoder
 loaded on first use, or runtime/previews.py's projection),
 the report of what ran where, the sizes a chosen engine's profile takes, the prompt truncation warnings) and
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .assign import assign_modules, module_of
-from .budgets import device_budget, keep_shared_plan, memory_summary
+from .budgets import keep_shared_plan, memory_summary
 from .devices import apply_device_override, discover_devices
 from .errors import UserError
 from .image_size import latent_factor
@@ -36,8 +36,9 @@ from .progress import bar
 from .prompts import weighted_ids
 from .select import component_report, covers, installed_backends, load_component, select_all, select_component
 from .text_encoders import bundle_tokenizers
-from .vae_segments import TILED_DECODER, decode as decode_segments
-from .vae_tiling import INPUTS as VAE_INPUTS, plan as tiling_plan, run_tiled, tile_requests
+from .vae_passes import VaePasses
+from .vae_segments import TILED_DECODER
+from .vae_tiling import tile_requests
 from .verified import verify_mode
 
 
@@ -71,7 +72,7 @@ def timed(stages: dict, name: str):
         stages[name] = round(stages.get(name, 0.0) + time.perf_counter() - t0, 3)
 
 
-class BundleModel:
+class BundleModel(VaePasses):
     """A bundle opened to generate: its manifest read and checked, devices discovered, modules
     assigned, the tokenizers (small) checked before any engine, and each component in `needed`
     selected (fingerprint, profile, sha256) and loaded, with the reasons for every fallback.
@@ -293,64 +294,6 @@ class BundleModel:
             if comp not in keep and hasattr(loaded.session, "trim"):
                 loaded.session.trim()
 
-    def decode(self, latents: np.ndarray) -> np.ndarray:
-        """The VAE decoder's images, [N, H, W, 3] in its own range, as many per call as its engine's profile
-        takes, in tiles where `vae_run` plans them: `run_stages` gets the seconds waited for its load (if it was
-        still loading) and the decodes'."""
-        t0 = time.perf_counter()
-        self.component("vae_decoder")
-        t1 = time.perf_counter()
-        per = self.batch_limit("vae_decoder", "latent_sample", len(latents))
-        decoded = [self.vae_run("vae_decoder", latents[i:i + per]) for i in range(0, len(latents), per)]
-        self.run_stages.update(wait_vae=round(t1 - t0, 3), decode=round(time.perf_counter() - t1, 3))
-        return np.concatenate(decoded).transpose(0, 2, 3, 1)
-
-    def vae_run(self, comp: str, x: np.ndarray) -> np.ndarray:
-        """The VAE decoder's `sample` of latents x, or the VAE encoder's first output of pixels x ([N, C, H, W]),
-        float32: in overlapping tiles (runtime/vae_tiling.py) when forced (`vae_tiling`) or when x is past the
-        loaded engine's profile or the memory its device has for it, else in one call; `tiled` says which."""
-        name, latent = VAE_INPUTS[comp]
-        session, f = self.component(comp).session, latent_factor(self.manifest)
-        out = "sample" if latent else None
-
-        def run(v: np.ndarray) -> np.ndarray:
-            result = session.run({name: v.astype(np.float32)})
-            return (result[out] if out else next(iter(result.values()))).astype(np.float32)
-        unit = 1 if latent else f
-        hw = (x.shape[2] // unit, x.shape[3] // unit)
-        ranges = [self.input_range(comp, name, axis) for axis in (2, 3)]
-        engine = None if None in ranges else tuple((lo // unit, hi // unit) for lo, hi in ranges)
-        tiling = tiling_plan(hw, engine, self.vae_tiling, self.vae_tile, f, self._vae_budget(comp),
-                             f"the VAE {comp[len('vae_'):]}'s engine")
-        if tiling and latent and TILED_DECODER in self.manifest.components:    # exact: segment by segment
-            spec = self.manifest.components[TILED_DECODER]
-            self.tiled["decoder"] = {"exact": True, "segments": sum("segment" in s for s in spec["config"]["segments"]),
-                                     "why": tiling.why}
-            return decode_segments(self.tiled_decoder().run, spec["config"]["segments"], spec["inputs"], x)
-        self.tiled[comp[len("vae_"):]] = tiling.record(*hw, f) if tiling else None
-        return run_tiled(run, x, tiling, f, latent) if tiling else run(x)
-
-    def vae_mean(self, pixels: np.ndarray) -> np.ndarray:
-        """The VAE encoder's distribution's MEAN for pixels [N, 3, H, W] in [-1, 1], float32 [N, C, H/f, W/f]
-        (diffusers samples the distribution by default; the mean is its mode, deterministic): the first half of
-        the encoder's output channels, through `vae_run` (in tiles where planned)."""
-        params = self.vae_run("vae_encoder", pixels)
-        return params[:, :params.shape[1] // 2]
-
-    def _vae_budget(self, comp: str) -> int | None:
-        """Bytes a VAE pass may take on its device: its budget (--params-backend DEVICE:SIZE, a GPU's memory;
-        the CPU's available memory when the run started, else its RAM) less the weights of the components
-        selected there."""
-        choice = self.selections[comp].choice if comp in self.selections else None
-        if choice is None:
-            return None
-        placement = self.placements[module_of(comp)]
-        budget, _ = device_budget(choice.device, dict(placement.budgets), self.devices, automatic=True)
-        budget = budget if budget is not None else (choice.device.memory or None)
-        weights = sum((s.choice.memory or {}).get("weights", 0) for s in self.selections.values()
-                      if s.choice is not None and s.choice.device.id == choice.device.id)
-        return None if budget is None else budget - weights
-
     def at_size(self, width: int, height: int, reqs: dict) -> "BundleModel | None":
         """This model at width x height, sharing its loaded components, when every one's engine takes that
         size's shapes `reqs` (the family's requests; the VAE's as tile_requests makes them), else None."""
@@ -394,20 +337,6 @@ class BundleModel:
             outputs = [o["name"] for o in self.manifest.components[PREVIEW_DECODER]["outputs"]]
             self._preview = tuple(shape), load_component(sel, outputs, placement.offload)[0]
         return self._preview[1]
-
-    _tiled_decoder = None     # the tiled VAE decoder's (session, report), once loaded
-
-    def tiled_decoder(self):
-        """The `vae_decoder_tiled` component's session (runtime/vae_segments.py), selected and loaded on first use on
-        the VAE's device, as the preview decoder is: no part of `needed`."""
-        if self._tiled_decoder is None:
-            placement = self.placements[module_of(TILED_DECODER)]
-            sel = select_component(self.manifest, TILED_DECODER, placement, self.devices, {}, self.installed,
-                                   self.verify_files)
-            outputs = [o["name"] for o in self.manifest.components[TILED_DECODER]["outputs"]]
-            session, cand, reasons = load_component(sel, outputs, placement.offload)
-            self._tiled_decoder = session, component_report(TILED_DECODER, cand, reasons)
-        return self._tiled_decoder[0]
 
     def report(self) -> dict:
         """What ran where, in the schema `doctor --json` shares (see README, "JSON output")."""

@@ -2,13 +2,13 @@
 
 Owns: `decode` (the component's program run over latents: each segment tile by tile on tiles widened by its
 reach, each GroupNorm's statistics measured over the whole feature map between segments, the mid-block's
-attention computed here), `group_stats`, `attention`, and the tile sides the component's engines take
-(`SEGMENT_TILE`, which the compiler's profiles read). The program and the graph are
+attention computed here), `exact_bytes` (its memory, estimated), `group_stats`, `attention`, and the tile sides
+the component's engines take (`SEGMENT_TILE`, which the compiler's profiles read). The program and the graph are
 compiler/graphs/vae_segments.py's: a segment is local (convolutions, SiLU, nearest upsampling, adds), so a tile
 widened by the segment's `halo` input pixels on each side gives the exact output over its own part, and the
 image equals the plain decoder's to float rounding, at any size, whatever the tile. The price: the feature
-maps between segments live here whole (at 1024² the widest is 128 channels x 1024² = 512 MiB in f32), where
-runtime/vae_tiling.py's blended tiles hold one tile's. Standard library and numpy only.
+maps between segments live here whole (SD's VAE at 1024²: 2 GiB at most, a 256-channel map at 1024² and two
+128-channel ones; `held_bytes`), where runtime/vae_tiling.py's blended tiles hold one tile's. Standard library and numpy only.
 """
 from __future__ import annotations
 
@@ -18,7 +18,11 @@ import numpy as np
 
 TILED_DECODER = "vae_decoder_tiled"
 SEGMENT_TILE = (1, 128, 1024)    # a segment input's side in its own pixels, halo included: min, opt, max built
-TILE_VALUES = 1 << 24            # channels x pixels of a segment's widest input per call, at most (64 MiB f32)
+TILE_VALUES = 1 << 20            # channels x pixels of a segment's widest input per call, at most (4 MiB f32; past
+# that OpenVINO's dynamic-shape buffers, kept per node at the largest tile seen, grow: SD's VAE at 512², 1.5 GiB
+# at 2^20, 4.0 GiB at 2^24, for 20-23 s either way; ONNX Runtime 1.0 GiB)
+WORKSPACE = 192 * 4 * TILE_VALUES   # bytes beside the maps: the engine's buffers for tiles (OpenVINO keeps 0.6-0.8
+# GiB for SD's VAE at 2^20 values a tile; ONNX Runtime less)
 QUERY_CHUNK = 1024               # attention queries per product (its scores: QUERY_CHUNK x positions floats)
 
 
@@ -40,6 +44,29 @@ def decode(run, program: list[dict], inputs: list[dict], latents: np.ndarray, ti
         for v in [v for v, j in last.items() if j == i]:
             del values[v]
     return values["sample"]
+
+
+def exact_bytes(program: list[dict], outputs: list[dict], n: int, h: int, w: int) -> int:
+    """The memory `decode` is estimated to take over n x h x w latents: the maps it holds, and WORKSPACE."""
+    return held_bytes(program, outputs, n, h, w) + WORKSPACE
+
+
+def held_bytes(program: list[dict], outputs: list[dict], n: int, h: int, w: int) -> int:
+    """The most bytes of feature maps `decode` holds at once over n x h x w latents (float32, the latents left out),
+    from the program and the component's output records (their channels)."""
+    out_channels = {o["name"]: o["shape"][1] for o in outputs}
+    last = {v: i for i, step in enumerate(program) for v in (step.get("inputs") or step["attention"]).values()}
+    scale, channels, live, most = {"latent": 1}, {}, {}, 0
+    for i, step in enumerate(program):
+        ins = step.get("inputs") or step["attention"]
+        r = scale[next(iter(ins.values()))] * step.get("scale", 1)
+        for role, value in step["outputs"].items():
+            c = out_channels[f"s{step['segment']}_{role}"] if "segment" in step else channels[ins["v"]]
+            scale[value], channels[value], live[value] = r, c, 4 * n * c * h * w * r * r
+        most = max(most, sum(live.values()))
+        for v in [v for v, j in last.items() if j == i]:
+            live.pop(v, None)
+    return most
 
 
 def run_segment(run, step: dict, values: dict, idle: dict, tile_values: int, max_side: int) -> dict:

@@ -24,7 +24,7 @@ RUNTIME_LAYERS = [
     # 3: placing, choosing and opening what runs
     {"assign", "image_size", "control", "sessions", "budgets", "select", "hires", "text_encoders"},
     # 4: a bundle opened to generate
-    {"loading"},
+    {"vae_passes", "loading"},
     # 5: the families
     {"families", "families.flow_matching", "families.sd", "families.flux", "families.sd3", "families.zimage",
      "families.flux2", "families.qwenimage"},

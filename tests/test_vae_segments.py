@@ -2,7 +2,8 @@
 decoder cut at its GroupNorms, compiler/graphs/vae_segments.py) run tile by tile by runtime/vae_segments.py equals
 the plain decoder to float rounding -- on image-like latents where tiles with their own GroupNorms (the blended
 tiling) fall far short --, on ONNX Runtime and OpenVINO engines, for SD's, Flux's and FLUX.2's VAEs, odd sizes and
-batches; `generate` past the VAE's profile uses it and says so; it is built only when asked for by name."""
+batches; `generate` past the VAE's profile uses it and says so (blended tiles when its estimate is past the memory
+budget); it is built only when asked for by name and left out of the diffusers pipeline folder."""
 import json
 import math
 
@@ -106,6 +107,11 @@ def test_generate_past_the_profile_decodes_exactly(sd, tmp_path):
     precast(*args, "--out", tmp_path / "plain.png", "--no-vae-tiling", check=True)
     a, b = (read_png(tmp_path / f).astype(int) for f in ("tiled.png", "plain.png"))
     assert a.shape == (192, 256, 3) and np.abs(a - b).max() <= 1 and (a != b).mean() < 1e-3
+    short = precast(*args, "--out", tmp_path / "short.png", "--params-backend", "cpu:100M", check=True)   # too little
+    assert "note: VAE decoder ran in 5x4 tiles of 64x64 px, overlapping by 16 px (256x192 px is past the largest " \
+           "size the VAE decoder's engine takes, 64x64 px; an exact decode would take 0.8 GiB, past the 0.1 GiB its " \
+           "device has for it)" in short.stderr, short.stderr
+    assert "vae_decoder_tiled" not in short.stdout
 
 
 def test_built_only_when_asked_for_and_left_out_of_the_pipeline_folder(sd, tmp_path):

@@ -1,0 +1,107 @@
+"""The VAE passes of a bundle opened to generate (runtime/loading.py's BundleModel takes them from `VaePasses`).
+
+Owns: decoding latents and encoding pixels with the bundle's VAE -- in one call, in blended tiles
+(runtime/vae_tiling.py plans them: forced, past the engine's profile or the memory budget), or exactly, segment by
+segment, through the bundle's `vae_decoder_tiled` when it has one and its estimate fits the budget
+(runtime/vae_segments.py) --, the memory a pass may take on its device, and the tiled decoder's session (loaded on
+first use, as the preview decoder is). Imports numpy and the runtime's own modules; never the compiler.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .assign import module_of
+from .budgets import device_budget
+from .image_size import latent_factor
+from .select import component_report, load_component, select_component
+from .vae_segments import TILED_DECODER, exact_bytes
+from .vae_segments import decode as decode_segments
+from .vae_tiling import INPUTS as VAE_INPUTS
+from .vae_tiling import plan as tiling_plan
+from .vae_tiling import run_tiled
+
+
+class VaePasses:
+    """What BundleModel does with its VAE; reads its manifest, selections, placements, devices, loaded components,
+    `vae_tiling` / `vae_tile` (asked) and `tiled` (what the last passes did), and writes `run_stages`."""
+
+    def decode(self, latents: np.ndarray) -> np.ndarray:
+        """The VAE decoder's images, [N, H, W, 3] in its own range, as many per call as its engine's profile
+        takes, in tiles where `vae_run` plans them: `run_stages` gets the seconds waited for its load (if it was
+        still loading) and the decodes'."""
+        t0 = time.perf_counter()
+        self.component("vae_decoder")
+        t1 = time.perf_counter()
+        per = self.batch_limit("vae_decoder", "latent_sample", len(latents))
+        decoded = [self.vae_run("vae_decoder", latents[i:i + per]) for i in range(0, len(latents), per)]
+        self.run_stages.update(wait_vae=round(t1 - t0, 3), decode=round(time.perf_counter() - t1, 3))
+        return np.concatenate(decoded).transpose(0, 2, 3, 1)
+
+    def vae_run(self, comp: str, x: np.ndarray) -> np.ndarray:
+        """The VAE decoder's `sample` of latents x, or the VAE encoder's first output of pixels x ([N, C, H, W]),
+        float32: in overlapping tiles (runtime/vae_tiling.py) when forced (`vae_tiling`) or when x is past the
+        loaded engine's profile or the memory its device has for it, else in one call; `tiled` says which."""
+        name, latent = VAE_INPUTS[comp]
+        session, f = self.component(comp).session, latent_factor(self.manifest)
+        out = "sample" if latent else None
+
+        def run(v: np.ndarray) -> np.ndarray:
+            result = session.run({name: v.astype(np.float32)})
+            return (result[out] if out else next(iter(result.values()))).astype(np.float32)
+        unit = 1 if latent else f
+        hw = (x.shape[2] // unit, x.shape[3] // unit)
+        ranges = [self.input_range(comp, name, axis) for axis in (2, 3)]
+        engine = None if None in ranges else tuple((lo // unit, hi // unit) for lo, hi in ranges)
+        budget = self._vae_budget(comp)
+        tiling = tiling_plan(hw, engine, self.vae_tiling, self.vae_tile, f, budget,
+                             f"the VAE {comp[len('vae_'):]}'s engine")
+        record = tiling.record(*hw, f) if tiling else None
+        if tiling and latent and TILED_DECODER in self.manifest.components:    # exact: segment by segment
+            spec = self.manifest.components[TILED_DECODER]
+            program = spec["config"]["segments"]
+            need = exact_bytes(program, spec["outputs"], len(x), *hw)
+            if budget is None or need <= budget:
+                self.tiled["decoder"] = {"exact": True, "segments": sum("segment" in s for s in program),
+                                         "why": tiling.why}
+                return decode_segments(self.tiled_decoder().run, program, spec["inputs"], x)
+            record["why"] += f"; an exact decode would take {need / 2**30:.1f} GiB, past the {budget / 2**30:.1f} " \
+                "GiB its device has for it"
+        self.tiled[comp[len("vae_"):]] = record
+        return run_tiled(run, x, tiling, f, latent) if tiling else run(x)
+
+    def vae_mean(self, pixels: np.ndarray) -> np.ndarray:
+        """The VAE encoder's distribution's MEAN for pixels [N, 3, H, W] in [-1, 1], float32 [N, C, H/f, W/f]
+        (diffusers samples the distribution by default; the mean is its mode, deterministic): the first half of
+        the encoder's output channels, through `vae_run` (in tiles where planned)."""
+        params = self.vae_run("vae_encoder", pixels)
+        return params[:, :params.shape[1] // 2]
+
+    def _vae_budget(self, comp: str) -> int | None:
+        """Bytes a VAE pass may take on its device: its budget (--params-backend DEVICE:SIZE, a GPU's memory;
+        the CPU's available memory when the run started, else its RAM) less the weights of the components
+        selected there."""
+        choice = self.selections[comp].choice if comp in self.selections else None
+        if choice is None:
+            return None
+        placement = self.placements[module_of(comp)]
+        budget, _ = device_budget(choice.device, dict(placement.budgets), self.devices, automatic=True)
+        budget = budget if budget is not None else (choice.device.memory or None)
+        weights = sum((s.choice.memory or {}).get("weights", 0) for s in self.selections.values()
+                      if s.choice is not None and s.choice.device.id == choice.device.id)
+        return None if budget is None else budget - weights
+
+    _tiled_decoder = None     # the tiled VAE decoder's (session, report), once loaded
+
+    def tiled_decoder(self):
+        """The `vae_decoder_tiled` component's session (runtime/vae_segments.py), selected and loaded on first use on
+        the VAE's device, as the preview decoder is: no part of `needed`."""
+        if self._tiled_decoder is None:
+            placement = self.placements[module_of(TILED_DECODER)]
+            sel = select_component(self.manifest, TILED_DECODER, placement, self.devices, {}, self.installed,
+                                   self.verify_files)
+            outputs = [o["name"] for o in self.manifest.components[TILED_DECODER]["outputs"]]
+            session, cand, reasons = load_component(sel, outputs, placement.offload)
+            self._tiled_decoder = session, component_report(TILED_DECODER, cand, reasons)
+        return self._tiled_decoder[0]
