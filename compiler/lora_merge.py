@@ -32,7 +32,7 @@ import numpy as np
 
 from .errors import BadInput
 from .sources.checkpoint import UNET, VAE
-from .sources.lora import LoraFile, LoraModule, NameTable, Target, build_name_table, flat, read_lora
+from .sources.lora import LoraFile, LoraModule, NameTable, Target, build_name_table, flat, read_lora, targets_of
 from .sources.peft_metadata import FLOAT32_MAX
 
 MAX_LISTED = 20
@@ -228,6 +228,8 @@ class MergePlan:
             return
         view = out[p.target.rows[0]:p.target.rows[1]] if p.target.rows else out
         delta, scale = module_delta(lf, p.module)
+        if p.target.part:
+            delta = delta[p.target.part[0]:p.target.part[1]]
         delta = (delta * np.float32(scale)).reshape(view.shape)
         mag_role = next((r for r in ("dora_scale", "magnitude") if r in p.module.tensors), None)
         if mag_role is not None:
@@ -286,48 +288,23 @@ def plan_merge(shapes: dict[str, tuple[int, ...]], loras: list[LoraSpec], allow_
         unmatched = list(lf.stray)
         seen: dict[tuple[str, tuple | None], str] = {}
         for m in lf.modules.values():
-            target = table.lookup(m.name)
-            if target is None:
+            found = table.lookup(m.name)
+            if found is None:
                 amb = table.ambiguous.get(flat(m.name))
                 unmatched += [k + (f" (names more than one weight: {', '.join(sorted(amb))})" if amb else "")
                               for k in sorted(m.tensors.values())]
                 continue
-            ident = (target.key, target.rows)
-            if ident in seen:
-                problems.append(f"{lf.path}: {m.name} and {seen[ident]} both name {target.describe()}")
+            targets = targets_of(found)
+            rows = max(t.part[1] for t in targets) if targets[0].part else None
+            if rows is not None and not (m.kind == "full" and "diff" not in m.tensors) and \
+                    delta_shape(lf, m)[0] != rows:
+                problems.append(f"{lf.path}: {m.name} gives a delta of {delta_shape(lf, m)[0]} rows but the model's "
+                                f"{' + '.join(t.key for t in targets)} take {rows}")
                 continue
-            seen[ident] = m.name
-            want = shapes[target.key]
-            if target.rows:
-                want = (target.rows[1] - target.rows[0], *want[1:])
-            if m.kind == "full" and "diff" not in m.tensors:
-                got = None
-            else:
-                got = delta_shape(lf, m)
-                if not fits(got, want):
-                    problems.append(f"{lf.path}: {m.name} gives a delta of shape {list(got)} but the model's "
-                                    f"{target.describe()} has shape {list(want)}")
-                    continue
-            mag = next((r for r in ("dora_scale", "magnitude") if r in m.tensors), None)
-            if mag is not None and _numel(lf.shape(m, mag)) not in (want[0], want[1] if len(want) > 1 else -1):
-                problems.append(f"{lf.path}: {m.tensors[mag]} has shape {list(lf.shape(m, mag))}; "
-                                f"{target.describe()} {list(want)} needs {want[0]} (rows) or {want[1]} (columns) values")
-                continue
-            if got is not None:
-                if m.kind in ("lora", "loha", "lokr"):
-                    lf.alpha(m, 1)  # refuses a bad alpha (values, shape, metadata) before anything is written
-                plan.patches.setdefault(target.key, []).append(Patch(i, m, target))
-            if "diff_b" in m.tensors:
-                bias_key = target.key[:-len("weight")] + "bias" if target.key.endswith(".weight") else None
-                if bias_key not in shapes or target.rows:
-                    unmatched.append(m.tensors["diff_b"])
-                elif _numel(lf.shape(m, "diff_b")) != _numel(shapes[bias_key]):
-                    problems.append(f"{lf.path}: {m.tensors['diff_b']} has shape {list(lf.shape(m, 'diff_b'))} "
-                                    f"but the model's {bias_key} has shape {list(shapes[bias_key])}")
-                else:
-                    plan.patches.setdefault(bias_key, []).append(Patch(i, m, Target(bias_key), bias=True))
+            for target in targets:
+                plan_target(plan, problems, unmatched, seen, shapes, i, lf, m, target)
         if unmatched:
-            plan.unmatched[i] = sorted(unmatched)
+            plan.unmatched[i] = sorted(set(unmatched))
     if problems:
         raise BadInput(f"LoRA does not fit the model ({len(problems)} problem(s)): " + "; ".join(problems[:MAX_LISTED]))
     for i, keys in plan.unmatched.items():
@@ -337,6 +314,52 @@ def plan_merge(shapes: dict[str, tuple[int, ...]], loras: list[LoraSpec], allow_
             raise BadInput(f"{msg}. Is the LoRA for another model family? To merge the rest, {allow_hint(i)}.")
         warn(msg + " (skipped: unmatched tensors allowed)")
     return plan
+
+
+def plan_target(plan: MergePlan, problems: list, unmatched: list, seen: dict, shapes: dict, i: int, lf: LoraFile,
+                m: LoraModule, target: Target) -> None:
+    """One LoRA module's patch on one weight (its delta's rows `target.part` when the module is fused over
+    several), checked against the weight's shape; a problem or an unmatched tensor recorded instead."""
+    ident = (target.key, target.rows)
+    if ident in seen:
+        problems.append(f"{lf.path}: {m.name} and {seen[ident]} both name {target.describe()}")
+        return
+    seen[ident] = m.name
+    want = shapes[target.key]
+    if target.rows:
+        want = (target.rows[1] - target.rows[0], *want[1:])
+    if m.kind == "full" and "diff" not in m.tensors:
+        got = None
+    else:
+        got = delta_shape(lf, m)
+        if target.part:
+            got = (target.part[1] - target.part[0], *got[1:])
+        if not fits(got, want):
+            problems.append(f"{lf.path}: {m.name} gives a delta of shape {list(got)} but the model's "
+                            f"{target.describe()} has shape {list(want)}")
+            return
+    mag = next((r for r in ("dora_scale", "magnitude") if r in m.tensors), None)
+    if mag is not None and target.part:
+        problems.append(f"{lf.path}: {m.tensors[mag]}: DoRA on {m.name}, which this model holds as separate weights "
+                        f"({target.key} is one), is not supported; merge the LoRA in the model's own names")
+        return
+    if mag is not None and _numel(lf.shape(m, mag)) not in (want[0], want[1] if len(want) > 1 else -1):
+        problems.append(f"{lf.path}: {m.tensors[mag]} has shape {list(lf.shape(m, mag))}; "
+                        f"{target.describe()} {list(want)} needs {want[0]} (rows) or {want[1]} (columns) values")
+        return
+    if got is not None:
+        if m.kind in ("lora", "loha", "lokr"):
+            lf.alpha(m, 1)  # refuses a bad alpha (values, shape, metadata) before anything is written
+        plan.patches.setdefault(target.key, []).append(Patch(i, m, target))
+    if "diff_b" in m.tensors:
+        bias_key = target.key[:-len("weight")] + "bias" if target.key.endswith(".weight") else None
+        if bias_key not in shapes or target.rows or target.part:
+            unmatched.append(m.tensors["diff_b"])
+        elif _numel(lf.shape(m, "diff_b")) != _numel(shapes[bias_key]):
+            problems.append(f"{lf.path}: {m.tensors['diff_b']} has shape {list(lf.shape(m, 'diff_b'))} "
+                            f"but the model's {bias_key} has shape {list(shapes[bias_key])}")
+        else:
+            plan.patches.setdefault(bias_key, []).append(Patch(i, m, Target(bias_key), bias=True))
 
 
 def component_loras(plan: MergePlan, prefix: str) -> list[dict]:

@@ -32,7 +32,7 @@ import onnx
 
 from .errors import BadInput
 from .lora_merge import LoraSpec, MergePlan, plan_merge
-from .sources.lora import build_name_table, read_lora
+from .sources.lora import build_name_table, read_lora, targets_of
 
 _NP = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16}
 
@@ -114,7 +114,7 @@ class OpenVinoLoraEngine:
         from openvino import opset13 as ops
         from openvino.op.util import Variable, VariableInfo
         table = build_name_table(self.base.shapes())
-        targets = {t.key[len(self.base.prefix):] for t in table.entries.values()}
+        targets = {t.key[len(self.base.prefix):] for found in table.entries.values() for t in targets_of(found)}
         sinks, variables = [], []
         for name in sorted(targets & set(self.constants)):
             const = self.constants[name]

@@ -204,6 +204,69 @@ def test_lora_in_diffusers_names_matches_diffusers(demo, tmp_path):
     assert rel_err(want, plain) > 1e-2            # the LoRA changes the output
     assert rel_err(got, want) <= 1e-4, rel_err(got, want)
 
+def test_lora_in_bfl_and_kohya_names_merges_as_diffusers_names(demo, tmp_path):
+    """The same LoRA in BFL's names -- kohya's `lora_unet_double_blocks_0_img_attn_qkv` (q | k | v as one module of
+    rank 3r, up block-diagonal, alpha keeping alpha / rank = 1) and ComfyUI's PEFT spelling
+    `diffusion_model.double_blocks.0.img_attn.qkv.lora_A` -- merges into the export as it does in diffusers' names,
+    whose merge equals diffusers' own adapter: BFL's fused qkv lands in thirds on diffusers' separate to_q / to_k / to_v,
+    txt_attn.qkv with only its v part, final_layer.adaLN_modulation.1's halves swapped into norm_out.linear."""
+    from safetensors.numpy import save_file as save_np
+    from test_flux import _peft_lora, peft_tensors
+    from precast.runtime.families.flux2 import latent_ids, text_ids
+    model = _transformer({k: v.float() for k, v in load_file(demo["file"]).items()})
+    rng, rank = np.random.default_rng(13), 4
+    qkv = ["transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k", "transformer_blocks.0.attn.to_v"]
+    mods = qkv + ["transformer_blocks.1.attn.add_v_proj", "transformer_blocks.0.ff.linear_in",
+                  "single_transformer_blocks.0.attn.to_qkv_mlp_proj", "single_transformer_blocks.1.attn.to_out",
+                  "x_embedder", "norm_out.linear"]
+    lora = _peft_lora(rng, model, mods, rank)
+    save_np(peft_tensors(lora), str(tmp_path / "diffusers.safetensors"))
+    bfl = {"double_blocks.0.img_attn.qkv": None, "double_blocks.1.txt_attn.qkv": None,
+           "double_blocks.0.img_mlp.0": lora[mods[4]], "single_blocks.0.linear1": lora[mods[5]],
+           "single_blocks.1.linear2": lora[mods[6]], "img_in": lora[mods[7]]}
+    up = np.zeros((sum(lora[m][1].shape[0] for m in qkv), 3 * rank), np.float32)
+    for i, m in enumerate(qkv):
+        h = lora[m][1].shape[0]
+        up[i * h:(i + 1) * h, i * rank:(i + 1) * rank] = lora[m][1]
+    bfl["double_blocks.0.img_attn.qkv"] = (np.concatenate([lora[m][0] for m in qkv]), up)
+    down, b = lora[mods[3]]
+    bfl["double_blocks.1.txt_attn.qkv"] = (down, np.concatenate([np.zeros((2 * len(b), rank), np.float32), b]))
+    down, b = lora["norm_out.linear"]           # diffusers (scale, shift) rows -> BFL (shift, scale)
+    bfl["final_layer.adaLN_modulation.1"] = (down, np.concatenate([b[len(b) // 2:], b[:len(b) // 2]]))
+    kohya, comfy = {}, {}
+    for module, (a, b) in bfl.items():
+        flat = "lora_unet_" + module.replace(".", "_")
+        kohya.update({f"{flat}.lora_down.weight": a, f"{flat}.lora_up.weight": b,
+                      f"{flat}.alpha": np.array(float(a.shape[0]), np.float32)})
+        comfy.update({f"diffusion_model.{module}.lora_A.weight": a, f"diffusion_model.{module}.lora_B.weight": b})
+    save_np(kohya, str(tmp_path / "kohya.safetensors"))
+    save_np(comfy, str(tmp_path / "comfy.safetensors"))
+    feeds = {"hidden_states": rng.standard_normal((1, 24, 128)).astype(np.float32),
+             "encoder_hidden_states": rng.standard_normal((1, 12, TINY_FLUX2.context)).astype(np.float32),
+             "timestep": np.array([0.41], np.float32), "img_ids": latent_ids(4, 6), "txt_ids": text_ids(12)}
+    outs = {}
+    for name in ("diffusers", "kohya", "comfy"):
+        proc = precast("export", demo["file"], "--out", tmp_path / name, "--component", "transformer", "--set", AXES,
+                       "--lora", f"{tmp_path / name}.safetensors:0.7")
+        assert proc.returncode == 0, proc.stderr
+        outs[name] = _session(tmp_path / name / "transformer").run(None, feeds)[0]
+    model.load_lora_adapter({k: torch.from_numpy(v) for k, v in peft_tensors(lora).items()}, prefix="transformer",
+                            adapter_name="x")
+    model.set_adapters(["x"], weights=[0.7])
+    with torch.no_grad():
+        want = model(**{k: torch.from_numpy(v) for k, v in feeds.items()}, return_dict=False)[0].numpy()
+    assert rel_err(outs["diffusers"], want) <= 1e-4, rel_err(outs["diffusers"], want)
+    for name in ("kohya", "comfy"):
+        assert rel_err(outs[name], outs["diffusers"]) <= 1e-5, (name, rel_err(outs[name], outs["diffusers"]))
+    bad = tmp_path / "bad.safetensors"       # a delta as tall as two thirds of the fused qkv: one error naming it
+    save_np({k: v[:2 * len(v) // 3] if k.endswith("img_attn_qkv.lora_up.weight") else v for k, v in kohya.items()},
+            str(bad))
+    proc = precast("export", demo["file"], "--out", tmp_path / "bad", "--component", "transformer", "--set", AXES,
+                   "--lora", bad)
+    assert proc.returncode == 2 and "double_blocks_0_img_attn_qkv" in proc.stderr and "rows" in proc.stderr and \
+        "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_vae_matches_diffusers(demo, reference, tmp_path):
     """BFL's flux2-vae layout (quant convs nested under encoder. / decoder.) given with --vae: decoder and encoder
     against AutoencoderKLFlux2 <= 1e-4 (ONNX Runtime; the decoder on OpenVINO too), and its batch-norm statistics

@@ -105,3 +105,33 @@ def transformer_refs(files: dict, prefix: str, bfl: bool, where: str) -> dict[st
         raise BadInput(f"{where}: {len(stray)} tensor(s) have no place in a FLUX.2 transformer, e.g. "
                        f"{', '.join(stray[:5])}; the file is damaged or a variant precast does not support yet")
     return out
+
+
+def bfl_lora_targets(shapes: dict, prefix: str) -> dict[str, tuple[tuple[str, tuple | None, tuple | None], ...]]:
+    """A LoRA in BFL's names over the canonical (diffusers) weights under `prefix`: BFL module -> the weights its
+    delta lands on, each (key, rows of that weight or None, rows of the delta or None): `img_attn.qkv`'s delta in
+    thirds over to_q | to_k | to_v (each third as tall as its weight), `final_layer.adaLN_modulation.1`'s halves
+    swapped into norm_out.linear, every other module one weight."""
+    back = {**{v: k for k, v in TOP.items()}, **{f"transformer_blocks.{{}}.{v}": f"double_blocks.{{}}.{k}"
+                                                for k, v in DOUBLE.items()},
+            **{f"single_transformer_blocks.{{}}.{v}": f"single_blocks.{{}}.{k}" for k, v in SINGLE.items()}}
+    out: dict[str, tuple] = {}
+    for key, shape in shapes.items():
+        if not key.startswith(prefix) or not key.endswith(".weight") or len(shape) != 2:
+            continue
+        module = key[len(prefix):-len(".weight")]
+        block = re.fullmatch(r"(single_transformer_blocks|transformer_blocks)\.(\d+)\.(.+)", module)
+        pattern = f"{block[1]}.{{}}.{block[3]}" if block else module
+        if pattern in back:
+            out[back[pattern].format(block[2] if block else "")] = ((key, None, None),)
+        elif module == "norm_out.linear":
+            half = shape[0] // 2
+            out[SWAPPED] = ((key, (half, 2 * half), (0, half)), (key, (0, half), (half, 2 * half)))
+        elif block and block[1] == "transformer_blocks":
+            for fused, parts in QKV.items():
+                keys = [f"{prefix}transformer_blocks.{block[2]}.{p}.weight" for p in parts]
+                if block[3] == parts[0] and all(k in shapes for k in keys):
+                    starts = [sum(shapes[k][0] for k in keys[:i]) for i in range(4)]
+                    out[f"double_blocks.{block[2]}.{fused}"] = tuple((k, None, (starts[i], starts[i + 1]))
+                                                                    for i, k in enumerate(keys))
+    return out

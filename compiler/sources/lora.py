@@ -22,7 +22,7 @@ import numpy as np
 
 from ...runtime.manifest import sha256_file
 from ..errors import BadInput
-from . import flux_names, sd3_names
+from . import flux2_names, flux_names, sd3_names
 from .tensor_refs import CLIP_G, CLIP_L, CONVERT_HINT, DIT, T5, UNET, open_weights_file
 from .diffusers_names import RES_NAMES, UNET_TOP
 from .peft_metadata import pattern_matches, peft_config
@@ -74,29 +74,38 @@ def flat(name: str) -> str:
 class Target:
     key: str                                   # canonical checkpoint key of the weight
     rows: tuple[int, int] | None = None        # a row block of a fused q/k/v (OpenCLIP in_proj)
+    part: tuple[int, int] | None = None        # the rows of the LoRA's delta that land here (a fused module's delta
+    # over separate weights: a FLUX.2 LoRA's BFL img_attn.qkv over diffusers' to_q | to_k | to_v)
 
     def describe(self) -> str:
-        return self.key + (f"[{self.rows[0]}:{self.rows[1]}]" if self.rows else "")
+        return self.key + (f"[{self.rows[0]}:{self.rows[1]}]" if self.rows else "") + \
+            (f" (delta rows {self.part[0]}:{self.part[1]})" if self.part else "")
+
+
+def targets_of(found: "Target | tuple[Target, ...]") -> tuple[Target, ...]:
+    """A name table entry as the weights it names: one, or a fused module's several."""
+    return found if isinstance(found, tuple) else (found,)
 
 
 @dataclass
 class NameTable:
     """Every spelling (flattened) -> the weight it names; spellings two weights share are ambiguous."""
-    entries: dict[str, Target] = field(default_factory=dict)
+    entries: dict[str, Target | tuple[Target, ...]] = field(default_factory=dict)
     ambiguous: dict[str, set[str]] = field(default_factory=dict)
 
-    def add(self, spelling: str, target: Target) -> None:
+    def add(self, spelling: str, target: Target | tuple[Target, ...]) -> None:
         s = flat(spelling)
         old = self.entries.get(s)
+        said = " + ".join(t.describe() for t in targets_of(target))
         if s in self.ambiguous:
-            self.ambiguous[s].add(target.describe())
+            self.ambiguous[s].add(said)
         elif old is not None and old != target:
-            self.ambiguous[s] = {old.describe(), target.describe()}
+            self.ambiguous[s] = {" + ".join(t.describe() for t in targets_of(old)), said}
             del self.entries[s]
         else:
             self.entries[s] = target
 
-    def lookup(self, module: str) -> Target | None:
+    def lookup(self, module: str) -> Target | tuple[Target, ...] | None:
         return self.entries.get(flat(_normalise_module(module)))
 
 
@@ -223,6 +232,12 @@ def build_name_table(shapes: dict[str, tuple[int, ...]]) -> NameTable:
                 for sp in (f"transformer.{module}", module, f"diffusion_model.{module}", f"lora_transformer_{module}",
                            f"lora_unet_{module}", f"base_model.model.{module}"):
                     table.add(sp, t)
+        if DIT + "single_stream_modulation.linear.weight" in shapes:    # FLUX.2: LoRAs in BFL's names too
+            for module, found in flux2_names.bfl_lora_targets(shapes, DIT).items():
+                ts = tuple(Target(key, rows, part) for key, rows, part in found)
+                for sp in (f"diffusion_model.{module}", f"model.diffusion_model.{module}", module,
+                           f"transformer.{module}", f"lora_unet_{module}", f"lora_transformer_{module}"):
+                    table.add(sp, ts if len(ts) > 1 else ts[0])
     for rel in (k[len(T5):] for k in keys if k.startswith(T5)):
         if rel.endswith(".weight") and len(shapes[T5 + rel]) == 2 and rel.startswith("encoder.block."):
             t = Target(T5 + rel)
