@@ -152,7 +152,7 @@ def child_vae(mode: str, bundle: str, out_npy: str, repeat: int) -> None:
     """In a fresh process: load the VAE decoder as generate would for 1024x1024 and decode REPEAT times."""
     import numpy as np
     from precast.runtime.api import open_bundle
-    from precast.runtime.vae_segments import decode as decode_exact
+    from precast.runtime.vae_segments import run_program as decode_exact
     from precast.runtime.vae_tiling import plan, run_tiled
     t0 = time.perf_counter()
     b = open_bundle(bundle)

@@ -65,8 +65,8 @@ def _parse_lora(item: str) -> tuple[str, float]:
 @click.option("--out", "out", required=True, type=click.Path(), help="Output folder (optimum-onnx layout).")
 @click.option("--component", "components", multiple=True,
               help="Component to export (repeatable): text_encoder, text_encoder_2, text_encoder_3 (SD3's T5), unet (SD) "
-                   "or transformer (Flux, Chroma, SD3), vae_encoder, vae_decoder, vae_decoder_tiled (exact tiled "
-                   "decoding; only when named). Default: all present.")
+                   "or transformer (Flux, Chroma, SD3), vae_encoder, vae_decoder, vae_encoder_tiled, "
+                   "vae_decoder_tiled (exact tiling; only when named). Default: all present.")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True,
               help="Weights and activations; norms, softmax and RoPE stay fp32 inside the graph.")
 @click.option("--set", "sets", multiple=True, metavar="COMPONENT.FIELD=VALUE",

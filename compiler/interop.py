@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..runtime.manifest import file_record
 from ..runtime.previews import PREVIEW_DECODER
-from ..runtime.vae_segments import TILED_DECODER
+from ..runtime.vae_segments import TILED
 from .bundle_writer import BundleWriter, add_llm_tokenizer, add_t5_tokenizer, add_tokenizer
 from .families import FAMILIES
 from .families.shared import CLIP_TOKENIZER, DPM_SOLVER, QWEN2_TOKENIZER, T5_TOKENIZER
@@ -171,10 +171,10 @@ def component_config(name: str, cfg: dict, model: dict) -> dict:
 def pipeline_files(model: dict, components: dict[str, dict]) -> dict[str, dict]:
     """relative path -> JSON data: every file of the folder except the graphs and tokenizers.
     `model`: family, prediction, latent_scale[, latent_shift, scheduler]; `components`: name -> config
-    (ControlNets, the preview decoder and the tiled VAE decoder, which no diffusers pipeline folder of these classes
-    holds, are left out)."""
+    (ControlNets, the preview decoder and the tiled VAE components, which no diffusers pipeline folder of these
+    classes holds, are left out)."""
     components = {n: c for n, c in components.items()
-                  if not n.startswith("controlnet_") and n not in (PREVIEW_DECODER, TILED_DECODER)}
+                  if not n.startswith("controlnet_") and n != PREVIEW_DECODER and n not in TILED.values()}
     files = {"model_index.json": model_index(model, sorted(components)),
              "scheduler/scheduler_config.json": scheduler_config(model)}
     for name, cfg in components.items():

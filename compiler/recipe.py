@@ -24,9 +24,9 @@ from .sources.controlnet import controlnet_name
 from .targets import TargetSpec, dtype_problem, get_target, parse_target
 
 COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "unet", "transformer", "vae_encoder", "vae_decoder",
-              "vae_decoder_tiled")
+              "vae_encoder_tiled", "vae_decoder_tiled")
 # a recipe's default components: all of its family's (the one table of families, compiler/families/) but those
-# asked for by name only (the tiled VAE decoder)
+# asked for by name only (the tiled VAE decoder and encoder)
 DEFAULT_COMPONENTS = {name: tuple(n for n, c in f.components.items() if not c.optional) for name, f in FAMILIES.items()}
 PRECISIONS = ("fp32", "fp16", "bf16")
 TOP_FIELDS = {"name", "model", "components", "precision", "loras", "embeddings", "controlnets", "preview", "profiles",

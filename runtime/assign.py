@@ -43,7 +43,7 @@ def module_of(component: str) -> str:
 FOLLOWS = {"controlnet": "diffusion"}
 COMPONENT_MODULE = {"unet": "diffusion", "transformer": "diffusion", "text_encoder": "te", "text_encoder_2": "te",
                     "text_encoder_3": "te", "vae_decoder": "vae", "vae_encoder": "vae", "preview_decoder": "vae",
-                    "vae_decoder_tiled": "vae",
+                    "vae_decoder_tiled": "vae", "vae_encoder_tiled": "vae",
                     "controlnet": "controlnet"}
 # vendor names -> the vendor's first GPU
 VENDOR_NAMES = {"cuda": "nvidia", "nvidia": "nvidia", "rocm": "amd", "amd": "amd", "hip": "amd",

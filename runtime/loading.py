@@ -37,7 +37,6 @@ from .prompts import weighted_ids
 from .select import component_report, covers, installed_backends, load_component, select_all, select_component
 from .text_encoders import bundle_tokenizers
 from .vae_passes import VaePasses
-from .vae_segments import TILED_DECODER
 from .vae_tiling import tile_requests
 from .verified import verify_mode
 
@@ -109,7 +108,7 @@ class BundleModel(VaePasses):
         self.batches: list[int] = []    # the last call's images per denoiser call
         # VAE tiling (runtime/vae_tiling.py): None = when past the engine's profile or the memory budget; the
         # tile's side in px; what the last passes did ({"decoder" / "encoder": record}, reset by the caller)
-        self.vae_tiling, self.vae_tile, self.tiled = vae_tiling, vae_tile, {}
+        self.vae_tiling, self.vae_tile, self.tiled, self.exact = vae_tiling, vae_tile, {}, {}
         reqs = tile_requests(manifest, reqs, vae_tiling, vae_tile, latent_factor(manifest))
         with timed(self.stages, "discover"):
             devices = discover_devices(sysroot, env)
@@ -345,7 +344,7 @@ class BundleModel(VaePasses):
                 "installed_backends": self.installed,
                 "assignment": {m: p.describe() for m, p in self.placements.items()},
                 "components": {**{c: self.loaded[c].where for c in self.needed},
-                               **({TILED_DECODER: self._tiled_decoder[1]} if self._tiled_decoder else {})}}
+                               **{c: where for c, (_, where) in self.exact.items()}}}
 
 
 def to_uint8(image: np.ndarray) -> np.ndarray:

@@ -152,7 +152,7 @@ def out_paths(out, n: int) -> list:
                    "resizes it (PIL's BILINEAR) and encodes it again (needs the VAE encoder). A1111's names work too.")
 @click.option("--vae-tiling/--no-vae-tiling", "vae_tiling", default=None,
               help="Decode (and encode) with the VAE in overlapping, blended tiles -- exactly, segment by segment, "
-                   "where the bundle has a vae_decoder_tiled. Default: only when the image is past the VAE engine's "
+                   "where the bundle has a vae_decoder_tiled / vae_encoder_tiled. Default: only when the image is past the VAE engine's "
                    "profile (its engine then decodes it in tiles, no rebuild) or its device's memory; --no-vae-tiling "
                    "never.")
 @click.option("--vae-tile", "vae_tile", default=None, type=int, metavar="PIXELS",

@@ -2,9 +2,9 @@
 
 Owns: decoding latents and encoding pixels with the bundle's VAE -- in one call, in blended tiles
 (runtime/vae_tiling.py plans them: forced, past the engine's profile or the memory budget), or exactly, segment by
-segment, through the bundle's `vae_decoder_tiled` when it has one and its estimate fits the budget
-(runtime/vae_segments.py) --, the memory a pass may take on its device, and the tiled decoder's session (loaded on
-first use, as the preview decoder is). Imports numpy and the runtime's own modules; never the compiler.
+segment, through the bundle's `vae_decoder_tiled` / `vae_encoder_tiled` when it has one and its estimate fits the
+budget (runtime/vae_segments.py) --, the memory a pass may take on its device, and those components' sessions
+(loaded on first use, as the preview decoder is). Imports numpy and the runtime's own modules; never the compiler.
 """
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ from .assign import module_of
 from .budgets import device_budget
 from .image_size import latent_factor
 from .select import component_report, load_component, select_component
-from .vae_segments import TILED_DECODER, exact_bytes
-from .vae_segments import decode as decode_segments
+from .vae_segments import TILED, exact_bytes, run_program
 from .vae_tiling import INPUTS as VAE_INPUTS
 from .vae_tiling import plan as tiling_plan
 from .vae_tiling import run_tiled
@@ -25,7 +24,8 @@ from .vae_tiling import run_tiled
 
 class VaePasses:
     """What BundleModel does with its VAE; reads its manifest, selections, placements, devices, loaded components,
-    `vae_tiling` / `vae_tile` (asked) and `tiled` (what the last passes did), and writes `run_stages`."""
+    `vae_tiling` / `vae_tile` (asked), and writes `tiled` (what the last passes did), `exact` (the exact twins'
+    sessions and reports, by component) and `run_stages`."""
 
     def decode(self, latents: np.ndarray) -> np.ndarray:
         """The VAE decoder's images, [N, H, W, 3] in its own range, as many per call as its engine's profile
@@ -58,16 +58,17 @@ class VaePasses:
         tiling = tiling_plan(hw, engine, self.vae_tiling, self.vae_tile, f, budget,
                              f"the VAE {comp[len('vae_'):]}'s engine")
         record = tiling.record(*hw, f) if tiling else None
-        if tiling and latent and TILED_DECODER in self.manifest.components:    # exact: segment by segment
-            spec = self.manifest.components[TILED_DECODER]
+        twin = TILED[comp]
+        if tiling and twin in self.manifest.components:    # exact: segment by segment (runtime/vae_segments.py)
+            spec = self.manifest.components[twin]
             program = spec["config"]["segments"]
-            need = exact_bytes(program, spec["outputs"], len(x), *hw)
+            need = exact_bytes(program, spec["outputs"], *x.shape[:1], *x.shape[2:])
             if budget is None or need <= budget:
-                self.tiled["decoder"] = {"exact": True, "segments": sum("segment" in s for s in program),
-                                         "why": tiling.why}
-                return decode_segments(self.tiled_decoder().run, program, spec["inputs"], x)
-            record["why"] += f"; an exact decode would take {need / 2**30:.1f} GiB, past the {budget / 2**30:.1f} " \
-                "GiB its device has for it"
+                self.tiled[comp[len("vae_"):]] = {"exact": True, "segments": sum("segment" in s for s in program),
+                                                 "why": tiling.why}
+                return run_program(self.exact_session(twin).run, program, spec["inputs"], x)
+            record["why"] += f"; an exact {'decode' if latent else 'encode'} would take {need / 2**30:.1f} GiB, " \
+                f"past the {budget / 2**30:.1f} GiB its device has for it"
         self.tiled[comp[len("vae_"):]] = record
         return run_tiled(run, x, tiling, f, latent) if tiling else run(x)
 
@@ -92,16 +93,14 @@ class VaePasses:
                       if s.choice is not None and s.choice.device.id == choice.device.id)
         return None if budget is None else budget - weights
 
-    _tiled_decoder = None     # the tiled VAE decoder's (session, report), once loaded
-
-    def tiled_decoder(self):
-        """The `vae_decoder_tiled` component's session (runtime/vae_segments.py), selected and loaded on first use on
-        the VAE's device, as the preview decoder is: no part of `needed`."""
-        if self._tiled_decoder is None:
-            placement = self.placements[module_of(TILED_DECODER)]
-            sel = select_component(self.manifest, TILED_DECODER, placement, self.devices, {}, self.installed,
-                                   self.verify_files)
-            outputs = [o["name"] for o in self.manifest.components[TILED_DECODER]["outputs"]]
+    def exact_session(self, twin: str):
+        """The session of `twin` (`vae_decoder_tiled` / `vae_encoder_tiled`, runtime/vae_segments.py), selected and
+        loaded on first use on the VAE's device, as the preview decoder is: no part of `needed`; `exact` keeps it
+        with its report."""
+        if twin not in self.exact:
+            placement = self.placements[module_of(twin)]
+            sel = select_component(self.manifest, twin, placement, self.devices, {}, self.installed, self.verify_files)
+            outputs = [o["name"] for o in self.manifest.components[twin]["outputs"]]
             session, cand, reasons = load_component(sel, outputs, placement.offload)
-            self._tiled_decoder = session, component_report(TILED_DECODER, cand, reasons)
-        return self._tiled_decoder[0]
+            self.exact[twin] = session, component_report(twin, cand, reasons)
+        return self.exact[twin][0]

@@ -1,12 +1,12 @@
-"""Exact tiled VAE decoding: the `vae_decoder_tiled` component's segments run tile by tile.
+"""Exact tiled VAE passes: the `vae_decoder_tiled` / `vae_encoder_tiled` components' segments run tile by tile.
 
-Owns: `decode` (the component's program run over latents: each segment tile by tile on tiles widened by its
+Owns: `run_program` (a component's program run over latents or pixels: each segment tile by tile on tiles widened by its
 reach, each GroupNorm's statistics measured over the whole feature map between segments, the mid-block's
 attention computed here), `exact_bytes` (its memory, estimated), `group_stats`, `attention`, and the tile sides
 the component's engines take (`SEGMENT_TILE`, which the compiler's profiles read). The program and the graph are
-compiler/graphs/vae_segments.py's: a segment is local (convolutions, SiLU, nearest upsampling, adds), so a tile
-widened by the segment's `halo` input pixels on each side gives the exact output over its own part, and the
-image equals the plain decoder's to float rounding, at any size, whatever the tile. The price: the feature
+compiler/graphs/vae_segments.py's: a segment is local (convolutions, SiLU, nearest upsampling, stride-2
+downsampling, adds), so a tile widened by the segment's `halo` input pixels on each side gives the exact output
+over its own part, and the result equals the plain pass's to float rounding, at any size, whatever the tile. The price: the feature
 maps between segments live here whole (SD's VAE at 1024²: 2 GiB at most, a 256-channel map at 1024² and two
 128-channel ones; `held_bytes`), where runtime/vae_tiling.py's blended tiles hold one tile's. Standard library and numpy only.
 """
@@ -17,6 +17,7 @@ import math
 import numpy as np
 
 TILED_DECODER = "vae_decoder_tiled"
+TILED = {"vae_decoder": TILED_DECODER, "vae_encoder": "vae_encoder_tiled"}   # a VAE component -> its exact twin
 SEGMENT_TILE = (1, 128, 1024)    # a segment input's side in its own pixels, halo included: min, opt, max built
 TILE_VALUES = 1 << 20            # channels x pixels of a segment's widest input per call, at most (4 MiB f32; past
 # that OpenVINO's dynamic-shape buffers, kept per node at the largest tile seen, grow: SD's VAE at 512², 1.5 GiB
@@ -26,14 +27,15 @@ WORKSPACE = 192 * 4 * TILE_VALUES   # bytes beside the maps: the engine's buffer
 QUERY_CHUNK = 1024               # attention queries per product (its scores: QUERY_CHUNK x positions floats)
 
 
-def decode(run, program: list[dict], inputs: list[dict], latents: np.ndarray, tile_values: int = TILE_VALUES,
-           max_side: int = SEGMENT_TILE[2]) -> np.ndarray:
-    """The sample [N, C, H, W] (float32) of latents [N, c, h, w]: `run(feeds) -> outputs` calls the component's
-    session; `inputs` are its input records (name, shape), each segment not running fed a 1x1 placeholder."""
-    n = len(latents)
-    idle = {i["name"]: np.zeros([n if d == "batch" else d if isinstance(d, int) else 1 for d in i["shape"]],
+def run_program(run, program: list[dict], inputs: list[dict], x: np.ndarray, tile_values: int = TILE_VALUES,
+                max_side: int = SEGMENT_TILE[2]) -> np.ndarray:
+    """The program's last output (float32) over x [N, C, h, w] (the decoder's latents, the encoder's pixels):
+    `run(feeds) -> outputs` calls the component's session; `inputs` are its input records (name, shape), each
+    segment not running fed a 1x1 placeholder (2x2 where it downsamples)."""
+    n = len(x)
+    idle = {i["name"]: np.zeros([n if d == "batch" else d if isinstance(d, int) else 2 for d in i["shape"]],
                                 np.float32) for i in inputs}
-    values = {"latent": np.asarray(latents, np.float32)}
+    values = {program[0]["inputs"]["x"]: np.asarray(x, np.float32)}
     last = {v: i for i, step in enumerate(program) for v in (step.get("inputs") or step["attention"]).values()}
     for i, step in enumerate(program):
         if "attention" in step:
@@ -43,26 +45,26 @@ def decode(run, program: list[dict], inputs: list[dict], latents: np.ndarray, ti
             values.update(run_segment(run, step, values, idle, tile_values, max_side))
         for v in [v for v, j in last.items() if j == i]:
             del values[v]
-    return values["sample"]
+    return values[program[-1]["outputs"]["y"]]
 
 
 def exact_bytes(program: list[dict], outputs: list[dict], n: int, h: int, w: int) -> int:
-    """The memory `decode` is estimated to take over n x h x w latents: the maps it holds, and WORKSPACE."""
+    """The memory `run_program` is estimated to take over an input of n x h x w: the maps it holds, and WORKSPACE."""
     return held_bytes(program, outputs, n, h, w) + WORKSPACE
 
 
 def held_bytes(program: list[dict], outputs: list[dict], n: int, h: int, w: int) -> int:
-    """The most bytes of feature maps `decode` holds at once over n x h x w latents (float32, the latents left out),
-    from the program and the component's output records (their channels)."""
+    """The most bytes of feature maps `run_program` holds at once over an input of n x h x w (float32, the input left
+    out), from the program and the component's output records (their channels)."""
     out_channels = {o["name"]: o["shape"][1] for o in outputs}
     last = {v: i for i, step in enumerate(program) for v in (step.get("inputs") or step["attention"]).values()}
-    scale, channels, live, most = {"latent": 1}, {}, {}, 0
+    scale, channels, live, most = {program[0]["inputs"]["x"]: 1}, {}, {}, 0
     for i, step in enumerate(program):
         ins = step.get("inputs") or step["attention"]
         r = scale[next(iter(ins.values()))] * step.get("scale", 1)
         for role, value in step["outputs"].items():
             c = out_channels[f"s{step['segment']}_{role}"] if "segment" in step else channels[ins["v"]]
-            scale[value], channels[value], live[value] = r, c, 4 * n * c * h * w * r * r
+            scale[value], channels[value], live[value] = r, c, int(4 * n * c * h * w * r * r)
         most = max(most, sum(live.values()))
         for v in [v for v, j in last.items() if j == i]:
             live.pop(v, None)
@@ -80,19 +82,33 @@ def run_segment(run, step: dict, values: dict, idle: dict, tile_values: int, max
     widest = max(v.shape[1] for v in ins.values())
     side = max(1, max(8, min(max_side, math.isqrt(max(1, tile_values // (n * widest))))) - 2 * halo)
     outs: dict[str, np.ndarray] = {}
-    for y0, y1 in spans(h, side):
-        for x0, x1 in spans(w, side):
-            ey0, ex0, ey1, ex1 = max(0, y0 - halo), max(0, x0 - halo), min(h, y1 + halo), min(w, x1 + halo)
+    for oy0, oy1, ey0, ey1, ly in windows(h, side, halo, scale):
+        for ox0, ox1, ex0, ex1, lx in windows(w, side, halo, scale):
             for role, v in ins.items():
                 feeds[f"s{k}_{role}"] = np.ascontiguousarray(v[:, :, ey0:ey1, ex0:ex1])
             result = run(feeds)
             for role, value in step["outputs"].items():
                 r = np.asarray(result[f"s{k}_{role}"], np.float32)
                 if value not in outs:
-                    outs[value] = np.empty((n, r.shape[1], h * scale, w * scale), np.float32)
-                outs[value][:, :, y0 * scale:y1 * scale, x0 * scale:x1 * scale] = \
-                    r[:, :, (y0 - ey0) * scale:(y1 - ey0) * scale, (x0 - ex0) * scale:(x1 - ex0) * scale]
+                    outs[value] = np.empty((n, r.shape[1], int(h * scale), int(w * scale)), np.float32)
+                outs[value][:, :, oy0:oy1, ox0:ox1] = r[:, :, ly:ly + oy1 - oy0, lx:lx + ox1 - ox0]
     return outs
+
+
+def windows(length: int, side: int, halo: int, scale: float) -> list[tuple[int, int, int, int, int]]:
+    """Along one side of a segment's input: (output start, output end, input start, input end, where the output's
+    rows start in the tile's output) for each tile, the input widened by `halo`. Scale 1 or 2: tiles of at most
+    `side` input pixels; 0.5 (a stride-2 downsampler, its halo even): tiles of at most side / 2 output pixels, each
+    input window starting on the stride's grid."""
+    if scale < 1:
+        out = []
+        for o0, o1 in spans(length // 2, max(1, side // 2)):
+            e0 = max(0, 2 * o0 - halo)
+            out.append((o0, o1, e0, min(length, 2 * o1 + halo), o0 - e0 // 2))
+        return out
+    f = int(scale)
+    return [(i0 * f, i1 * f, max(0, i0 - halo), min(length, i1 + halo), (i0 - max(0, i0 - halo)) * f)
+            for i0, i1 in spans(length, side)]
 
 
 def spans(length: int, side: int) -> list[tuple[int, int]]:

@@ -1,9 +1,10 @@
-"""Exact tiled VAE decoding (issue 33: tiled vs plain decode >= 40 dB): the `vae_decoder_tiled` component (the LDM
-decoder cut at its GroupNorms, compiler/graphs/vae_segments.py) run tile by tile by runtime/vae_segments.py equals
-the plain decoder to float rounding -- on image-like latents where tiles with their own GroupNorms (the blended
-tiling) fall far short --, on ONNX Runtime and OpenVINO engines, for SD's, Flux's and FLUX.2's VAEs, odd sizes and
-batches; `generate` past the VAE's profile uses it and says so (blended tiles when its estimate is past the memory
-budget); it is built only when asked for by name and left out of the diffusers pipeline folder."""
+"""Exact tiled VAE passes (issue 33: tiled vs plain decode >= 40 dB): the `vae_decoder_tiled` / `vae_encoder_tiled`
+components (the LDM decoder / encoder cut at their GroupNorms, compiler/graphs/vae_segments.py) run tile by tile by
+runtime/vae_segments.py equal the plain decoder / encoder to float rounding -- on image-like latents where tiles with
+their own GroupNorms (the blended tiling) fall far short --, on ONNX Runtime and OpenVINO engines, for SD's, Flux's
+and FLUX.2's VAEs, odd sizes and batches; `generate` past the VAE's profile uses them (img2img's encoder too) and
+says so (blended tiles when the estimate is past the memory budget); they are built only when asked for by name and
+left out of the diffusers pipeline folder."""
 import json
 import math
 
@@ -12,7 +13,8 @@ import pytest
 
 from conftest import build_recipe, precast
 
-RECIPE = ("model: {source: demo:SOURCE}\ncomponents: [COMPONENTS, vae_decoder, vae_decoder_tiled]\n"
+RECIPE = ("model: {source: demo:SOURCE}\ncomponents: [COMPONENTS, vae_encoder, vae_encoder_tiled, vae_decoder, "
+          "vae_decoder_tiled]\n"
           "profiles: {batch: 1, height: 64, width: 64}\ntargets: [onnxruntime, openvino]\n")
 
 
@@ -41,15 +43,15 @@ def image_like(shape, seed: int) -> np.ndarray:
     return (1.5 * z + ramp + 0.2 * rng.standard_normal(shape)).astype(np.float32)
 
 
-def segments_of(bundle):
-    spec = json.loads((bundle / "manifest.json").read_text())["components"]["vae_decoder_tiled"]
+def segments_of(bundle, component="vae_decoder_tiled"):
+    spec = json.loads((bundle / "manifest.json").read_text())["components"][component]
     return spec["config"]["segments"], spec["inputs"]
 
 
 @pytest.mark.parametrize("backend", ["onnxruntime", "openvino"])
 def test_tiled_decode_equals_the_plain_one(sd, backend):
     from precast.runtime.api import open_bundle
-    from precast.runtime.vae_segments import decode
+    from precast.runtime.vae_segments import run_program as decode
     from precast.runtime.vae_tiling import Tiling, run_tiled
     bundle = open_bundle(str(sd))
     plain_decoder = bundle.load("vae_decoder", f"cpu:{backend}", size=(320, 256))     # at run time: any size
@@ -73,12 +75,19 @@ def test_tiled_decode_equals_the_plain_one(sd, backend):
     blended = run_tiled(lambda t: plain_decoder.run({"latent_sample": t})["sample"], z, Tiling(16, 16, 4, "test"), 8,
                         decode=True)
     assert psnr(blended, plain) < 40           # the tiles' own GroupNorms: what the exact path is for
+    encoder, twin = (bundle.load(c, f"cpu:{backend}", size=(320, 256)) for c in ("vae_encoder", "vae_encoder_tiled"))
+    program, inputs = segments_of(sd, "vae_encoder_tiled")
+    x = np.clip(plain, -1, 1)                   # an image-like picture: the decode
+    want = encoder.run({"sample": x})["latent_parameters"]
+    for values in (1 << 24, 40000):
+        got = decode(twin.run, program, inputs, x, tile_values=values)
+        assert got.shape == want.shape and np.abs(got - want).max() < 1e-4 * np.abs(want).max()
 
 
 @pytest.mark.parametrize("source", ["tiny-flux-schnell", "tiny-flux2-klein"])
 def test_other_vaes_odd_sizes_and_batches(tmp_path, source):
     import onnxruntime as ort
-    from precast.runtime.vae_segments import decode
+    from precast.runtime.vae_segments import run_program as decode
     bundle = build_recipe(tmp_path, RECIPE.replace("SOURCE", source).replace("COMPONENTS, ", ""), source)
     manifest = json.loads((bundle / "manifest.json").read_text())
     plain, tiled = (ort.InferenceSession(str(bundle / manifest["components"][c]["onnx"]))
@@ -91,6 +100,14 @@ def test_other_vaes_odd_sizes_and_batches(tmp_path, source):
         ref = plain.run(None, {"latent_sample": z})[0]
         out = decode(lambda f: dict(zip(names, tiled.run(None, f))), program, inputs, z, tile_values=2000)
         assert out.shape == ref.shape and np.abs(out - ref).max() < 1e-4, (shape, np.abs(out - ref).max())
+        encoder, twin = (ort.InferenceSession(str(bundle / manifest["components"][c]["onnx"]))
+                         for c in ("vae_encoder", "vae_encoder_tiled"))
+        names_e = [o.name for o in twin.get_outputs()]
+        x = np.clip(ref, -1, 1)
+        want = encoder.run(None, {"sample": x})[0]
+        got = decode(lambda f: dict(zip(names_e, twin.run(None, f))), *segments_of(bundle, "vae_encoder_tiled"), x,
+                     tile_values=2000)
+        assert got.shape == want.shape and np.abs(got - want).max() < 1e-4 * np.abs(want).max(), shape
 
 
 def test_generate_past_the_profile_decodes_exactly(sd, tmp_path):
@@ -112,16 +129,20 @@ def test_generate_past_the_profile_decodes_exactly(sd, tmp_path):
            "size the VAE decoder's engine takes, 64x64 px; an exact decode would take 0.8 GiB, past the 0.1 GiB its " \
            "device has for it)" in short.stderr, short.stderr
     assert "vae_decoder_tiled" not in short.stdout
+    again = precast(*args, "--out", tmp_path / "i2i.png", "--init-image", tmp_path / "tiled.png", "--strength", "0.5",
+                    check=True)                 # img2img past the encoder's profile: its exact twin
+    assert "note: VAE encoder ran exactly, tile by tile through its 16 segments" in again.stderr, again.stderr
+    assert "vae_encoder_tiled -> cpu" in again.stdout
 
 
 def test_built_only_when_asked_for_and_left_out_of_the_pipeline_folder(sd, tmp_path):
     from precast.compiler.recipe import DEFAULT_COMPONENTS
     assert all("vae_decoder_tiled" not in comps for comps in DEFAULT_COMPONENTS.values())
     index = json.loads((sd / "onnx" / "model_index.json").read_text())     # what diffusers / optimum load
-    assert "vae_decoder" in index and "vae_decoder_tiled" not in index
+    assert "vae_decoder" in index and "vae_decoder_tiled" not in index and "vae_encoder_tiled" not in index
     assert not (sd / "onnx" / "vae_decoder_tiled" / "config.json").exists()
     recipe = tmp_path / "q.yaml"          # Qwen-Image's VAE is another architecture (3D convolutions)
     recipe.write_text(RECIPE.replace("SOURCE", "tiny-qwen-image").replace("COMPONENTS, ", ""))
     proc = precast("build", recipe, "--out", tmp_path / "q")
-    assert proc.returncode == 2 and proc.stderr == f"error: {recipe}: components: qwenimage has no vae_decoder_tiled " \
-        "(it has text_encoder, transformer, vae_encoder, vae_decoder)\n", proc.stderr
+    assert proc.returncode == 2 and proc.stderr == f"error: {recipe}: components: qwenimage has no vae_encoder_tiled, " \
+        "vae_decoder_tiled (it has text_encoder, transformer, vae_encoder, vae_decoder)\n", proc.stderr

@@ -34,6 +34,9 @@ VAES = {"vae_encoder": Component("vae_encoder", (VAE,), "vae", flux2_vae.flux2_v
                                  (VAE + "encoder.", VAE + "quant_conv.")),
         "vae_decoder": Component("vae_decoder", (VAE,), "vae", flux2_vae.flux2_vae_config, ldm_vae.build_vae_decoder,
                                  (VAE + "decoder.", VAE + "post_quant_conv.")),
+        "vae_encoder_tiled": Component("vae_encoder_tiled", (VAE,), "vae", flux2_vae.flux2_vae_config,
+                                       vae_segments.build_vae_encoder_tiled,
+                                       (VAE + "encoder.", VAE + "quant_conv."), optional=True),
         "vae_decoder_tiled": Component("vae_decoder_tiled", (VAE,), "vae", flux2_vae.flux2_vae_config,
                                        vae_segments.build_vae_decoder_tiled,
                                        (VAE + "decoder.", VAE + "post_quant_conv."), optional=True)}

@@ -14,10 +14,13 @@ VAE_ENC = Component("vae_encoder", (VAE,), "vae", ldm_vae.vae_config, ldm_vae.bu
                     (VAE + "encoder.", VAE + "quant_conv."))
 VAE_DEC = Component("vae_decoder", (VAE,), "vae", ldm_vae.vae_config, ldm_vae.build_vae_decoder,
                     (VAE + "decoder.", VAE + "post_quant_conv."))
-# the decoder cut at its GroupNorms, for exact tiled decoding (compiler/graphs/vae_segments.py); asked for by name
+# the decoder and encoder cut at their GroupNorms, for exact tiling (compiler/graphs/vae_segments.py); asked for by name
 VAE_DEC_TILED = Component("vae_decoder_tiled", (VAE,), "vae", ldm_vae.vae_config, vae_segments.build_vae_decoder_tiled,
                           (VAE + "decoder.", VAE + "post_quant_conv."), optional=True)
-VAES = {"vae_encoder": VAE_ENC, "vae_decoder": VAE_DEC, "vae_decoder_tiled": VAE_DEC_TILED}
+VAE_ENC_TILED = Component("vae_encoder_tiled", (VAE,), "vae", ldm_vae.vae_config, vae_segments.build_vae_encoder_tiled,
+                          (VAE + "encoder.", VAE + "quant_conv."), optional=True)
+VAES = {"vae_encoder": VAE_ENC, "vae_decoder": VAE_DEC, "vae_encoder_tiled": VAE_ENC_TILED,
+        "vae_decoder_tiled": VAE_DEC_TILED}
 
 # diffusers / transformers classes, as model_index.json names them
 CLIP_TOKENIZER = ["transformers", "CLIPTokenizer"]
