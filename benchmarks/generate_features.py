@@ -164,8 +164,7 @@ def child_vae(mode: str, bundle: str, out_npy: str, repeat: int) -> None:
 
     def run(x):
         if mode == "exact":
-            spec = b.manifest.components["vae_decoder_tiled"]
-            return decode_exact(comp.run, spec["config"]["segments"], spec["inputs"], x)
+            return decode_exact(comp.run, b.manifest.components["vae_decoder_tiled"], x)
         return comp.run({"latent_sample": x})["sample"]
     tiling = None
     if mode == "tiled":

@@ -36,6 +36,8 @@ floor and report), as benchmarks/sd3_step.py does:
                        pipeline does; Qwen-Image: img_shapes, no mask when it is all ones)
   onnxruntime          ONNX Runtime CPU (ORT_ENABLE_ALL) on a torch.onnx.export of that fp32 model (dynamo exporter,
                        opset 18, when onnxscript is importable, else TorchScript opset 17; static shapes).
+                       Z-Image's and Qwen-Image's complex RoPE is written in reals for the export (neither
+                       exporter takes complex tensors; same tables, same product: _rotate), FLUX.2's is real.
                        onnxscript is not in the project's venv: put it on PYTHONPATH, e.g.
                        `pip install --target DIR --no-deps onnxscript onnx-ir` and PYTHONPATH=DIR
   openvino-f32         OpenVINO on that ONNX, read_model + compile_model, INFERENCE_PRECISION_HINT=f32
@@ -58,8 +60,10 @@ Usage: PYTHONPATH=DIR .venv/bin/python benchmarks/llm_dit_step.py [--model zimag
            [--json OUT] [--small]
        (--model repeatable, default all three in turn, each in its own subfolder of the work folder, results in
         one JSON; --small: 256x256 px and 16 text tokens, same widths, to try the script; not a measurement)
-Each family's files (checkpoint, exports, engine, torch ONNX) are deleted as soon as it is done, the work folder at
-the end unless --keep. At full size the fp32 slices are 4.4 (zimage), 2.3 (flux2) and 2.9 GB (qwenimage).
+Each family's files (checkpoint, exports, engine, torch ONNX: ~16 GB at peak, Z-Image's) are deleted as soon as it
+is done, the work folder at the end unless --keep. The fp32 slices are 1.09 B parameters = 4.4 GB (zimage), 0.56 B
+= 2.3 GB (flux2) and 0.72 B = 2.9 GB (qwenimage); the largest child (PyTorch, and the torch ONNX export, of
+Z-Image) peaks near 11 GB.
 """
 from __future__ import annotations
 
@@ -67,6 +71,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import os
 import shutil
 import sys
@@ -112,11 +117,12 @@ def full_configs() -> dict:
     }
 
 
+SLICE = {"zimage": {"layers": 2}, "flux2": {"depth": 1, "depth_single": 1}, "qwenimage": {"depth": 2}}
+
+
 def slice_cfg(model: str):
     """The benchmarked slice: full width, 2 transformer blocks (the fixed parts whole)."""
-    c = full_configs()[model]
-    return {"zimage": lambda: dataclasses.replace(c, layers=2), "flux2": lambda: dataclasses.replace(c, depth=1,
-            depth_single=1), "qwenimage": lambda: dataclasses.replace(c, depth=2)}[model]()
+    return dataclasses.replace(full_configs()[model], **SLICE[model])
 
 
 def grid() -> int:
@@ -256,7 +262,8 @@ def _state_dict(path: str) -> dict:
 
 
 def _zimage_model(path: str):
-    """ZImageTransformer2DModel from the original names through diffusers' single-file converter (tests/test_zimage.py)."""
+    """ZImageTransformer2DModel from the original names through diffusers' single-file converter
+    (tests/test_zimage.py)."""
     from diffusers import ZImageTransformer2DModel
     from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
     c = slice_cfg("zimage")
@@ -353,7 +360,7 @@ def torch_reference(spec: dict):
     model = spec["model"]
     inner = {"zimage": _zimage_model, "flux2": _flux2_model, "qwenimage": _qwenimage_model}[model](spec["checkpoint"])
     with np.load(spec["inputs"]) as feeds:      # the children run at the parent's size: read it off the inputs
-        g, n_txt = int(round(feeds["hidden_states"].shape[-2] ** 0.5)), feeds["encoder_hidden_states"].shape[1]
+        g, n_txt = math.isqrt(feeds["hidden_states"].shape[-2]), feeds["encoder_hidden_states"].shape[1]
     if spec["kind"] == "torch-export" and model == "qwenimage":
         _qwenimage_real_rope(inner, g, n_txt)
     elif spec["kind"] == "torch-export" and model == "zimage":
@@ -433,7 +440,8 @@ def finish(res: dict, peak: dict) -> None:
 
 
 def print_bound(model: str, b: dict) -> None:
-    print(f"{model} bound: {b['gflop']} GFLOP / f32 peak {b['f32_peak_gflops']} GFLOP/s = {b['min_time_s'] * 1e3:.0f} ms; "
+    print(f"{model} bound: {b['gflop']} GFLOP / f32 peak {b['f32_peak_gflops']} GFLOP/s = "
+          f"{b['min_time_s'] * 1e3:.0f} ms; "
           + (f"best correct peer {b['best_peer']} at {b['best_peer_pct_of_f32_peak']}% of the f32 peak: no f32 engine "
              f"can be more than {b['max_possible_speedup_vs_best_peer']:.2f}x faster than it (floor {fs.SPEED_FLOOR}x "
              f"{'reachable' if b['floor_reachable'] else 'NOT reachable'})" if "best_peer" in b else "no correct peer"),
@@ -449,7 +457,8 @@ def settings(opts, models: list[str]) -> dict:
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", action="append", choices=MODELS, help="this family only (repeatable; default: all three)")
+    ap.add_argument("--model", action="append", choices=MODELS,
+                    help="this family only (repeatable; default: all three in turn)")
     ap.add_argument("--steps", type=int, default=3, help="timed calls per runner after one warm-up; median reported")
     ap.add_argument("--runners", default=DEFAULT_RUNNERS, help=f"comma-separated (default {DEFAULT_RUNNERS})")
     ap.add_argument("--no-profile", action="store_true", help="skip the OpenVINO per-op performance counters")

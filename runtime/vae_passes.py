@@ -14,9 +14,10 @@ import numpy as np
 
 from .assign import module_of
 from .budgets import device_budget
+from .errors import UserError
 from .image_size import latent_factor
 from .select import component_report, load_component, select_component
-from .vae_segments import TILED, exact_bytes, run_program
+from .vae_segments import TILED, WORKSPACE, held_bytes, run_program
 from .vae_tiling import INPUTS as VAE_INPUTS
 from .vae_tiling import plan as tiling_plan
 from .vae_tiling import run_tiled
@@ -60,15 +61,12 @@ class VaePasses:
         record = tiling.record(*hw, f) if tiling else None
         twin = TILED[comp]
         if tiling and twin in self.manifest.components:    # exact: segment by segment (runtime/vae_segments.py)
-            spec = self.manifest.components[twin]
-            program = spec["config"]["segments"]
-            need = exact_bytes(program, spec["outputs"], *x.shape[:1], *x.shape[2:])
-            if budget is None or need <= budget:
-                self.tiled[comp[len("vae_"):]] = {"exact": True, "segments": sum("segment" in s for s in program),
-                                                 "why": tiling.why}
-                return run_program(self.exact_session(twin).run, program, spec["inputs"], x)
-            record["why"] += f"; an exact {'decode' if latent else 'encode'} would take {need / 2**30:.1f} GiB, " \
-                f"past the {budget / 2**30:.1f} GiB its device has for it"
+            exact, why = self._exact_run(twin, x, budget, latent)
+            if exact is not None:
+                self.tiled[comp[len("vae_"):]] = {"exact": True, "segments": sum(
+                    "segment" in s for s in self.manifest.components[twin]["config"]["segments"]), "why": tiling.why}
+                return exact
+            record["why"] += f"; {why}"
         self.tiled[comp[len("vae_"):]] = record
         return run_tiled(run, x, tiling, f, latent) if tiling else run(x)
 
@@ -79,18 +77,46 @@ class VaePasses:
         params = self.vae_run("vae_encoder", pixels)
         return params[:, :params.shape[1] // 2]
 
+    def _exact_run(self, twin: str, x: np.ndarray, budget: int | None, latent: bool) -> tuple:
+        """(the exact pass's output, None), or (None, why not): its feature maps (host memory) past the host's budget,
+        its tile buffers past the VAE device's, or its engine failing to load."""
+        spec = self.manifest.components[twin]
+        held = held_bytes(spec, len(x), *x.shape[2:])
+        device = self._vae_device(TILED_OF[twin])
+        on_cpu = device is None or device.kind == "cpu"
+        host = budget if on_cpu else self._budget_on(next((d for d in self.devices if d.kind == "cpu"), None),
+                                                      TILED_OF[twin])
+        what = f"an exact {'decode' if latent else 'encode'}"
+        if host is not None and held + WORKSPACE * on_cpu > host:
+            return None, f"{what} would hold {_size(held + WORKSPACE * on_cpu)}, past the {_size(host)} " \
+                         f"{'its device has for it' if on_cpu else 'host memory has for it'}"
+        if not on_cpu and budget is not None and WORKSPACE > budget:
+            return None, f"{what} would take {_size(WORKSPACE)} of its device's memory, past the {_size(budget)} left"
+        try:
+            session = self.exact_session(twin)
+        except UserError as e:
+            return None, f"{twin} did not load ({str(e).splitlines()[0].rstrip(':')}; `precast doctor` says why)"
+        return run_program(session.run, spec, x), None
+
+    def _vae_device(self, comp: str):
+        choice = self.selections[comp].choice if comp in self.selections else None
+        return None if choice is None else choice.device
+
     def _vae_budget(self, comp: str) -> int | None:
         """Bytes a VAE pass may take on its device: its budget (--params-backend DEVICE:SIZE, a GPU's memory;
         the CPU's available memory when the run started, else its RAM) less the weights of the components
         selected there."""
-        choice = self.selections[comp].choice if comp in self.selections else None
-        if choice is None:
+        return self._budget_on(self._vae_device(comp), comp)
+
+    def _budget_on(self, device, comp: str) -> int | None:
+        """What `_vae_budget` says of `device` (None: not known)."""
+        if device is None:
             return None
         placement = self.placements[module_of(comp)]
-        budget, _ = device_budget(choice.device, dict(placement.budgets), self.devices, automatic=True)
-        budget = budget if budget is not None else (choice.device.memory or None)
+        budget, _ = device_budget(device, dict(placement.budgets), self.devices, automatic=True)
+        budget = budget if budget is not None else (device.memory or None)
         weights = sum((s.choice.memory or {}).get("weights", 0) for s in self.selections.values()
-                      if s.choice is not None and s.choice.device.id == choice.device.id)
+                      if s.choice is not None and s.choice.device.id == device.id)
         return None if budget is None else budget - weights
 
     def exact_session(self, twin: str):
@@ -104,3 +130,10 @@ class VaePasses:
             session, cand, reasons = load_component(sel, outputs, placement.offload)
             self.exact[twin] = session, component_report(twin, cand, reasons)
         return self.exact[twin][0]
+
+
+TILED_OF = {twin: comp for comp, twin in TILED.items()}
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if abs(n) >= 2**30 else f"{max(n, 0) / 2**20:.0f} MiB"

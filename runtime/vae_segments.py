@@ -2,7 +2,7 @@
 
 Owns: `run_program` (a component's program run over latents or pixels: each segment tile by tile on tiles widened by its
 reach, each GroupNorm's statistics measured over the whole feature map between segments, the mid-block's
-attention computed here), `exact_bytes` (its memory, estimated), `group_stats`, `attention`, and the tile sides
+attention computed here), `held_bytes` (the host memory it takes, estimated), `group_stats`, `attention`, and the tile sides
 the component's engines take (`SEGMENT_TILE`, which the compiler's profiles read). The program and the graph are
 compiler/graphs/vae_segments.py's: a segment is local (convolutions, SiLU, nearest upsampling, stride-2
 downsampling, adds), so a tile widened by the segment's `halo` input pixels on each side gives the exact output
@@ -22,42 +22,43 @@ SEGMENT_TILE = (1, 128, 1024)    # a segment input's side in its own pixels, hal
 TILE_VALUES = 1 << 20            # channels x pixels of a segment's widest input per call, at most (4 MiB f32; past
 # that OpenVINO's dynamic-shape buffers, kept per node at the largest tile seen, grow: SD's VAE at 512², 1.5 GiB
 # at 2^20, 4.0 GiB at 2^24, for 20-23 s either way; ONNX Runtime 1.0 GiB)
-WORKSPACE = 192 * 4 * TILE_VALUES   # bytes beside the maps: the engine's buffers for tiles (OpenVINO keeps 0.6-0.8
-# GiB for SD's VAE at 2^20 values a tile; ONNX Runtime less)
+WORKSPACE = 192 * 4 * TILE_VALUES   # bytes on the VAE's device beside the weights: the engine's buffers for tiles
+# (OpenVINO keeps 0.6-0.8 GiB for SD's VAE at 2^20 values a tile; ONNX Runtime less)
 QUERY_CHUNK = 1024               # attention queries per product (its scores: QUERY_CHUNK x positions floats)
 
 
-def run_program(run, program: list[dict], inputs: list[dict], x: np.ndarray, tile_values: int = TILE_VALUES,
+def run_program(run, spec: dict, x: np.ndarray, tile_values: int = TILE_VALUES,
                 max_side: int = SEGMENT_TILE[2]) -> np.ndarray:
     """The program's last output (float32) over x [N, C, h, w] (the decoder's latents, the encoder's pixels):
-    `run(feeds) -> outputs` calls the component's session; `inputs` are its input records (name, shape), each
-    segment not running fed a 1x1 placeholder (2x2 where it downsamples)."""
-    n = len(x)
+    `run(feeds) -> outputs` calls the component's session; `spec` is its manifest record (config.segments, inputs,
+    outputs), each segment not running fed a 1x1 placeholder (2x2 where it downsamples)."""
+    program, n = spec["config"]["segments"], len(x)
     idle = {i["name"]: np.zeros([n if d == "batch" else d if isinstance(d, int) else 2 for d in i["shape"]],
-                                np.float32) for i in inputs}
+                                np.float32) for i in spec["inputs"]}
+    widths = {o["name"]: o["shape"][1] for o in spec["outputs"]}
     values = {program[0]["inputs"]["x"]: np.asarray(x, np.float32)}
-    last = {v: i for i, step in enumerate(program) for v in (step.get("inputs") or step["attention"]).values()}
     for i, step in enumerate(program):
         if "attention" in step:
             a = step["attention"]
             values[step["outputs"]["y"]] = attention(values[a["q"]], values[a["k"]], values[a["v"]])
         else:
-            values.update(run_segment(run, step, values, idle, tile_values, max_side))
-        for v in [v for v, j in last.items() if j == i]:
+            values.update(run_segment(run, step, values, idle, widths, tile_values, max_side))
+        for v in [v for v, j in last_uses(program).items() if j == i]:
             del values[v]
     return values[program[-1]["outputs"]["y"]]
 
 
-def exact_bytes(program: list[dict], outputs: list[dict], n: int, h: int, w: int) -> int:
-    """The memory `run_program` is estimated to take over an input of n x h x w: the maps it holds, and WORKSPACE."""
-    return held_bytes(program, outputs, n, h, w) + WORKSPACE
+def last_uses(program: list[dict]) -> dict[str, int]:
+    """value -> the index of the last step that reads it."""
+    return {v: i for i, step in enumerate(program) for v in (step.get("inputs") or step["attention"]).values()}
 
 
-def held_bytes(program: list[dict], outputs: list[dict], n: int, h: int, w: int) -> int:
-    """The most bytes of feature maps `run_program` holds at once over an input of n x h x w (float32, the input left
-    out), from the program and the component's output records (their channels)."""
-    out_channels = {o["name"]: o["shape"][1] for o in outputs}
-    last = {v: i for i, step in enumerate(program) for v in (step.get("inputs") or step["attention"]).values()}
+def held_bytes(spec: dict, n: int, h: int, w: int) -> int:
+    """The most host memory `run_program` holds at once over an input of n x h x w (float32, the input left out): the
+    feature maps between segments and the attention's scores, from the program and the component's output records
+    (their channels). The engine's buffers for a tile are WORKSPACE, on the VAE's device."""
+    program, out_channels = spec["config"]["segments"], {o["name"]: o["shape"][1] for o in spec["outputs"]}
+    last = last_uses(program)
     scale, channels, live, most = {program[0]["inputs"]["x"]: 1}, {}, {}, 0
     for i, step in enumerate(program):
         ins = step.get("inputs") or step["attention"]
@@ -65,21 +66,25 @@ def held_bytes(program: list[dict], outputs: list[dict], n: int, h: int, w: int)
         for role, value in step["outputs"].items():
             c = out_channels[f"s{step['segment']}_{role}"] if "segment" in step else channels[ins["v"]]
             scale[value], channels[value], live[value] = r, c, int(4 * n * c * h * w * r * r)
-        most = max(most, sum(live.values()))
+        scores = 4 * n * QUERY_CHUNK * int(h * w * r * r) if "attention" in step else 0
+        most = max(most, sum(live.values()) + scores)
         for v in [v for v, j in last.items() if j == i]:
             live.pop(v, None)
     return most
 
 
-def run_segment(run, step: dict, values: dict, idle: dict, tile_values: int, max_side: int) -> dict:
-    """One segment over its whole input, tile by tile: {value: output} for its outputs."""
+def run_segment(run, step: dict, values: dict, idle: dict, widths: dict, tile_values: int, max_side: int) -> dict:
+    """One segment over its whole input, tile by tile: {value: output} for its outputs. A tile holds at most
+    `tile_values` values of its widest input or output (`widths`: output channels by name; an upsampling segment's
+    outputs counted at 4x the pixels, a downsampling one's at a quarter)."""
     k, halo, scale = step["segment"], step["halo"], step["scale"]
     ins = {role: values[v] for role, v in step["inputs"].items()}
     n, _, h, w = next(iter(ins.values())).shape
     feeds = dict(idle)
     if step["norm"]:
         feeds[f"s{k}_mean"], feeds[f"s{k}_rstd"] = group_stats(ins["x"], step["norm"]["groups"], step["norm"]["eps"])
-    widest = max(v.shape[1] for v in ins.values())
+    widest = max([v.shape[1] for v in ins.values()] +
+                 [int(widths[f"s{k}_{role}"] * scale * scale) for role in step["outputs"]])
     side = max(1, max(8, min(max_side, math.isqrt(max(1, tile_values // (n * widest))))) - 2 * halo)
     outs: dict[str, np.ndarray] = {}
     for oy0, oy1, ey0, ey1, ly in windows(h, side, halo, scale):
@@ -126,7 +131,7 @@ def group_stats(x: np.ndarray, groups: int, eps: float) -> tuple[np.ndarray, np.
     for i in range(n):
         for j in range(groups):
             mean[i, j] = m = by_group[i, j].mean(dtype=np.float64)
-            rstd[i, j] = 1.0 / math.sqrt(np.square(by_group[i, j] - m).mean() + eps)
+            rstd[i, j] = 1.0 / math.sqrt(np.square(np.subtract(by_group[i, j], m, dtype=np.float64)).mean() + eps)
     return tuple(np.repeat(s, c // groups, axis=1).astype(np.float32)[:, :, None, None] for s in (mean, rstd))
 
 
