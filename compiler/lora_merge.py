@@ -143,13 +143,18 @@ def fits(delta: tuple[int, ...], target: tuple[int, ...]) -> bool:
     return tuple(delta) == tuple(target) or (delta[0] == target[0] and _numel(delta) == _numel(target))
 
 
-def module_delta(lf: LoraFile, m: LoraModule) -> tuple[np.ndarray, float]:
-    """(delta in fp32, scale) of one module; the delta is unscaled and not yet reshaped."""
+def module_delta(lf: LoraFile, m: LoraModule, part: tuple[int, int] | None = None) -> tuple[np.ndarray, float]:
+    """(delta in fp32, scale) of one module -- only its rows `part` when given --; the delta is unscaled and not yet
+    reshaped."""
     r = lambda role: lf.read(m, role)  # noqa: E731
     kind = m.kind
+    if part is not None and not (kind == "lora" and "mid" not in m.tensors):
+        delta, scale = module_delta(lf, m)
+        return delta[part[0]:part[1]], scale
     if kind == "lora":
         down, up = r("down"), r("up")
         rank = down.shape[0]
+        up = up[part[0]:part[1]] if part is not None else up        # the rows asked for, before the product
         up2 = up.reshape(up.shape[0], -1)
         if "mid" in m.tensors:
             mid = r("mid")
@@ -224,12 +229,12 @@ class MergePlan:
     def _apply_one(self, p: Patch, out: np.ndarray, strength: float) -> None:
         lf = self.loras[p.lora][1]
         if p.bias:
-            out += np.float32(strength) * lf.read(p.module, "diff_b").reshape(out.shape)
+            bias = lf.read(p.module, "diff_b").reshape(-1)
+            bias = bias[p.target.part[0]:p.target.part[1]] if p.target.part else bias
+            out += np.float32(strength) * bias.reshape(out.shape)
             return
         view = out[p.target.rows[0]:p.target.rows[1]] if p.target.rows else out
-        delta, scale = module_delta(lf, p.module)
-        if p.target.part:
-            delta = delta[p.target.part[0]:p.target.part[1]]
+        delta, scale = module_delta(lf, p.module, p.target.part)
         delta = (delta * np.float32(scale)).reshape(view.shape)
         mag_role = next((r for r in ("dora_scale", "magnitude") if r in p.module.tensors), None)
         if mag_role is not None:
@@ -295,11 +300,8 @@ def plan_merge(shapes: dict[str, tuple[int, ...]], loras: list[LoraSpec], allow_
                               for k in sorted(m.tensors.values())]
                 continue
             targets = targets_of(found)
-            rows = max(t.part[1] for t in targets) if targets[0].part else None
-            if rows is not None and not (m.kind == "full" and "diff" not in m.tensors) and \
-                    delta_shape(lf, m)[0] != rows:
-                problems.append(f"{lf.path}: {m.name} gives a delta of {delta_shape(lf, m)[0]} rows but the model's "
-                                f"{' + '.join(t.key for t in targets)} take {rows}")
+            if targets[0].part and (problem := split_problem(lf, m, targets)):
+                problems.append(problem)
                 continue
             for target in targets:
                 plan_target(plan, problems, unmatched, seen, shapes, i, lf, m, target)
@@ -316,15 +318,33 @@ def plan_merge(shapes: dict[str, tuple[int, ...]], loras: list[LoraSpec], allow_
     return plan
 
 
+def split_problem(lf: LoraFile, m: LoraModule, targets: tuple[Target, ...]) -> str | None:
+    """Why a module fused over several of the model's weights (each taking rows `part` of its delta) cannot be
+    split over them, or None."""
+    keys = " + ".join(dict.fromkeys(t.key for t in targets))
+    if any(r in m.tensors for r in ("dora_scale", "magnitude")):
+        return f"{lf.path}: {m.name}: DoRA on a module this model holds as separate weights ({keys}) is not " \
+               "supported; use a plain LoRA, or one saved in diffusers' names"
+    rows = max(t.part[1] for t in targets)
+    if not (m.kind == "full" and "diff" not in m.tensors) and delta_shape(lf, m)[0] != rows:
+        return f"{lf.path}: {m.name} gives a delta of {delta_shape(lf, m)[0]} rows but the model's {keys} take {rows}"
+    if "diff_b" in m.tensors and _numel(lf.shape(m, "diff_b")) != rows:
+        return f"{lf.path}: {m.tensors['diff_b']} has {_numel(lf.shape(m, 'diff_b'))} values but the biases of {keys} " \
+               f"take {rows}"
+    return None
+
+
 def plan_target(plan: MergePlan, problems: list, unmatched: list, seen: dict, shapes: dict, i: int, lf: LoraFile,
                 m: LoraModule, target: Target) -> None:
     """One LoRA module's patch on one weight (its delta's rows `target.part` when the module is fused over
     several), checked against the weight's shape; a problem or an unmatched tensor recorded instead."""
-    ident = (target.key, target.rows)
-    if ident in seen:
-        problems.append(f"{lf.path}: {m.name} and {seen[ident]} both name {target.describe()}")
+    span = target.rows or (0, shapes[target.key][0])
+    other = next((name for (key, (a, b)), name in seen.items() if key == target.key and a < span[1] and span[0] < b
+                  and name != m.name), None)
+    if other is not None:
+        problems.append(f"{lf.path}: {m.name} and {other} both name {target.describe()}")
         return
-    seen[ident] = m.name
+    seen[(target.key, span)] = m.name
     want = shapes[target.key]
     if target.rows:
         want = (target.rows[1] - target.rows[0], *want[1:])
@@ -339,10 +359,6 @@ def plan_target(plan: MergePlan, problems: list, unmatched: list, seen: dict, sh
                             f"{target.describe()} has shape {list(want)}")
             return
     mag = next((r for r in ("dora_scale", "magnitude") if r in m.tensors), None)
-    if mag is not None and target.part:
-        problems.append(f"{lf.path}: {m.tensors[mag]}: DoRA on {m.name}, which this model holds as separate weights "
-                        f"({target.key} is one), is not supported; merge the LoRA in the model's own names")
-        return
     if mag is not None and _numel(lf.shape(m, mag)) not in (want[0], want[1] if len(want) > 1 else -1):
         problems.append(f"{lf.path}: {m.tensors[mag]} has shape {list(lf.shape(m, mag))}; "
                         f"{target.describe()} {list(want)} needs {want[0]} (rows) or {want[1]} (columns) values")
@@ -353,8 +369,10 @@ def plan_target(plan: MergePlan, problems: list, unmatched: list, seen: dict, sh
         plan.patches.setdefault(target.key, []).append(Patch(i, m, target))
     if "diff_b" in m.tensors:
         bias_key = target.key[:-len("weight")] + "bias" if target.key.endswith(".weight") else None
-        if bias_key not in shapes or target.rows or target.part:
+        if bias_key not in shapes or target.rows:
             unmatched.append(m.tensors["diff_b"])
+        elif target.part:           # the bias rows of a fused module's part
+            plan.patches.setdefault(bias_key, []).append(Patch(i, m, Target(bias_key, None, target.part), bias=True))
         elif _numel(lf.shape(m, "diff_b")) != _numel(shapes[bias_key]):
             problems.append(f"{lf.path}: {m.tensors['diff_b']} has shape {list(lf.shape(m, 'diff_b'))} "
                             f"but the model's {bias_key} has shape {list(shapes[bias_key])}")

@@ -265,6 +265,19 @@ def test_lora_in_bfl_and_kohya_names_merges_as_diffusers_names(demo, tmp_path):
                    "--lora", bad)
     assert proc.returncode == 2 and "double_blocks_0_img_attn_qkv" in proc.stderr and "rows" in proc.stderr and \
         "Traceback" not in proc.stderr, proc.stderr
+    a, b = lora["norm_out.linear"]           # the final modulation twice, in both names: one error naming both
+    save_np({**kohya, "transformer.norm_out.linear.lora_A.weight": a, "transformer.norm_out.linear.lora_B.weight": b},
+            str(bad))
+    proc = precast("export", demo["file"], "--out", tmp_path / "bad", "--component", "transformer", "--set", AXES,
+                   "--lora", bad)
+    assert proc.returncode == 2 and "both name" in proc.stderr and "norm_out.linear" in proc.stderr, proc.stderr
+    qkv_down = kohya["lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight"]       # DoRA over the split: refused once
+    save_np({**kohya, "lora_unet_double_blocks_0_img_attn_qkv.dora_scale": np.ones((1, qkv_down.shape[1]), np.float32)},
+            str(bad))
+    proc = precast("export", demo["file"], "--out", tmp_path / "bad", "--component", "transformer", "--set", AXES,
+                   "--lora", bad)
+    assert proc.returncode == 2 and proc.stderr.count("DoRA on a module this model holds as separate weights") == 1, \
+        proc.stderr
 
 
 def test_vae_matches_diffusers(demo, reference, tmp_path):
