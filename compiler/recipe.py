@@ -12,16 +12,24 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import BadInput
-from .families import ASSUMED, FAMILIES, SET_FIELDS, detect_family, require_supported, set_problem
-from .foreign_onnx import is_foreign_folder, read_foreign
 from ..runtime.previews import PREVIEW_DECODER
 from ..runtime.prompts import CLIP_TOKENS
+from ..runtime.vae_segments import TILED
+from .errors import BadInput
+from .families import (
+    ASSUMED,
+    FAMILIES,
+    SET_FIELDS,
+    detect_family,
+    require_supported,
+    set_problem,
+)
+from .foreign_onnx import is_foreign_folder, read_foreign
 from .profiles import MAX_TOKENS, ShapeProfile, parse_range
 from .recipe_doc import Doc, check_keys, flag, listed, number, string
 from .sources.checkpoint import open_checkpoint
 from .sources.controlnet import controlnet_name
-from .targets import TargetSpec, dtype_problem, get_target, parse_target
+from .targets import TargetSpec, dtype_problem, get_target, parse_target, shape_problem
 
 COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "unet", "transformer", "vae_encoder", "vae_decoder",
               "vae_encoder_tiled", "vae_decoder_tiled")
@@ -246,8 +254,10 @@ def load_recipe(path: str | Path, check_files: bool = True) -> Recipe:
         if v not in PRECISIONS:
             raise doc.error(f"precision.{k}" if len(precision) > 1 or k != "default" else "precision",
                             f"{v!r} is not a precision; allowed: {', '.join(PRECISIONS)}")
-    per_comp = {c: precision.get(c, precision.get("default", "fp32")) for c in comps}
-    explicit = frozenset(c for c in comps if c in precision)
+    # a tiled VAE twin takes its plain component's precision unless named itself (exact to that one's rounding)
+    named = {**{twin: precision[plain] for plain, twin in TILED.items() if plain in precision}, **precision}
+    per_comp = {c: named.get(c, precision.get("default", "fp32")) for c in comps}
+    explicit = frozenset(c for c in comps if c in named)
     vae = model.get("vae")
     if vae is not None:
         vae_path = (base / string(doc, "model.vae", vae, "a VAE file or folder")).resolve()
@@ -338,6 +348,8 @@ def _check_target_dtypes(doc: Doc, targets, precision: dict, explicit: frozenset
     fp32_vae = family in FAMILIES and FAMILIES[family].fp32_vae
     for i, spec in enumerate(targets):
         for comp, dtype in precision.items():
+            if why := shape_problem(spec, comp):
+                raise doc.error(f"targets[{i}]", why)
             source = "precision"
             if comp.startswith("vae_") and comp not in explicit and fp32_vae:
                 dtype, source = "fp32", f"{family}'s VAE is kept fp32 unless precision.{comp} says otherwise"

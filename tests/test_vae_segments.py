@@ -150,6 +150,19 @@ def test_a_tiled_twin_that_cannot_load_leaves_the_blended_tiles(sd, tmp_path):
                      r"not load \(.+\)\)", proc.stderr), proc.stderr
 
 
+def test_a_twin_takes_its_plain_components_precision_and_migraphx_refuses_it(tmp_path):
+    recipe = ("model: {source: demo:tiny-sd15}\ncomponents: [vae_decoder, vae_decoder_tiled]\n"
+              "precision: {default: fp16, vae_decoder: fp32}\nprofiles: {batch: 1, height: 64, width: 64}\n")
+    bundle = build_recipe(tmp_path, recipe + "targets: [onnxruntime]\n", "p")
+    dtypes = {c: v["dtype"] for c, v in json.loads((bundle / "manifest.json").read_text())["components"].items()}
+    assert dtypes == {"vae_decoder": "fp32", "vae_decoder_tiled": "fp32"}       # exact to the plain one's rounding
+    (tmp_path / "mx.yaml").write_text(recipe + "targets: [{migraphx: {gfx: gfx1100}}]\n")
+    proc = precast("plan", tmp_path / "mx.yaml")
+    assert proc.returncode == 2 and proc.stderr == f"error: {tmp_path / 'mx.yaml'}:5: targets[0]: MIGraphX compiles " \
+        "fixed shapes, and vae_decoder_tiled takes tiles of any size; drop it from the components or build it for " \
+        "another target\n", proc.stderr
+
+
 def test_built_only_when_asked_for_and_left_out_of_the_pipeline_folder(sd, tmp_path):
     from precast.compiler.recipe import DEFAULT_COMPONENTS
     assert all("vae_decoder_tiled" not in comps for comps in DEFAULT_COMPONENTS.values())

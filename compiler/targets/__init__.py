@@ -8,6 +8,7 @@ dtype or on this machine, refused in one line before any work.
 """
 from __future__ import annotations
 
+from ...runtime.vae_segments import TILED
 from ..errors import BadInput
 from .base import POSITIONAL, BuildJob, Target, TargetSpec
 from .directml import DirectMLTarget
@@ -120,7 +121,7 @@ def _check_weights(backend: str, opts: dict) -> None:
     if sized and weights is None:
         raise BadInput(f"target {backend}: {sized} applies to quantized weights only; add weights=int4 or int8")
     if backend == "openvino" and sized and weights != "int4":
-        raise BadInput(f"target openvino: group_size applies to weights=int4 (int8 is per channel); drop it")
+        raise BadInput("target openvino: group_size applies to weights=int4 (int8 is per channel); drop it")
     why = weights_problem(backend, weights, normalize_ccs(opts.get("compute_capabilities") or ()))
     if why:
         raise BadInput(f"target {backend}: {why}")
@@ -136,9 +137,19 @@ def io_dtype(io: list[dict]) -> str:
     return next((d for d in ("bf16", "fp16") if d in found), "fp32")
 
 
+def shape_problem(spec: TargetSpec, component: str | None) -> str | None:
+    """Why `spec` cannot build `component` whatever its precision (the shapes it takes), or None."""
+    if spec.backend == "migraphx" and component in TILED.values():
+        return f"MIGraphX compiles fixed shapes, and {component} takes tiles of any size; drop it from the " \
+               "components or build it for another target"
+    return None
+
+
 def dtype_problem(spec: TargetSpec, dtype: str, component: str | None = None) -> str | None:
     """Why `spec` cannot build `component` (any, when None) exported in `dtype` (fp32 / fp16 / bf16);
     None if it can."""
+    if (why := shape_problem(spec, component)) is not None:
+        return why
     check = getattr(TARGETS[spec.backend], "dtype_problem", None)
     if check is None:
         return None
@@ -158,4 +169,4 @@ def check_buildable(spec: TargetSpec, dtype: str, component: str) -> None:
 
 
 __all__ = ["BuildJob", "TargetSpec", "TARGETS", "check_buildable", "dtype_problem", "get_target", "io_dtype",
-           "parse_target"]
+           "parse_target", "shape_problem"]
