@@ -2,7 +2,7 @@
 klein (4B) and Qwen-Image -- as a 2-block slice, precast's OpenVINO engine vs every peer on the same weights.
 
 Models (seeded random weights in the real key layouts, written into the work folder as bare bf16 files by
-compiler/demo_zimage.py, demo_flux2.py and demo_qwenimage.py; full-size shapes in FULL below, with their sources):
+compiler/demo_zimage.py, demo_flux2.py and demo_qwenimage.py; the full-size shapes in full_configs, with their sources):
 
   zimage     Z-Image-Turbo at full width (dim 3840, 30 heads of 128, SwiGLU 10240, caption 2560): 2 of its 30
              main layers + its whole fixed part, 2 noise-refiner (image) and 2 context-refiner (caption) layers;

@@ -16,14 +16,7 @@ from ..runtime.previews import PREVIEW_DECODER
 from ..runtime.prompts import CLIP_TOKENS
 from ..runtime.vae_segments import TILED
 from .errors import BadInput
-from .families import (
-    ASSUMED,
-    FAMILIES,
-    SET_FIELDS,
-    detect_family,
-    require_supported,
-    set_problem,
-)
+from .families import ASSUMED, FAMILIES, SET_FIELDS, detect_family, require_supported, set_problem
 from .foreign_onnx import is_foreign_folder, read_foreign
 from .profiles import MAX_TOKENS, ShapeProfile, parse_range
 from .recipe_doc import Doc, check_keys, flag, listed, number, string
