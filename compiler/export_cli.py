@@ -60,6 +60,12 @@ def _parse_lora(item: str) -> tuple[str, float]:
     return item, 1.0
 
 
+def _names(io: list[dict], most: int = 6) -> str:
+    """A component's input or output names, the first `most` of them and how many more (a tiled VAE has dozens)."""
+    names = [i["name"] for i in io]
+    return ", ".join(names[:most]) + (f", ... ({len(names)} in all)" if len(names) > most else "")
+
+
 @click.command("export")
 @click.argument("checkpoint", type=click.Path())
 @click.option("--out", "out", required=True, type=click.Path(), help="Output folder (optimum-onnx layout).")
@@ -103,8 +109,7 @@ def export_cmd(checkpoint, out, components, dtype, sets, vae_dtype, vae, text_en
         else:
             for c in report["components"]:
                 size = sum(c["files"].values())
-                click.echo(f"{c['name']:<13} {size / 1e6:9.1f} MB  "
-                           f"{', '.join(i['name'] for i in c['inputs'])} -> {', '.join(o['name'] for o in c['outputs'])}")
+                click.echo(f"{c['name']:<13} {size / 1e6:9.1f} MB  {_names(c['inputs'])} -> {_names(c['outputs'])}")
             click.echo(f"{report['family']} {report['dtype']} -> {report['out']} in {report['seconds']:.1f} s")
     _run(go, as_json=as_json)
 
