@@ -39,7 +39,8 @@ floor and report), as benchmarks/sd3_step.py does:
                        Z-Image's and Qwen-Image's complex RoPE is written in reals for the export (neither
                        exporter takes complex tensors; same tables, same product: _rotate), FLUX.2's is real.
                        onnxscript is not in the project's venv: put it on PYTHONPATH, e.g.
-                       `pip install --target DIR --no-deps onnxscript onnx-ir` and PYTHONPATH=DIR
+                       `pip install --target DIR --no-deps onnxscript onnx-ir` and PYTHONPATH=DIR (TorchScript
+                       exports Qwen-Image only: Z-Image stops at aten::pad_sequence, FLUX.2 at aten::rms_norm)
   openvino-f32         OpenVINO on that ONNX, read_model + compile_model, INFERENCE_PRECISION_HINT=f32
   openvino-f32-static  the same, reshaped to the run's static shapes first (as precast compiles)
   (--runners can add flux_step's others: torch-bf16, openvino (default config), precast-fp32-bf16 / precast-bf16 /
@@ -86,7 +87,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 import flux_step as fs  # noqa: E402  (benchmarks/flux_step.py: children, timing, GEMM peak, parity, report)
 from machine import describe  # noqa: E402
-from sd3_step import bound  # noqa: E402  (the f32 bound and the largest speedup it leaves)
+from sd3_step import bound, print_bound, step_arguments  # noqa: E402  (the f32 bound; shared options)
 
 MODELS = ("zimage", "flux2", "qwenimage")
 SIZE = {"image": 1024, "zimage": 256, "flux2": 512, "qwenimage": 256}    # px; text tokens (--small changes these)
@@ -439,15 +440,6 @@ def finish(res: dict, peak: dict) -> None:
     res["bound"] = bound(res, peak)
 
 
-def print_bound(model: str, b: dict) -> None:
-    print(f"{model} bound: {b['gflop']} GFLOP / f32 peak {b['f32_peak_gflops']} GFLOP/s = "
-          f"{b['min_time_s'] * 1e3:.0f} ms; "
-          + (f"best correct peer {b['best_peer']} at {b['best_peer_pct_of_f32_peak']}% of the f32 peak: no f32 engine "
-             f"can be more than {b['max_possible_speedup_vs_best_peer']:.2f}x faster than it (floor {fs.SPEED_FLOOR}x "
-             f"{'reachable' if b['floor_reachable'] else 'NOT reachable'})" if "best_peer" in b else "no correct peer"),
-          flush=True)
-
-
 def settings(opts, models: list[str]) -> dict:
     return {"steps": opts.steps, "small": opts.small, **SIZE, "image_tokens": grid() ** 2, "tolerance": fs.TOL,
             "floor": fs.SPEED_FLOOR, "threads": fs.THREADS, "runners": opts.runners, "sigma": SIGMA,
@@ -459,15 +451,7 @@ def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", action="append", choices=MODELS,
                     help="this family only (repeatable; default: all three in turn)")
-    ap.add_argument("--steps", type=int, default=3, help="timed calls per runner after one warm-up; median reported")
-    ap.add_argument("--runners", default=DEFAULT_RUNNERS, help=f"comma-separated (default {DEFAULT_RUNNERS})")
-    ap.add_argument("--no-profile", action="store_true", help="skip the OpenVINO per-op performance counters")
-    ap.add_argument("--exporter", choices=["auto", "dynamo", "torchscript"], default="auto",
-                    help="torch.onnx.export flavour for the ONNX peers (auto: dynamo when onnxscript is importable)")
-    ap.add_argument("--work", type=Path, default=None, help="work folder (default: a new one under benchmarks/results)")
-    ap.add_argument("--keep", action="store_true", help="keep the work folder")
-    ap.add_argument("--json", type=Path, default=HERE / "results" / "llm_dit_step.json")
-    ap.add_argument("--small", action="store_true", help="256 px, 16 text tokens: a quick try, not a measurement")
+    step_arguments(ap, DEFAULT_RUNNERS, "llm_dit_step.json", "256 px, 16 text tokens")
     opts = ap.parse_args()
     opts.precast_only = False
     return opts

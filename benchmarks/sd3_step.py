@@ -199,21 +199,36 @@ def bound(res: dict, peak: dict) -> dict:
     return out
 
 
+def step_arguments(ap: argparse.ArgumentParser, runners: str, json_name: str, small: str) -> None:
+    """The options every slice-step benchmark takes (this one's and benchmarks/llm_dit_step.py's)."""
+    ap.add_argument("--steps", type=int, default=3, help="timed calls per runner after one warm-up; median reported")
+    ap.add_argument("--runners", default=runners, help=f"comma-separated (default {runners})")
+    ap.add_argument("--no-profile", action="store_true", help="skip the OpenVINO per-op performance counters")
+    ap.add_argument("--exporter", choices=["auto", "dynamo", "torchscript"], default="auto",
+                    help="torch.onnx.export flavour for the ONNX peers (auto: dynamo when onnxscript is importable)")
+    ap.add_argument("--work", type=Path, default=None, help="work folder (default: a new one under benchmarks/results)")
+    ap.add_argument("--keep", action="store_true", help="keep the work folder")
+    ap.add_argument("--json", type=Path, default=HERE / "results" / json_name)
+    ap.add_argument("--small", action="store_true", help=f"{small}: a quick try, not a measurement")
+
+
+def print_bound(model: str, b: dict) -> None:
+    """The f32 bound's line: the shortest time any f32 runner can take, and what it leaves the best peer."""
+    print(f"{model + ' ' if model else ''}bound: {b['gflop']} GFLOP / f32 peak {b['f32_peak_gflops']} GFLOP/s = "
+          f"{b['min_time_s'] * 1e3:.0f} ms; "
+          + (f"best correct peer {b['best_peer']} at {b['best_peer_pct_of_f32_peak']}% of the f32 peak: no f32 engine "
+             f"can be more than {b['max_possible_speedup_vs_best_peer']:.2f}x faster than it (floor {fs.SPEED_FLOOR}x "
+             f"{'reachable' if b['floor_reachable'] else 'NOT reachable'})" if "best_peer" in b else "no correct peer"),
+          flush=True)
+
+
 def main() -> None:
     if len(sys.argv) >= 3 and sys.argv[1] == "--child":
         patch_flux_step(small=False)         # the children read their inputs from the spec's .npz
         fs.child_main(sys.argv[2])
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=3, help="timed calls per runner after one warm-up; median reported")
-    ap.add_argument("--runners", default=DEFAULT_RUNNERS, help=f"comma-separated (default {DEFAULT_RUNNERS})")
-    ap.add_argument("--no-profile", action="store_true", help="skip the OpenVINO per-op performance counters")
-    ap.add_argument("--exporter", choices=["auto", "dynamo", "torchscript"], default="auto",
-                    help="torch.onnx.export flavour for the ONNX peers (auto: dynamo when onnxscript is importable)")
-    ap.add_argument("--work", type=Path, default=None, help="work folder (default: a new one under benchmarks/results)")
-    ap.add_argument("--keep", action="store_true", help="keep the work folder")
-    ap.add_argument("--json", type=Path, default=HERE / "results" / "sd3_step.json")
-    ap.add_argument("--small", action="store_true", help="256 px, 16+16 text tokens: a quick try, not a measurement")
+    step_arguments(ap, DEFAULT_RUNNERS, "sd3_step.json", "256 px, 16+16 text tokens")
     opts = ap.parse_args()
     opts.precast_only = False
     patch_flux_step(opts.small)
@@ -241,12 +256,8 @@ def main() -> None:
         res["floors"] = fs.floors(res)
         res["bound"] = bound(res, peak)
         fs.print_report({MODEL: res}, peak, opts)
-        b = res["bound"]
-        print(f"\nbound: {b['gflop']} GFLOP / f32 peak {b['f32_peak_gflops']} GFLOP/s = {b['min_time_s'] * 1e3:.0f} ms; "
-              + (f"best correct peer {b['best_peer']} at {b['best_peer_pct_of_f32_peak']}% of the f32 peak: no f32 "
-                 f"engine can be more than {b['max_possible_speedup_vs_best_peer']:.2f}x faster than it "
-                 f"(floor {fs.SPEED_FLOOR}x {'reachable' if b['floor_reachable'] else 'NOT reachable'})"
-                 if "best_peer" in b else "no correct peer"), flush=True)
+        print()
+        print_bound("", res["bound"])
         out = {"started": started, "command": " ".join(["python", *sys.argv]),
                "machine": describe(("numpy", "onnx", "onnxruntime", "openvino", "torch", "diffusers", "transformers",
                                     "onnxscript")),
