@@ -31,19 +31,20 @@ def run_program(run, spec: dict, x: np.ndarray, tile_values: int = TILE_VALUES,
                 max_side: int = SEGMENT_TILE[2]) -> np.ndarray:
     """The program's last output (float32) over x [N, C, h, w] (the decoder's latents, the encoder's pixels):
     `run(feeds) -> outputs` calls the component's session; `spec` is its manifest record (config.segments, inputs,
-    outputs), each segment not running fed a 1x1 placeholder (2x2 where it downsamples)."""
+    outputs), each segment not running fed a 2x2 placeholder (the least a downsampler takes)."""
     program, n = spec["config"]["segments"], len(x)
     idle = {i["name"]: np.zeros([n if d == "batch" else d if isinstance(d, int) else 2 for d in i["shape"]],
                                 np.float32) for i in spec["inputs"]}
     widths = {o["name"]: o["shape"][1] for o in spec["outputs"]}
     values = {program[0]["inputs"]["x"]: np.asarray(x, np.float32)}
+    last = last_uses(program)
     for i, step in enumerate(program):
         if "attention" in step:
             a = step["attention"]
             values[step["outputs"]["y"]] = attention(values[a["q"]], values[a["k"]], values[a["v"]])
         else:
             values.update(run_segment(run, step, values, idle, widths, tile_values, max_side))
-        for v in [v for v, j in last_uses(program).items() if j == i]:
+        for v in [v for v, j in last.items() if j == i]:
             del values[v]
     return values[program[-1]["outputs"]["y"]]
 
