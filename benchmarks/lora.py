@@ -36,7 +36,7 @@ def write_lora(ckpt: Path, path: Path, seed: int, rank: int = 64) -> None:
     from safetensors.numpy import save_file
 
     from precast.compiler.sources.checkpoint import UNET, open_checkpoint
-    from precast.compiler.sources.lora import unet_diffusers_modules
+    from precast.compiler.sources.lora_names import unet_diffusers_modules
     if path.exists():
         return
     c = open_checkpoint(ckpt)

@@ -1,7 +1,7 @@
 """Merging LoRAs into a model's weights: the plan (what patches which weight), its checks, and the math.
 
 Owns: resolving every module of every LoRA through the forward name table
-(compiler/sources/lora.py) and checking coverage before anything is written -- each LoRA key
+(compiler/sources/lora_names.py) and checking coverage before anything is written -- each LoRA key
 must name exactly one model weight (unmatched keys are an error listing them, or a warning
 listing them with `allow_unmatched`, for every LoRA or one), and each delta's shape must fit its weight (an error
 naming both shapes and the weight); and the per-weight update, applied while weights stream
@@ -32,7 +32,8 @@ import numpy as np
 
 from .errors import BadInput
 from .sources.checkpoint import UNET, VAE
-from .sources.lora import LoraFile, LoraModule, NameTable, Target, build_name_table, flat, read_lora, targets_of
+from .sources.lora import LoraFile, LoraModule, read_lora
+from .sources.lora_names import NameTable, Target, build_name_table, flat, targets_of
 from .sources.peft_metadata import FLOAT32_MAX
 
 MAX_LISTED = 20

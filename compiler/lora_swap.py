@@ -32,7 +32,8 @@ import onnx
 
 from .errors import BadInput
 from .lora_merge import LoraSpec, MergePlan, plan_merge
-from .sources.lora import build_name_table, read_lora, targets_of
+from .sources.lora import read_lora
+from .sources.lora_names import build_name_table, targets_of
 
 _NP = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16}
 

@@ -17,7 +17,7 @@ from .budgets import plan_line
 from .cli_support import registry_options, run_cli
 from .errors import UserError
 from .loading import timed
-from .report import describe_where
+from .report import describe_where, name_width
 from .run_commands import BACKEND_HELP, STRICT_HELP, VERIFY_HELP, size_of
 
 
@@ -104,8 +104,9 @@ def doctor_cmd(bundle, backend, params_backend, size, strict, sysroot, as_json, 
             for line in api.remote.lines() if api.remote else ():
                 click.echo(line)
             if out["loaded"] is not None:
+                width = name_width(out["loaded"])
                 for c, r in out["loaded"].items():
-                    click.echo(f"loaded    {c:<13} {r['artifact']} via {r['backend']} in {stages['load'][c]:.2f} s")
+                    click.echo(f"loaded    {c:<{width}} {r['artifact']} via {r['backend']} in {stages['load'][c]:.2f} s")
                 click.echo(f"opened in {stages['open']:.2f} s (components loaded side by side)")
             if out["missing_for_generate"]:
                 click.echo(f"warning: `precast generate` needs {', '.join(out['missing_for_generate'])}, which this "

@@ -162,11 +162,17 @@ def report_of(path: Path, manifest, size, devices, warning, installed, placement
 
 def describe_where(report: dict, stream=sys.stderr) -> None:
     """The components of a report (generate's or doctor's) as text: where each runs, what was passed over."""
+    width = name_width(report["components"])
     for comp, w in report["components"].items():
         if w["device"] is None:
-            print(f"{comp:<13} -> NOTHING CAN RUN", file=stream)
+            print(f"{comp:<{width}} -> NOTHING CAN RUN", file=stream)
         else:
-            print(f"{comp:<13} -> {w['device']} ({w['device_name']}) via {w['backend']}: {w['artifact']}"
+            print(f"{comp:<{width}} -> {w['device']} ({w['device_name']}) via {w['backend']}: {w['artifact']}"
                   + (f"  [{w['note']}]" if w.get("note") else ""), file=stream)
         for r in w["passed_over"]:
-            print(f"{'':16}passed over: {passed_text(r)}", file=stream)
+            print(f"{'':{width + 3}}passed over: {passed_text(r)}", file=stream)
+
+
+def name_width(names) -> int:
+    """The width of a column of component names: the longest one shown (e.g. vae_decoder_tiled), at least 13."""
+    return max([13, *map(len, names)])

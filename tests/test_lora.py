@@ -19,7 +19,7 @@ from precast.compiler.errors import BadInput
 from precast.compiler.export import export
 from precast.compiler.sources.checkpoint import TEXT, UNET, open_checkpoint
 from precast.compiler.sources.diffusers_names import unet_names
-from precast.compiler.sources.lora import build_name_table
+from precast.compiler.sources.lora_names import build_name_table
 import reference as ref
 
 WEIGHT_TOL, OUTPUT_TOL = 1e-5, 1e-4

@@ -118,7 +118,8 @@ def test_generate_past_the_profile_decodes_exactly(sd, tmp_path):
     proc = precast(*args, "--out", tmp_path / "tiled.png", check=True)
     assert "note: VAE decoder ran exactly, tile by tile through its 24 segments (256x192 px is past the largest " \
            "size the VAE decoder's engine takes, 64x64 px)" in proc.stderr, proc.stderr
-    assert "vae_decoder_tiled -> cpu" in proc.stdout
+    assert "\nunet              -> cpu" in proc.stdout and "\nvae_decoder_tiled -> cpu" in proc.stdout   # one column
+    assert f"\n{'':20}passed over: unet." in proc.stdout, proc.stdout                    # under the arrow's tail
     report = json.loads(precast(*args, "--out", tmp_path / "j.png", "--json", check=True).stdout)
     assert report["vae_tiling"]["decoder"]["exact"] is True
     assert report["components"]["vae_decoder_tiled"]["artifact"].startswith("vae_decoder_tiled.onnxruntime/")
@@ -133,7 +134,7 @@ def test_generate_past_the_profile_decodes_exactly(sd, tmp_path):
     again = precast(*args, "--out", tmp_path / "i2i.png", "--init-image", tmp_path / "tiled.png", "--strength", "0.5",
                     check=True)                 # img2img past the encoder's profile: its exact twin
     assert "note: VAE encoder ran exactly, tile by tile through its 16 segments" in again.stderr, again.stderr
-    assert "vae_encoder_tiled -> cpu" in again.stdout
+    assert "\nunet              -> cpu" in again.stdout and "\nvae_encoder_tiled -> cpu" in again.stdout
 
 
 def test_a_tiled_twin_that_cannot_load_leaves_the_blended_tiles(sd, tmp_path):
