@@ -1,7 +1,7 @@
 """The tiny demo files `precast demo-model --family NAME` writes, one per family, and how to use each.
 
 Owns: which writer and config make each family's file (compiler/demo_model.py: SD 1.x / 2.x / XL and
-the inpainting UNet; demo_sd3.py; demo_dit.py: Flux, Chroma; demo_zimage.py: Z-Image; demo_flux2.py: FLUX.2 klein;
+the inpainting UNet; demo_sd3.py; demo_dit.py: Flux, Chroma; demo_zimage.py: Z-Image; demo_flux2.py: FLUX.2 klein and dev;
 demo_qwenimage.py: Qwen-Image; demo_controlnet.py; demo_lora.py) and the recipe that builds it (for a LoRA or
 ControlNet: into the base it fits).
 The files are the ones the `demo:` recipe sources and the tests use, so an example or a bug report needs no
@@ -57,6 +57,8 @@ FAMILIES = {
                           _checkpoint(DIT_AXES, LLM_PROFILE)),
     "flux2-klein": DemoFamily("tiny FLUX.2 klein (with its tokenizer)", "demo_flux2:write_demo_flux2:tiny-flux2-klein",
                               _checkpoint(FLUX2_AXES, LLM_PROFILE)),
+    "flux2-dev": DemoFamily("tiny FLUX.2 dev (with its tokenizer)", "demo_flux2:write_demo_flux2:tiny-flux2-dev",
+                            _checkpoint(FLUX2_AXES, LLM_PROFILE)),
     "qwen-image": DemoFamily("tiny Qwen-Image (with its tokenizer)",
                              "demo_qwenimage:write_demo_qwenimage:tiny-qwen-image", _checkpoint(DIT_AXES, LLM_PROFILE)),
     "controlnet": DemoFamily("tiny ControlNet for the tiny SD 1.x", "demo_controlnet:write_demo_controlnet:TINY",

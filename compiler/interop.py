@@ -37,7 +37,8 @@ def model_index(model: dict, components: list[str]) -> dict:
            **{n: list(TOKENIZER_CLASS[kind]) for n, kind in family.tokenizers().items()}}
     out.update({name: [None, None] for name, c in family.components.items() if not c.optional})  # parts not in it
     out.update({name: list(ONNX_PART) for name in components})
-    out.update({k: list(v) if isinstance(v, list) else v for k, v in spec.index.items()})
+    out.update({k: list(v) if isinstance(v, list) else v
+                for k, v in {**spec.index, **spec.variants.get(model.get("variant") or "", {})}.items()})
     return out
 
 
@@ -90,8 +91,11 @@ def t5_config(cfg: dict) -> dict:
 
 
 def llm_config(cfg: dict) -> dict:
-    """transformers Qwen3Config (the LLM text encoder, all its layers; precast's graph runs those it reads)."""
-    return {"architectures": ["Qwen3Model"], "model_type": "qwen3", "vocab_size": cfg["vocab"],
+    """transformers' config of the LLM text encoder, all its layers (precast's graph runs those it reads): Qwen3's
+    (QK norms), Qwen2's (q/k/v biases: Qwen2.5's text model) or Mistral's (neither)."""
+    model, kind = ("Qwen3Model", "qwen3") if cfg.get("qk_norm") else ("Qwen2Model", "qwen2") if cfg.get("qkv_bias") \
+        else ("MistralModel", "mistral")
+    return {"architectures": [model], "model_type": kind, "vocab_size": cfg["vocab"],
             "hidden_size": cfg["hidden"], "intermediate_size": cfg["intermediate"], "num_hidden_layers": cfg["layers"],
             "num_attention_heads": cfg["heads"], "num_key_value_heads": cfg["kv_heads"], "head_dim": cfg["head_dim"],
             "rope_theta": cfg["theta"], "rms_norm_eps": cfg["eps"], "attention_bias": cfg["qkv_bias"],

@@ -26,6 +26,7 @@ from .checks import (check_batch, check_count, check_guidance, check_number, che
                      check_text, shown, write_image)
 from .errors import UserError
 from .families import FAMILIES, family_of
+from .families.family import reads_negative
 from .loading import BundleModel, to_uint8
 from .report import Report, plan_of, report_of
 from .control import check_net, check_range, plan_controls
@@ -112,7 +113,10 @@ def check_settings(manifest, prompt, negative, steps, seed, guidance, scheduler,
 def unused_negative(manifest) -> str | None:
     """Why a negative prompt does nothing with this bundle's family, or None when it is used."""
     family = family_of(manifest)
-    return None if family.negative else f"is not used by {family.title} (distilled guidance, no negative prompt)"
+    if reads_negative(family, manifest.model):
+        return None
+    model = family.title if not family.negative else f"{family.title} {manifest.model.get('variant')}"   # the variant's
+    return f"is not used by {model} (distilled guidance, no negative prompt)"
 
 
 def control_entries(manifest, controls: Sequence[ControlSpec] | None, guess_mode: bool) -> list[tuple]:
@@ -375,7 +379,8 @@ class Pipeline:
         """The bundle and what ran where (runtime/metadata.made_with), as the images' PNGs record it."""
         if self._made is None:
             family = family_of(self.pipe.manifest)
-            self._made = made_with(self.pipe.manifest, self.pipe.report()["components"], not family.negative)
+            self._made = made_with(self.pipe.manifest, self.pipe.report()["components"],
+                                   not reads_negative(family, self.pipe.manifest.model))
         return self._made
 
     def _controls(self, entries: list[tuple]) -> list:

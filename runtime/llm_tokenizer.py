@@ -1,26 +1,33 @@
-"""Byte-level BPE tokenizers of LLM text encoders (Qwen2's, which Qwen3 and Qwen2.5 share), read from the
-`tokenizer.json` a bundle carries and run by the `tokenizers` library (the `llm` extra; imported only when such a
-bundle is opened, so other bundles never need it).
+"""Byte-level BPE tokenizers of LLM text encoders (Qwen2's, which Qwen3 and Qwen2.5 share; Mistral's tekken, as
+its tokenizer.json has it), read from the `tokenizer.json` a bundle carries and run by the `tokenizers` library
+(the `llm` extra; imported only when such a bundle is opened, so other bundles never need it).
 
-Owns: LLMTokenizer -- a folder's tokenizer.json (its own padding and truncation settings off) and pad token
-(tokenizer_config.json's, else `<|endoftext|>`), and the ids of a prompt put into a family's chat template as its
-pipeline puts it (ZImagePipeline: the template rendered, then tokenized with special tokens recognised, cut at
-the maximum length), the same ids transformers' tokenizer gives for the same file.
+Owns: LLMTokenizer -- a folder's tokenizer.json (its own padding and truncation settings off), pad token
+(tokenizer_config.json's, else `<|endoftext|>`) and the side padding goes on (tokenizer_config.json's
+`padding_side`, else transformers' default for its `tokenizer_class`: left for Llama's, which Mistral's
+tokenizer.json is loaded as, right for others), and the ids of a prompt put into a family's chat template as its
+pipeline puts it (ZImagePipeline, Flux2Pipeline: the template rendered -- it holds its own BOS --, then tokenized
+with special tokens recognised and none added, cut at the maximum length), the same ids transformers' tokenizer
+gives for the same file.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import numpy as np
+
 from .errors import UserError
 
 FOLDER_FILES = ("tokenizer.json", "tokenizer_config.json")
 PAD = "<|endoftext|>"          # Qwen2's pad (and end-of-text) token
+LEFT_PADDED = ("LlamaTokenizer", "LlamaTokenizerFast", "CodeLlamaTokenizer", "CodeLlamaTokenizerFast",
+               "GemmaTokenizer", "GemmaTokenizerFast")      # transformers' classes whose padding_side is "left"
 
 
 class LLMTokenizer:
-    def __init__(self, tokenizer, pad_id: int):
-        self.tokenizer, self.pad_id = tokenizer, pad_id
+    def __init__(self, tokenizer, pad_id: int, pad_left: bool = False):
+        self.tokenizer, self.pad_id, self.pad_left = tokenizer, pad_id, pad_left
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "LLMTokenizer":
@@ -41,11 +48,23 @@ class LLMTokenizer:
         pad = config.get("pad_token") if isinstance(config, dict) else None
         pad = pad.get("content") if isinstance(pad, dict) else pad
         pad_id = tok.token_to_id(pad or PAD)
-        return cls(tok, 0 if pad_id is None else pad_id)
+        config = config if isinstance(config, dict) else {}
+        side = config.get("padding_side") or ("left" if config.get("tokenizer_class") in LEFT_PADDED else "right")
+        return cls(tok, 0 if pad_id is None else pad_id, side == "left")
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
 
     def chat(self, prompt: str, template: str, limit: int) -> list[int]:
-        """The ids of `prompt` put in `template` (its `{prompt}` replaced), at most `limit` of them."""
-        return self.encode(template.replace("{prompt}", prompt))[:limit]
+        """The ids of `prompt` put in `template` (its `{prompt}` replaced; special tokens the template spells are
+        read as such, none added), at most `limit` of them."""
+        return self.tokenizer.encode(template.replace("{prompt}", prompt), add_special_tokens=False).ids[:limit]
+
+    def padded(self, ids: list[int], length: int) -> tuple[np.ndarray, np.ndarray]:
+        """input_ids and attention_mask int32 [1, length]: `ids` padded on the tokenizer's side."""
+        at = length - len(ids) if self.pad_left else 0
+        out = np.full((1, length), self.pad_id, np.int32)
+        out[0, at:at + len(ids)] = ids
+        mask = np.zeros((1, length), np.int32)
+        mask[0, at:at + len(ids)] = 1
+        return out, mask

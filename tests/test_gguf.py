@@ -388,12 +388,14 @@ def test_zimage_and_its_qwen3_encoder_as_gguf_export_their_dequantization(tmp_pa
     assert {t.dtype for t in GGUFFile(tmp_path / "Qwen3-4B-Q8_0.gguf").tensors.values()} >= {"Q8_0", "F32"}
     report = json.loads((a / "precast_export.json").read_text())
     assert report["family"] == "zimage" and "Q8_0" in report["source_quantization"]
+    # a llama-arch file (q / k rows permuted by llama.cpp) without the head counts that put them back
     llama = tmp_path / "llama.gguf"
-    write_gguf(llama, "llama", {g: v for g, v in list(reference(tmp_path / "Qwen3-4B-Q8_0.gguf").items())[:3]})
+    write_gguf(llama, "llama", {g: v for g, v in reference(tmp_path / "Qwen3-4B-Q8_0.gguf").items()
+                                if g.startswith("blk.0.attn_")})
     proc = precast("export", tmp_path / "z_twin.safetensors", "--out", tmp_path / "c", "--text-encoder", llama,
                    *map(str, common))
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and "llama.cpp llama GGUF file" in lines[0] and str(llama) in lines[0]
+    assert proc.returncode == 2 and len(lines) == 1 and "llama.attention.head_count" in lines[0] and str(llama) in lines[0]
 
 
 def test_qwen_image_and_its_qwen25_encoder_as_gguf_export_their_dequantization(tmp_path):
@@ -460,3 +462,69 @@ def test_flux2_klein_and_its_qwen3_encoder_as_gguf_export_their_dequantization(t
     assert _check_weights(a, "text_encoder", te_ref, "fp32", rename=hf.get) >= 0.6 * len(te_ref)
     report = json.loads((a / "precast_export.json").read_text())
     assert report["family"] == "flux2" and "Q8_0" in report["source_quantization"]
+
+
+def _llama_permuted(w: np.ndarray, heads: int) -> np.ndarray:
+    """q / k rows as llama.cpp's converter stores a llama / Mistral model's (each head's rotate-half halves
+    interleaved: convert_hf_to_gguf.py LlamaModel.permute)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_flux2_dev_mistral_encoder_as_llama_gguf_exports_its_dequantization(tmp_path):
+    """FLUX.2 dev's Mistral text model as llama.cpp writes it (arch llama, its q / k rows permuted per head, the head
+    counts in its metadata), given with --text-encoder to BFL's dev transformer: the same graph and weight bytes as a
+    .safetensors twin holding gguf's dequantized values in HF order; no raw blocks carried for the permuted rows
+    (`weights: gguf` keeps the others)."""
+    from precast.compiler.demo_flux2 import (TINY_FLUX2_DEV, TINY_MISTRAL_30, flux2_layout, mistral_layout,
+                                             mistral_tokenizer_json, write_flux2_vae_file)
+    from precast.compiler.demo_weights import Component, write_components
+    from precast.compiler.sources.gguf_file import carried_blocks
+    m = TINY_MISTRAL_30
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.LLAMA, m.layers)
+    hf = {names.get_name(k, try_suffixes=(".weight", ".bias")): k for k in mistral_layout(m)}
+    assert None not in hf and len(hf) == len(mistral_layout(m))
+    values = _weights(mistral_layout(m), 14)
+    heads = {"q_proj": m.heads, "k_proj": m.kv_heads}
+    stored = {g: _llama_permuted(values[k], heads[k.split(".")[-2]]) if k.split(".")[-2] in heads else values[k]
+              for g, k in hf.items()}
+    path = tmp_path / "Mistral-Small-3.2-24B-Instruct-2506-Q8_0.gguf"
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_head_count(m.heads)
+    w.add_head_count_kv(m.kv_heads)
+    for i, (name, arr) in enumerate(stored.items()):
+        arr = np.ascontiguousarray(arr, np.float32)
+        if arr.ndim == 1:
+            w.add_tensor(name, arr)
+        else:
+            qtype = (Q.Q8_0, Q.F16)[i % 2]
+            w.add_tensor(name, _encode(arr, qtype, rng), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ref = reference(path)
+    unpermuted = {hf[g]: _llama_unpermute(v, heads[hf[g].split(".")[-2]]) if hf[g].split(".")[-2] in heads else v
+                  for g, v in ref.items()}
+    assert any(not np.array_equal(unpermuted[k], ref[g]) for g, k in hf.items() if "q_proj" in k)
+    _twin(tmp_path / "mistral_twin.safetensors", {"model." + k: v for k, v in unpermuted.items()})
+    write_components(tmp_path / "flux2-dev.safetensors",
+                     [Component("transformer", "", flux2_layout(TINY_FLUX2_DEV), True)], 0, "bf16")
+    write_flux2_vae_file(tmp_path / "flux2-vae.safetensors")
+    (tmp_path / "tokenizer.json").write_text(mistral_tokenizer_json())
+    common = ("--vae", tmp_path / "flux2-vae.safetensors", "--set", "transformer.axes_dims_rope=[4,4,4,4]",
+              "--component", "text_encoder")
+    a = _export(tmp_path / "flux2-dev.safetensors", tmp_path / "a", "fp32", "--text-encoder", path, *common)
+    b = _export(tmp_path / "flux2-dev.safetensors", tmp_path / "b", "fp32", "--text-encoder",
+                tmp_path / "mistral_twin.safetensors", *common)
+    _same_export(a, b, "text_encoder")
+    refs = open_checkpoint(path).refs
+    q = next(r for k, r in refs.items() if k.endswith("layers.0.self_attn.q_proj.weight"))
+    o = next(r for k, r in refs.items() if k.endswith("layers.0.self_attn.o_proj.weight"))
+    assert carried_blocks(q) is None and (carried_blocks(o) is not None) == (o.file.tensors[o.key].dtype == "Q8_0")
+
+
+def _llama_unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+

@@ -61,6 +61,7 @@ class Diffusers:
     vae_force_upcast: bool = False
     transformer: str = ""          # the transformer's diffusers class
     transformer_fields: Callable | None = None   # (precast config) -> that class's config fields
+    variants: dict = field(default_factory=dict)   # variant -> model_index.json fields of its own (its pipeline)
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,17 @@
-"""FLUX.2 klein (Black Forest Labs' 4B / 9B, distilled and base): everything the compiler knows about it.
+"""FLUX.2 (Black Forest Labs' klein 4B / 9B, distilled and base, and dev): everything the compiler knows about it.
 
 Owns: the evidence in a checkpoint's header (the transformer's shared single_stream_modulation, in diffusers names
-after compiler/sources/flux2_names.py; FLUX.2 dev -- a guidance embedder, Mistral's text model -- refused by
-name; klein base told from the distilled model by a diffusers folder's model_index.json `is_distilled`, the
-weights being alike), its components (the Qwen3 text encoder read at hidden_states 9, 18 and 27, stacked as
-Flux2KleinPipeline stacks them: compiler/graphs/llm_encoder.py; the transformer: compiler/graphs/flux2.py; the
-FLUX.2 VAE with its latents' batch-norm statistics: compiler/graphs/flux2_vae.py), how the parts must fit (the
-transformer packs 2x2 patches of the VAE's latent channels and reads the stacked states' width; the tokenizer
-is there), the tiny demo's RoPE split, and its diffusers folder layout (Flux2KleinPipeline).
+after compiler/sources/flux2_names.py; dev told by its guidance embedder; klein base told from the distilled model
+by a diffusers folder's model_index.json `is_distilled`, the weights being alike), its components (the LLM text
+encoder, told by its shapes: a Qwen3 -- q_norm -- read at hidden_states 9, 18 and 27 as Flux2KleinPipeline reads
+it, else Mistral-Small-3.2's text model read at 10, 20 and 30 as Flux2Pipeline reads dev's, stacked:
+compiler/graphs/llm_encoder.py; the transformer: compiler/graphs/flux2.py; the FLUX.2 VAE with its latents'
+batch-norm statistics: compiler/graphs/flux2_vae.py), how the parts must fit (the transformer packs 2x2 patches of
+the VAE's latent channels and reads the stacked states' width; the tokenizer is there), the tiny demos' RoPE split,
+and its diffusers folder layout (Flux2KleinPipeline).
 """
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 from ..errors import BadInput
@@ -22,12 +22,23 @@ from .family import Component, Detected, Diffusers, Family
 from .shared import FLOW_SCHEDULER
 
 LOOKED_FOR = "single_stream_modulation.* (FLUX.2)"
-TE_HINT = ("FLUX.2 klein split files ship the Qwen3 text encoder on its own: pass it with --text-encoder "
-           "qwen_3_4b.safetensors (klein 9B: qwen_3_8b; recipe: model.text_encoders)")
-READS = (9, 18, 27)             # Flux2KleinPipeline's text_encoder_out_layers (Qwen3-4B and -8B: 36 layers)
-QWEN3_THETA = 1_000_000.0
-TEXT_ENCODER = Component("text_encoder", (LLM,), "text_encoder",
-                         partial(llm_encoder.llm_config, reads=READS, theta=QWEN3_THETA), llm_encoder.build_llm_encoder,
+TE_HINT = ("FLUX.2 split files ship the text encoder on its own: pass it with --text-encoder (klein 4B: "
+           "qwen_3_4b.safetensors, 9B: qwen_3_8b, dev: mistral_3_small_flux2_bf16.safetensors; recipe: "
+           "model.text_encoders)")
+# (hidden_states read, RoPE theta, RMSNorm eps) where the checkpoint carries no config: Flux2KleinPipeline's
+# text_encoder_out_layers over Qwen3-4B / -8B (36 layers), Flux2Pipeline's over Mistral-Small-3.2's 40
+QWEN3 = ((9, 18, 27), 1_000_000.0, 1e-6)
+MISTRAL = ((10, 20, 30), 1_000_000_000.0, 1e-5)
+GUIDANCE_KEY = DIT + "time_guidance_embed.guidance_embedder.linear_1.weight"
+
+
+def text_encoder_config(g, config_json: dict, overrides: dict) -> llm_encoder.LLMConfig:
+    """klein's Qwen3 (QK norms) or dev's Mistral text model (none), told by its names."""
+    reads, theta, eps = QWEN3 if g.has("layers.0.self_attn.q_norm.weight") else MISTRAL
+    return llm_encoder.llm_config(g, config_json, overrides, reads=reads, theta=theta, eps=eps)
+
+
+TEXT_ENCODER = Component("text_encoder", (LLM,), "text_encoder", text_encoder_config, llm_encoder.build_llm_encoder,
                          config_file="llm", missing_hint=TE_HINT, tokenizer="qwen2")
 TRANSFORMER = Component("transformer", (DIT,), "transformer", flux2.flux2_config, flux2.build_flux2)
 VAES = {"vae_encoder": Component("vae_encoder", (VAE,), "vae", flux2_vae.flux2_vae_config, ldm_vae.build_vae_encoder,
@@ -46,9 +57,8 @@ DEMO = {"transformer": {"axes_dims_rope": [4, 4, 4, 4]}}   # the tiny demo's 16-
 def detect(ckpt: Checkpoint) -> Detected | None:
     if DIT + "single_stream_modulation.linear.weight" not in ckpt.refs:
         return None
-    if DIT + "time_guidance_embed.guidance_embedder.linear_1.weight" in ckpt.refs:
-        raise BadInput(f"{ckpt.path}: a FLUX.2 transformer with a guidance embedder: FLUX.2 dev (Mistral-Small-3.2 "
-                       "text encoder), not supported yet; FLUX.2 klein 4B / 9B are")
+    if GUIDANCE_KEY in ckpt.refs:
+        return Detected("flux2", "dev", "single_stream_modulation + guidance_embedder (FLUX.2 dev)")
     distilled = (ckpt.configs.get("model_index") or {}).get("is_distilled", True) is not False
     return Detected("flux2", "klein" if distilled else "klein-base", "single_stream_modulation (FLUX.2)"
                     + ("" if distilled else ", model_index.json is_distilled false"))
@@ -66,8 +76,8 @@ def check_parts(family: Family, configs: dict[str, dict], path: str, vae_file: s
     if dit and te and te["hidden"] * len(te["reads"]) != dit["context_dim"]:
         raise BadInput(f"{path}: the text encoder is {te['hidden']} wide ({len(te['reads'])} layers stacked: "
                        f"{te['hidden'] * len(te['reads'])}); the FLUX.2 transformer's context_embedder reads "
-                       f"{dit['context_dim']} (klein 4B: Qwen3-4B, 3 x 2560; 9B: Qwen3-8B, 3 x 4096): give the text "
-                       "encoder the model was trained with")
+                       f"{dit['context_dim']} (klein 4B: Qwen3-4B, 3 x 2560; 9B: Qwen3-8B, 3 x 4096; dev: "
+                       "Mistral-Small-3.2, 3 x 5120): give the text encoder the model was trained with")
     if te:
         llm_tokenizer_files(Path(path))
 
@@ -84,8 +94,10 @@ def _transformer_fields(cfg: dict) -> dict:
 FAMILIES = (
     Family("flux2", {"text_encoder": TEXT_ENCODER, "transformer": TRANSFORMER, **VAES},
            Diffusers("Flux2KleinPipeline", FLOW_SCHEDULER, 128, transformer="Flux2Transformer2DModel",
-                     transformer_fields=_transformer_fields),
-           fp32_vae=True, text_encoder_files=True, check_parts=check_parts, demos={"demo:tiny-flux2-klein": DEMO},
+                     transformer_fields=_transformer_fields,
+                     variants={"dev": {"_class_name": "Flux2Pipeline",
+                                       "tokenizer": ["transformers", "LlamaTokenizerFast"]}}),
+           fp32_vae=True, text_encoder_files=True, check_parts=check_parts, demos={"demo:tiny-flux2-klein": DEMO, "demo:tiny-flux2-dev": DEMO},
            no_genai="OpenVINO GenAI has no FLUX.2 pipeline (its Text2ImagePipeline runs SD 1.x / 2.x, SDXL, SD3 and "
                     "Flux), so export-openvino-genai cannot write one"),
 )

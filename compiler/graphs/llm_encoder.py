@@ -8,7 +8,9 @@ gate_proj; RoPE theta from the config (rope_theta, or rope_parameters.rope_theta
 config (Qwen2.5-VL's) is read through its text_config.
 Each layer: x += o(attn(RMS(x))), attention over q, k (RMS-normed per head where the model has q_norm /
 k_norm) turned by RoPE (rotate-half, positions 0..S-1), K/V heads shared by heads / kv_heads queries
-each (GQA), a causal mask and a key mask from attention_mask (1 = real token); x += down(silu(gate(h)) *
+each (GQA), a causal mask and a key mask from attention_mask (1 = real token); a query that may see no key (a
+left-padded prompt's padding: FLUX.2 dev's Mistral) attends to nothing, its attention output 0, as torch's SDPA
+gives it (transformers' default; the FLUX.2 transformer reads those rows too); x += down(silu(gate(h)) *
 up(h)) with h = RMS(x). Only the hidden states a family reads are computed (transformers' `hidden_states`
 indices: 0 = the embeddings, i = the output of layer i - 1, `layers` = the final norm's output, negative
 counted from the end): layers past the deepest one read are not in the graph (their weights are skipped).
@@ -66,8 +68,9 @@ def _theta(config_json: dict, default: float, where: str) -> float:
 
 
 def llm_config(g: Graph, config_json: dict, overrides: dict, reads: tuple[int, ...] = (-1,),
-               theta: float = 1e6) -> LLMConfig:
-    """`reads`: the family's hidden_states indices (e.g. Z-Image's (-2,)); `theta`: its encoder's default."""
+               theta: float = 1e6, eps: float = 1e-6) -> LLMConfig:
+    """`reads`: the family's hidden_states indices (e.g. Z-Image's (-2,)); `theta`, `eps`: its encoder's defaults
+    (a split file carries no config)."""
     if not g.has("embed_tokens.weight") or not g.has("layers.0.self_attn.q_proj.weight"):
         raise BadInput(f"{g.ckpt.path}: no LLM text encoder under {g.prefix} (looked for embed_tokens.weight and "
                        "layers.0.self_attn.q_proj.weight); is it the model's text encoder?")
@@ -99,7 +102,7 @@ def llm_config(g: Graph, config_json: dict, overrides: dict, reads: tuple[int, .
     return LLMConfig(vocab=vocab, hidden=hidden, heads=q_rows // head_dim, kv_heads=k_rows // head_dim,
                      head_dim=head_dim, intermediate=g.shape("layers.0.mlp.gate_proj.weight")[0], layers=layers,
                      reads=resolved, theta=_theta(config_json, theta, where),
-                     eps=float(field(config_json, "rms_norm_eps", "positive", 1e-6, where)), qk_norm=qk_norm,
+                     eps=float(field(config_json, "rms_norm_eps", "positive", eps, where)), qk_norm=qk_norm,
                      qkv_bias=g.has("layers.0.self_attn.q_proj.bias"))
 
 
@@ -122,15 +125,18 @@ def rotate(g: Graph, x: str, cos: str, sin: str, d: int) -> str:
     return g.op("Add", g.op("Mul", x, cos), g.op("Mul", half, sin))
 
 
-def attention_bias(g: Graph, ids: str, mask: str) -> str:
-    """[B, 1, S, S] fp32: 0 where query i may see key j (j <= i and key j real), else fp32's lowest."""
+def attention_bias(g: Graph, ids: str, mask: str) -> tuple[str, str]:
+    """[B, 1, S, S] fp32: 0 where query i may see key j (j <= i and key j real), else fp32's lowest; and
+    [B, S, 1] in the graph's precision: 1 where query i sees some key, else 0 (its attention output is 0: torch
+    SDPA's)."""
     length = g.op("Squeeze", g.op("Shape", ids, start=1, end=2), g.ints(0))
     pos = g.op("Range", g.const(np.array(0, np.int64)), length, g.const(np.array(1, np.int64)))
     causal = g.op("LessOrEqual", g.op("Unsqueeze", pos, g.ints(0)), g.op("Unsqueeze", pos, g.ints(1)))   # [q, k]: k <= q
     real = g.op("Unsqueeze", g.op("Cast", mask, to=TensorProto.BOOL), g.ints(1, 2))                 # [B, 1, 1, S]
     allowed = g.op("And", g.op("Unsqueeze", causal, g.ints(0, 1)), real)
+    sees = g.op("Squeeze", g.op("ReduceMax", g.op("Cast", allowed, to=FLOAT), g.ints(-1), keepdims=1), g.ints(1))
     return g.op("Where", allowed, g.const(np.array(0.0, np.float32)),
-                g.const(np.array(np.finfo(np.float32).min, np.float32)))
+                g.const(np.array(np.finfo(np.float32).min, np.float32))), g.from_fp32(sees)
 
 
 def _heads(g: Graph, x: str, module: str, heads: int, cfg: LLMConfig, norm: str | None) -> str:
@@ -154,7 +160,7 @@ def _repeat_kv(g: Graph, x: str, cfg: LLMConfig) -> str:
     return g.op("Reshape", g.op("Expand", y, target), g.ints(0, cfg.heads, -1, cfg.head_dim))
 
 
-def layer(g: Graph, x: str, i: int, rope: tuple[str, str], bias: str, cfg: LLMConfig) -> str:
+def layer(g: Graph, x: str, i: int, rope: tuple[str, str], bias: tuple[str, str], cfg: LLMConfig) -> str:
     p = LAYER.format(i)
     a = f"{p}.self_attn"
     inner, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
@@ -170,7 +176,8 @@ def layer(g: Graph, x: str, i: int, rope: tuple[str, str], bias: str, cfg: LLMCo
     v = g.op("Transpose", g.op("Reshape", g.linear(h, f"{a}.v_proj", bias=None), g.ints(0, 0, cfg.kv_heads, cfg.head_dim)),
              perm=[0, 2, 1, 3])
     q, k = (g.from_fp32(rotate(g, t, *rope, cfg.head_dim)) for t in (q, k))
-    att = g.merge_heads(g.sdpa(q, _repeat_kv(g, k, cfg), _repeat_kv(g, v, cfg), cfg.head_dim ** -0.5, bias), inner)
+    att = g.merge_heads(g.sdpa(q, _repeat_kv(g, k, cfg), _repeat_kv(g, v, cfg), cfg.head_dim ** -0.5, bias[0]), inner)
+    att = g.op("Mul", att, bias[1])
     x = g.op("Add", x, g.to_fp32(g.linear(att, f"{a}.o_proj", bias=None)))
     h = g.rms_norm(x, f"{p}.post_attention_layernorm", cfg.eps)
     mlp = g.op("Mul", g.silu(g.linear(h, f"{p}.mlp.gate_proj", bias=False)), g.linear(h, f"{p}.mlp.up_proj", bias=False))

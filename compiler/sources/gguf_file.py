@@ -21,7 +21,10 @@ for SD3; with or without `model.diffusion_model.`), so checkpoint.py maps them a
 names here, as ComfyUI-GGUF does when it loads them; so are its Qwen2 / Qwen2-VL / Qwen3 LLM names (`blk.N.attn_q`,
 `blk.N.ffn_gate`, `token_embd`, `output_norm`, ...: the text encoders of Z-Image, FLUX.2 klein and Qwen-Image as
 llama.cpp's converter writes them, which keeps these architectures' q/k rows in HF order). Its llama / Mistral
-files store q and k rows permuted for its own RoPE kernel: refused by name.
+files (FLUX.2 dev's Mistral-Small-3.2 text model as sd.cpp runs it) store q and k rows permuted for its own RoPE
+kernel (each head's rotate-half pairs interleaved): those two are put back in HF order as they are read, by the
+head counts the file's metadata names (`ARCH.attention.head_count` / `head_count_kv`), and never carried as raw
+blocks (a row permutation of whole rows: dequantizing commutes with it, so the values are gguf's, reordered).
 """
 from __future__ import annotations
 
@@ -59,8 +62,9 @@ LLM_NAMES = (("token_embd.", "embed_tokens."), ("output_norm.", "norm."), ("blk.
              (".attn_q.", ".self_attn.q_proj."), (".attn_k.", ".self_attn.k_proj."), (".attn_v.", ".self_attn.v_proj."),
              (".attn_output.", ".self_attn.o_proj."), (".ffn_gate.", ".mlp.gate_proj."), (".ffn_up.", ".mlp.up_proj."),
              (".ffn_down.", ".mlp.down_proj."), ("output.weight", "lm_head.weight"))
-LLM_ARCHS = ("qwen2", "qwen2vl", "qwen3")
 PERMUTED_ARCHS = ("llama", "mistral3", "mistral4")     # llama.cpp permutes their q / k rows for its RoPE
+LLM_ARCHS = ("qwen2", "qwen2vl", "qwen3") + PERMUTED_ARCHS
+PERMUTED = {".self_attn.q_proj.weight": "head_count", ".self_attn.k_proj.weight": "head_count_kv"}
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -182,10 +186,7 @@ class GGUFFile:
         self._map = reader.data
         self.metadata = _metadata(reader)
         self.architecture = self.metadata.get("general.architecture", "")
-        if self.architecture in PERMUTED_ARCHS:
-            raise BadInput(f"{self.path}: a llama.cpp {self.architecture} GGUF file: llama.cpp stores its attention's q and "
-                           "k rows permuted for its own RoPE, which precast does not undo; give the model's "
-                           ".safetensors file (or a ComfyUI / diffusers one)")
+        self.heads: dict[str, int] = {}          # permuted tensor -> its heads, where llama.cpp permuted the rows
         self.float_dtypes = frozenset(dequantizable(gguf))
         self.tensors: dict[str, TensorInfo] = {}
         self._data: dict[str, tuple[np.ndarray, object]] = {}
@@ -199,11 +200,27 @@ class GGUFFile:
                 shape = _orig_shape(self.path, t, orig)
             self.tensors[name] = TensorInfo(t.tensor_type.name, shape, int(t.data_offset), int(t.data_offset) + int(t.n_bytes))
             self._data[name] = (t.data, t.tensor_type)
+            if self.architecture in PERMUTED_ARCHS and name.endswith(tuple(PERMUTED)):
+                self.heads[name] = self._head_count(name, shape)
         self._quants = gguf.quants
         for _, qtype in self._data.values():    # build lookup grids once, before writer threads read
             trait = gguf.quants._type_traits.get(qtype)
             if trait is not None:
                 trait.init_grid()
+
+    def _head_count(self, name: str, shape: tuple[int, ...]) -> int:
+        """The heads a permuted q / k weight holds, from the file's metadata; one BadInput where it is missing or
+        does not split the rows into heads of an even width."""
+        key = f"{self.architecture}.attention.{next(v for k, v in PERMUTED.items() if name.endswith(k))}"
+        try:
+            heads = int(self.metadata[key])
+        except (KeyError, ValueError):
+            raise _bad(self.path, f"no {key} in its metadata: llama.cpp stores {name}'s rows permuted per head, "
+                                  "and without the head count they cannot be put back") from None
+        if heads < 1 or len(shape) != 2 or shape[0] % (2 * heads):
+            raise _bad(self.path, f"{key} = {heads} does not split {name}'s {shape[0]} rows into heads of an even "
+                                  "width")
+        return heads
 
     def close(self) -> None:
         self._data = {}
@@ -223,11 +240,20 @@ class GGUFFile:
                     arr = arr.view(ml_dtypes.bfloat16)
                 if not raw and info.dtype in STORED_FLOATS:
                     arr = arr.astype(np.float32)
-                return arr.reshape(info.shape)
+                return self._unpermuted(key, arr.reshape(info.shape))
             out = np.dtype(np.float32 if target is None else target)
-            return self._dequantize(data, qtype, out).reshape(info.shape)
+            return self._unpermuted(key, self._dequantize(data, qtype, out).reshape(info.shape))
         finally:
             self._release(info)
+
+    def _unpermuted(self, key: str, w: np.ndarray) -> np.ndarray:
+        """llama.cpp's q / k rows back in HF order: its converter stored each head's rows as (pair, 2) of HF's
+        (2, pair) -- rotate-half's halves interleaved; other tensors as they are."""
+        heads = self.heads.get(key)
+        if heads is None:
+            return w
+        rows, cols = w.shape
+        return np.ascontiguousarray(w.reshape(heads, rows // heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols))
 
     def _dequantize(self, data: np.ndarray, qtype, out_dtype: np.dtype) -> np.ndarray:
         """gguf.quants.dequantize over groups of whole blocks, each cast to `out_dtype` into one output array."""
@@ -322,7 +348,8 @@ def carried_blocks(ref) -> dict | None:
     last axis, so a row of K values is K / 32 whole blocks wherever the file's converter flattened the
     tensor; None for anything else (float or K-quant storage, a scale, a width the block does not divide)."""
     parts = ref.parts or (ref,)
-    if len(ref.shape) != 2 or any(not isinstance(p.file, GGUFFile) or p.scale or p.parts for p in parts):
+    if len(ref.shape) != 2 or any(not isinstance(p.file, GGUFFile) or p.scale or p.parts or p.key in p.file.heads
+                                  for p in parts):
         return None
     kinds = {p.file.tensors[p.key].dtype for p in parts}
     if len(kinds) != 1 or (kind := kinds.pop()) not in CARRIED:

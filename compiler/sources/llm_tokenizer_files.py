@@ -1,9 +1,11 @@
-"""An LLM text encoder's tokenizer for a bundle or an export (Z-Image's Qwen3: Qwen2's byte-level BPE).
+"""An LLM text encoder's tokenizer for a bundle or an export (Z-Image's Qwen3: Qwen2's byte-level BPE; FLUX.2
+dev's Mistral: tekken, as its tokenizer.json has it).
 
 Owns: where it comes from -- a diffusers folder's `tokenizer/` (tokenizer.json, tokenizer_config.json), else a
 `tokenizer.json` beside the checkpoint file (ComfyUI's split files ship none: put the model's beside them),
 else a precast demo file's own (its metadata `precast.tokenizer.json`) -- checked to parse before anything is
-built, and the folder written from it (the runtime reads runtime/llm_tokenizer.py's FOLDER_FILES). A `tokenizer/`
+built, a tokenizer_config.json added where none came with it (Mistral's when the vocabulary has `[INST]`: `<pad>`,
+padded on the left as transformers pads Llama-class tokenizers; else Qwen2's), and the folder written from it (the runtime reads runtime/llm_tokenizer.py's FOLDER_FILES). A `tokenizer/`
 with no tokenizer.json but a slow tokenizer's files (Qwen/Qwen-Image's: vocab.json, merges.txt, the added tokens
 in tokenizer_config.json or added_tokens.json) gets the tokenizer.json transformers' Qwen2Tokenizer builds from
 them; Qwen2's pipeline around a BPE model (qwen2_tokenizer) is the demo tokenizer's too.
@@ -21,6 +23,8 @@ VOCAB, MERGES, ADDED, SPECIAL_MAP = "vocab.json", "merges.txt", "added_tokens.js
 DEMO_KEY = "precast.tokenizer.json"       # a demo file's own tokenizer, in its safetensors metadata
 DEFAULT_CONFIG = {"tokenizer_class": "Qwen2Tokenizer", "pad_token": "<|endoftext|>", "eos_token": "<|im_end|>",
                   "model_max_length": 131072}
+MISTRAL_CONFIG = {"tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                  "unk_token": "<unk>", "pad_token": "<pad>", "padding_side": "left", "model_max_length": 131072}
 # Qwen2's pre-tokenizer split (tokenizer.json of every Qwen2 / Qwen2.5 / Qwen3 model)
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -52,13 +56,14 @@ def llm_tokenizer_files(source: Path, folder: str = "tokenizer") -> dict[str, by
         need = f"{TOKENIZER_JSON} (nor {VOCAB} + {MERGES})" if source.is_dir() else TOKENIZER_JSON
         raise BadInput(f"{source}: its LLM text encoder needs the model's tokenizer: no {need} in {beside}; copy the "
                        f"model's {folder}/ files there (Z-Image: Tongyi-MAI/Z-Image-Turbo's, which is Qwen3's; "
-                       "Qwen-Image: Qwen/Qwen-Image's)")
+                       "Qwen-Image: Qwen/Qwen-Image's; FLUX.2 dev: black-forest-labs/FLUX.2-dev's)")
     try:
-        _tokenizers().Tokenizer.from_str(files[TOKENIZER_JSON].decode())
+        tok = _tokenizers().Tokenizer.from_str(files[TOKENIZER_JSON].decode())
     except Exception as e:      # the Rust parser's errors are plain Exceptions
         raise BadInput(f"{where}: {TOKENIZER_JSON} is not a readable tokenizer ({str(e).splitlines()[0]}); "
                        "download it again") from None
-    files.setdefault(CONFIG, (json.dumps(DEFAULT_CONFIG, indent=2) + "\n").encode())
+    default = MISTRAL_CONFIG if tok.token_to_id("[INST]") is not None else DEFAULT_CONFIG
+    files.setdefault(CONFIG, (json.dumps(default, indent=2) + "\n").encode())
     return files
 
 

@@ -1,7 +1,8 @@
 """What a model family is to precast: the facts its runtime module declares, read through the registry
 (runtime/families/__init__.py) by the runtime and, for the facts both sides need, by the compiler.
 
-Owns the `Family`, `Flow` and `LatentRGB` records. Plain data: no family's code is here.
+Owns the `Family`, `Flow` and `LatentRGB` records (and whether a variant reads a negative prompt). Plain data: no
+family's code is here.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ class Flow:
     steps: int
     guidance: float
     t5_tokens: int | None = None
+    negative: bool | None = None      # the variant's own Family.negative (FLUX.2 dev: distilled guidance)
 
 
 @dataclass(frozen=True)
@@ -56,3 +58,9 @@ class Family:
     check_mode: Callable | None = None
     latent_rgb: LatentRGB | None = None    # the previews' projection (runtime/previews.py); None: no projection
 
+
+def reads_negative(family: Family, model: dict) -> bool:
+    """Whether a bundle's model (its manifest's `model`) reads a negative prompt (classifier-free guidance): its
+    variant's word, else its family's (distilled guidance reads none)."""
+    flow = family.variants.get(model.get("variant") or "")
+    return family.negative if flow is None or flow.negative is None else flow.negative

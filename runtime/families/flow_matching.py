@@ -32,7 +32,7 @@ from ..image_size import image_size, latent_factor
 from ..images import image_tensor
 from ..loading import BundleModel, open_manifest
 from ..manifest import Manifest
-from .family import Family
+from .family import Family, reads_negative
 
 SCHEDULER = "flow-euler"      # the default sampler of these families (runtime/flow.py SAMPLERS: the others)
 FLOW_SAMPLERS = tuple(SAMPLERS)       # the --scheduler names these families take (flow-euler first)
@@ -157,6 +157,7 @@ class FlowPipeline(BundleModel):
         self.latent_scale = float(info.latent_scale or self.spec.latent_scale)
         self.latent_shift = float(self.spec.latent_shift if info.latent_shift is None else info.latent_shift)
         self.schedule = FlowSchedule.from_config(info.scheduler or self.default_schedule)
+        self.negative = reads_negative(self.spec, manifest.model)     # CFG, else distilled guidance
         self.defaults = {"steps": int(info.steps or self.spec.steps),
                          "guidance": float(self.spec.guidance if info.guidance is None else info.guidance)}
 
@@ -235,7 +236,7 @@ class FlowPipeline(BundleModel):
             first = first_step(steps, strength)
             image_latents = self.encode_image(image_tensor(init_image, self.width, self.height))
         cond = self.encode(prompt)
-        cfg = self.spec.negative and guidance > 1.0
+        cfg = self.negative and guidance > 1.0
         uncond = self.encode(negative) if cfg else None
         transformer = self.component("transformer").session
         fixed = self.fixed_feeds(transformer, guidance)

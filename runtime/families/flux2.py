@@ -1,19 +1,23 @@
-"""FLUX.2 klein (4B / 9B; distilled: 4 steps, no CFG; base: 50 steps, CFG 4): the family facts and text-to-image
-over such a bundle -- a Qwen3 text encoder read at hidden states 9, 18 and 27 stacked, over a chat-templated prompt
+"""FLUX.2 (klein 4B / 9B -- distilled: 4 steps, no CFG; base: 50 steps, CFG 4 -- and dev: 50 steps, distilled
+guidance 4): the family facts and text-to-image over such a bundle -- an LLM text encoder read at three hidden
+states stacked (klein: Qwen3's 9, 18 and 27; dev: Mistral-Small-3.2's 10, 20 and 30), over a chat-templated prompt
 padded to a fixed length; the transformer on packed 2x2 latent patches with 4-D position ids; the FLUX.2 VAE with
 its latents' batch-norm statistics -- on the shared flow-matching loop (flow_matching.py).
 
 Owns: the FLUX.2 record (FAMILIES: components, the released schedules: linspace(1, 1/steps) sigmas shifted by
 exp(mu) with FLUX.2's empirical mu of the image tokens and the steps, steps and guidance per variant, the 512-token
-text), its conditioning as Flux2KleinPipeline builds it -- the prompt put in Qwen3's chat template (one user turn,
-the assistant's turn opened with thinking off: an empty think block), tokenized (runtime/llm_tokenizer.py), cut at
-512 and padded to the text length the bundle runs (512 where its engines take it: the transformer reads the padding
-too, unmasked, so the length is part of the result), the encoder's `hidden_states` -- the text ids (0, 0, 0, i), the
+text), its conditioning as Flux2KleinPipeline / Flux2Pipeline build it -- the prompt put in the variant's chat
+template (klein: Qwen3's, one user turn, the assistant's turn opened with thinking off: an empty think block; dev:
+Mistral's, BFL's system message then the user turn, `[IMG]` taken out of the prompt as the pipeline does),
+tokenized (runtime/llm_tokenizer.py), cut at 512 and padded to the text length the bundle runs (512 where its
+engines take it; on the tokenizer's side: Qwen2's right, Mistral's left; the transformer reads the padding too,
+unmasked, so the length is part of the result), the encoder's `hidden_states` -- the text ids (0, 0, 0, i), the
 image ids (0, row, col, 0), the packing (2x2 patches, channel-major: Flux's), and the latents' denormalisation
 before the VAE decoder (x * sqrt(var + eps) + mean per patchified channel, the statistics the manifest's
 vae_decoder config carries; done here, not in the VAE graph, so VAE tiles need not start on the patch grid).
-guidance is the usual CFG scale (1 = off) against the negative prompt ('' in diffusers); a distilled model's
-defaults run without CFG (diffusers ignores guidance for them; precast runs what it is asked).
+klein's guidance is the usual CFG scale (1 = off) against the negative prompt ('' in diffusers); a distilled model's
+defaults run without CFG (diffusers ignores guidance for them; precast runs what it is asked). dev's is distilled:
+fed to its transformer's guidance embedder, no negative prompt.
 Imports numpy and the runtime's own modules; never the compiler.
 """
 from __future__ import annotations
@@ -30,6 +34,11 @@ from .flux import PackedFlowPipeline, pack, packed_grid, unpack
 # Qwen3's chat template as Flux2KleinPipeline renders it (one user message, add_generation_prompt=True,
 # enable_thinking=False: an empty think block)
 CHAT = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+# Mistral-Small's chat template as Flux2Pipeline renders it (BFL's system message, one user turn, no generation
+# prompt); the BOS is the template's own
+SYSTEM = ("You are an AI that reasons about image descriptions. You give structured responses focusing on object "
+          "relationships, object\nattribution and actions without speculation.")
+DEV_CHAT = "<s>[SYSTEM_PROMPT]" + SYSTEM + "[/SYSTEM_PROMPT][INST]{prompt}[/INST]"
 MAX_TOKENS = 512            # Flux2KleinPipeline's max_sequence_length
 REQUIRED = {"transformer": ("hidden_states", "encoder_hidden_states", "timestep", "img_ids", "txt_ids"),
             "text_encoder": ("input_ids", "attention_mask")}
@@ -102,6 +111,7 @@ class Flux2Txt2Img(PackedFlowPipeline):
         super().__init__(*args, **kwargs)
         cfg = self.manifest.components["vae_decoder"]["config"]
         self.bn_mean, self.bn_std = (np.asarray(cfg[k], np.float32) for k in ("latents_bn_mean", "latents_bn_std"))
+        self.chat = DEV_CHAT if self.manifest.model.get("variant") == "dev" else CHAT
 
     def check_io(self, manifest: Manifest) -> None:
         check_io(manifest)
@@ -112,17 +122,19 @@ class Flux2Txt2Img(PackedFlowPipeline):
 
     def prompt_warnings(self, *prompts: str | None) -> list[str]:
         """What the text encoder will cut off: one line per prompt, counted in the chat template's tokens."""
-        return chat_cut_warnings(self.tokenizers["text_encoder"], CHAT, self.text_limits()["text_encoder"], prompts,
-                                 "FLUX.2's chat template")
+        read = prompts if self.negative else prompts[:1]        # dev reads no negative prompt
+        return chat_cut_warnings(self.tokenizers["text_encoder"], self.chat, self.text_limits()["text_encoder"],
+                                 [p and self.cleaned(p) for p in read], "FLUX.2's chat template")
+
+    def cleaned(self, prompt: str) -> str:
+        """dev's prompt as Flux2Pipeline reads it: `[IMG]` (an image's place in Mistral's template) taken out."""
+        return prompt.replace("[IMG]", "") if self.chat is DEV_CHAT else prompt
 
     # ---- conditioning ---------------------------------------------------------------------------
     def encode(self, prompt: str) -> dict[str, np.ndarray]:
         """The stacked hidden states of the chat-templated prompt padded to the text length, and its ids."""
         tok, length = self.tokenizers["text_encoder"], self.t5_tokens
-        ids = tok.chat(prompt, CHAT, min(MAX_TOKENS, length))
-        padded = np.full((1, length), tok.pad_id, np.int32)
-        padded[0, :len(ids)] = ids
-        mask = (np.arange(length) < len(ids))[None, :].astype(np.int32)
+        padded, mask = tok.padded(tok.chat(self.cleaned(prompt), self.chat, min(MAX_TOKENS, length)), length)
         session = self.component("text_encoder").session
         states = session.run({"input_ids": padded, "attention_mask": mask})["hidden_states"].astype(np.float32)
         return {"encoder_hidden_states": states, "txt_ids": text_ids(length)}
@@ -140,10 +152,11 @@ class Flux2Txt2Img(PackedFlowPipeline):
         return super().decode(unpack(pack(latents) * self.bn_std + self.bn_mean, rows, cols))
 
 
-# Flux2KleinPipeline: sigmas linspace(1, 1/steps), mu = compute_empirical_mu(image tokens, steps); the scheduler
-# config both klein folders ship (dynamic shifting; the shift fields unused once mu is given); max_sequence_length
-# 512. Distilled (black-forest-labs/FLUX.2-klein-4B / -9B): 4 steps, no CFG; base (-klein-base-4B / -9B): 50
-# steps, CFG 4.0 (the pipeline's defaults).
+# Flux2KleinPipeline and Flux2Pipeline: sigmas linspace(1, 1/steps), mu = compute_empirical_mu(image tokens, steps);
+# the scheduler config the klein and dev folders ship (dynamic shifting; the shift fields unused once mu is given);
+# max_sequence_length 512. Distilled (black-forest-labs/FLUX.2-klein-4B / -9B): 4 steps, no CFG; base
+# (-klein-base-4B / -9B): 50 steps, CFG 4.0; dev (FLUX.2-dev): 50 steps, guidance 4.0 fed to the transformer (the
+# pipelines' defaults).
 SCHEDULE = {"use_dynamic_shifting": True, "dynamic_mu": "empirical", "shift": 3.0, "base_shift": 0.5,
             "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096}
 # previews' latent -> RGB projection of the 32-channel latents after the 2x2 unpacking, normalised by the VAE's
@@ -163,7 +176,8 @@ FLUX2_RGB = LatentRGB(((0.0058, 0.0113, 0.0073), (0.0495, 0.0443, 0.0836), (-0.0
 FAMILIES = (
     Family("flux2", "FLUX.2", ("text_encoder", "transformer", "vae_decoder"), "transformer", 1.0, Flux2Txt2Img,
            flux2_requests, patch=2, steps=4, guidance=1.0, samplers=FLOW_SAMPLERS, check_mode=txt2img_only,
-           variants={"klein": Flow(SCHEDULE, 4, 1.0, MAX_TOKENS), "klein-base": Flow(SCHEDULE, 50, 4.0, MAX_TOKENS)},
+           variants={"klein": Flow(SCHEDULE, 4, 1.0, MAX_TOKENS), "klein-base": Flow(SCHEDULE, 50, 4.0, MAX_TOKENS),
+                     "dev": Flow(SCHEDULE, 50, 4.0, MAX_TOKENS, negative=False)},
            latent_rgb=FLUX2_RGB),
 )
 Flux2Txt2Img.families = {f.name: f for f in FAMILIES}
