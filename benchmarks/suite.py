@@ -327,6 +327,8 @@ def child_precast(spec: dict) -> dict:
     t0 = time.perf_counter()
     record, entry = compile_component(exported, spec_t, profile, Cache(Path(spec["cache"])), progress=False)
     compile_s = time.perf_counter() - t0
+    if spec.get("compile_only"):
+        return {"compile_component_s": compile_s, "cache": record["cache"]}
     t0 = time.perf_counter()
     session = sessions.open_artifact(entry.path, entry.metadata)
     load = time.perf_counter() - t0
@@ -340,7 +342,9 @@ def child_precast(spec: dict) -> dict:
     cm = getattr(session, "_cm", None)
     props = {k: str(cm.get_property(k)) for k in ("INFERENCE_PRECISION_HINT", "PERFORMANCE_HINT", "NUM_STREAMS",
                                                   "INFERENCE_NUM_THREADS")} if cm is not None else {}
+    import resource
     res = {"load_s": load, "times": times, "outputs": outs, "cache": record["cache"], "compiled_properties": props,
+           "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2),   # a cache hit
            "rewrites": entry.metadata.get("rewrites"), "blob_mb": round(entry.size / 1e6, 1),
            "compile_component_s": compile_s, "build_seconds": entry.metadata.get("build_seconds"),
            "compile_config": cfg, "static": entry.metadata.get("static"), "artifact": record["key"][:12],
@@ -596,6 +600,9 @@ def main() -> None:
                     "precision hints (static shapes, no rewrites), to show what f32 is chosen over; '' to skip")
     ap.add_argument("--ov-option", action="append", default=[], metavar="K=V",
                     help="extra OpenVINO target option for precast's engine (e.g. precision=bf16)")
+    ap.add_argument("--precast-variant", action="append", default=[], metavar="LABEL:K=V[,K=V]",
+                    help="UNet: also run precast's engine built with these target options, in the same run (e.g. "
+                         "winograd32:winograd=32); its lead over the best peer and its peak RSS are printed")
     ap.add_argument("--work", type=Path, default=HERE / "results" / "work")
     ap.add_argument("--json", type=Path, default=HERE / "results" / "suite.json")
     opts = ap.parse_args()
@@ -606,7 +613,12 @@ def main() -> None:
     target_options = {}
     for kv in opts.ov_option:
         k, _, v = kv.partition("=")
-        target_options[k] = {"true": True, "false": False}.get(v.lower(), v)
+        target_options[k] = option_value(v)
+    variants = {}
+    for text in opts.precast_variant:
+        label, _, kvs = text.partition(":")
+        variants[label] = {**target_options, **{k: option_value(v) for k, _, v in
+                                                (kv.partition("=") for kv in kvs.split(",") if kv)}}
 
     started = datetime.datetime.now().isoformat(timespec="seconds")
     load_start = loadavg()
@@ -663,6 +675,14 @@ def main() -> None:
         rows["precast"] = run_child("precast", {**common, "cache": str(cache), "export": bundle["components"][comp],
                                                 "target_options": target_options, "profile": not opts.no_profile},
                                     runs_dir / "precast", "precast")
+        for label, options in (variants.items() if comp == "unet" else ()):
+            run_child("precast", {**common, "cache": str(cache), "export": bundle["components"][comp],   # built first,
+                                  "target_options": options, "compile_only": True},     # so the peak is the run's
+                      runs_dir / f"precast-{label}-build", f"precast build {label}")
+            rows[f"precast-{label}"] = run_child("precast", {**common, "cache": str(cache),
+                                                             "export": bundle["components"][comp],
+                                                             "target_options": options, "profile": False},
+                                                 runs_dir / f"precast-{label}", f"precast {label} {options}")
         if comp == "unet":   # our graph at the other precisions the CPU offers (f32 is the target's choice)
             for prec in [p for p in opts.precisions.split(",") if p]:
                 rows[f"precast-{prec}"] = run_child(
@@ -711,6 +731,13 @@ def main() -> None:
     opts.json.parent.mkdir(parents=True, exist_ok=True)
     opts.json.write_text(json.dumps(out, indent=1, default=str) + "\n")
     print(f"\nwrote {opts.json}")
+
+
+def option_value(text: str):
+    """A target option's value as a recipe gives it: true / false, an integer, else the text."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return int(text) if text.isdigit() else text
 
 
 def check_floors(results: dict, peak: float) -> dict:
@@ -763,6 +790,17 @@ def print_report(results, peak, peak_start, peak_end, load_start, load_end, cold
     print("rel err = max|x - torch| / max|torch| over the outputs ('!' = above the 1e-3 tolerance); "
           "ours x = runner time / precast time; (precast-P) = our graph with OpenVINO precision hint P "
           "(static, no f32-only rewrites), not what the target builds on this CPU")
+    for comp, res in results.items():      # precast's engine and its variants against the best peer
+        rows = res["runners"]
+        peers = {n: r["median_s"] for n, r in rows.items() if not n.startswith("precast") and "median_s" in r}
+        if not peers:
+            continue
+        best = min(peers, key=peers.get)
+        for name, r in rows.items():
+            if name.startswith("precast") and "median_s" in r and "peak_rss_gib" in r:
+                print(f"{comp} {name}: {peers[best] / r['median_s']:.2f}x the best peer ({best}), peak RSS "
+                      f"{r['peak_rss_gib']} GiB (the UNet alone, load included), blob {r.get('blob_mb')} MB, "
+                      f"rewrites {r.get('rewrites')}")
     for comp, res in results.items():
         for name in ("precast", "openvino-f32"):
             prof = res["runners"].get(name, {}).get("profile")

@@ -30,7 +30,7 @@ OV_PRECISION_ALIASES = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}   # recipe
 OPTIONS: dict[str, dict[str, tuple]] = {   # option -> allowed values (empty: free-form)
     "onnxruntime": {"simplify": BOOL, "optimize": BOOL, "weights": (), "block_size": (16, 32, 64, 128, 256)},
     "openvino": {"device": (), "precision": ("f32", "bf16", "f16"), "performance_hint": ("LATENCY", "THROUGHPUT"),
-                 "num_streams": (), "threads": (), "ir": BOOL, "compress_to_fp16": BOOL, "winograd": BOOL,
+                 "num_streams": (), "threads": (), "ir": BOOL, "compress_to_fp16": BOOL, "winograd": (),
                  "weights": (), "group_size": (32, 64, 128), "store": ("blob", "ir", "auto")},
     "tensorrt-rtx": {"compute_capabilities": (), "weight_streaming": BOOL, "refittable": BOOL, "strip_weights": BOOL,
                      "weights": ()},
@@ -46,6 +46,9 @@ OPTION_TYPES: dict[str, tuple[str, object]] = {   # free-form option -> (what it
     "gfx": ("a gfx name such as gfx1100", _text),
     "threads": (f"an integer from 0 to {MAX_COUNT} (0: OpenVINO decides)", lambda v: _count(v, 0)),
     "num_streams": (f"an integer from 1 to {MAX_COUNT} or AUTO", lambda v: _count(v, 1) or v == "AUTO"),
+    "winograd": ("true, false, or the smallest output side rewritten (an integer from 1, e.g. 32: the 16x16 "
+                 "convolutions, whose transformed weights are most of the memory, stay direct)",
+                 lambda v: type(v) is bool or _count(v, 1)),
     "weights": ("a weight format: int8, int4 or gguf (openvino, onnxruntime), fp8 or int8 (tensorrt-rtx)",
                 lambda v: v in ("int8", "int4", "fp8", "gguf")),
     "compute_capabilities": ("a list such as [sm_86, sm_89]",

@@ -29,7 +29,7 @@ from ...runtime.sessions import restore_input_defaults
 from ..errors import BadInput
 from .base import BuildJob, TargetSpec
 from . import gguf_blocks
-from .openvino_winograd import rewrite_convolutions
+from .openvino_winograd import MIN_SIZE, rewrite_convolutions
 from .quantize import quantized, weights_as_parts
 from .quantize_openvino import compress_openvino, transposes_into_matmuls
 
@@ -122,7 +122,8 @@ class OpenVinoTarget:
                 rewrites["attention_f32"] = count
         if device == "CPU" and job.static and config["INFERENCE_PRECISION_HINT"] == "f32" \
                 and spec.get("winograd", True) and weights is None:    # quantized weights: convolutions as NNCF left them
-            rewrites["winograd"] = rewrite_convolutions(model)
+            winograd = spec.get("winograd", True)     # true, or the smallest output side rewritten
+            rewrites["winograd"] = rewrite_convolutions(model, MIN_SIZE if winograd is True else winograd)
         if spec.get("compress_to_fp16"):     # after the rewrites, so their constants are stored in fp16 too
             _note(job, "compress_to_fp16")
             rewrites["weights_fp16"] = compress_weights_fp16(model, ov)

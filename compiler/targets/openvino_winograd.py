@@ -30,8 +30,8 @@ MIN_CHANNELS = 256                          # below this the transforms cost mor
 MIN_SIZE = 16                               # output height and width
 
 
-def pays(channels_in: int, channels_out: int, height: int, width: int) -> bool:
-    return min(channels_in, channels_out) >= MIN_CHANNELS and min(height, width) >= MIN_SIZE
+def pays(channels_in: int, channels_out: int, height: int, width: int, min_size: int = MIN_SIZE) -> bool:
+    return min(channels_in, channels_out) >= MIN_CHANNELS and min(height, width) >= max(min_size, MIN_SIZE)
 
 
 def transformed_weights(w: np.ndarray, chunk: int = 128) -> np.ndarray:
@@ -56,7 +56,7 @@ def _weights(node) -> np.ndarray | None:
     return np.asarray(node.get_data(), dtype=np.float32)
 
 
-def _candidate(op):
+def _candidate(op, min_size: int = MIN_SIZE):
     """(x, weights, (N, C, H, W)) when `op` is a convolution this pass rewrites, else None."""
     if op.get_type_name() != "Convolution":
         return None
@@ -74,7 +74,7 @@ def _candidate(op):
     if w is None or w.ndim != 4 or w.shape[2:] != (3, 3):
         return None
     n, c, h, wd = (int(d) for d in shape.to_shape())
-    if w.shape[1] != c or not pays(c, w.shape[0], h, wd):
+    if w.shape[1] != c or not pays(c, w.shape[0], h, wd, min_size):
         return None
     return x, w, (n, c, h, wd)
 
@@ -102,13 +102,14 @@ def winograd_conv(ops, x, w: np.ndarray, n: int, c: int, h: int, wd: int):
     return y.output(0)
 
 
-def rewrite_convolutions(model) -> dict:
-    """Rewrite every convolution of a static-shaped f32 OpenVINO model where Winograd pays;
-    returns what was done (count, weight bytes before and after)."""
+def rewrite_convolutions(model, min_size: int = MIN_SIZE) -> dict:
+    """Rewrite every convolution of a static-shaped f32 OpenVINO model where Winograd pays and whose output
+    is at least `min_size` on each side (target option `winograd: 32` keeps the 16x16 ones direct: their
+    transformed weights are most of the memory); returns what was done (count, weight bytes before and after)."""
     import openvino.opset13 as ops
     count, before, after = 0, 0, 0
     for op in list(model.get_ordered_ops()):
-        found = _candidate(op)
+        found = _candidate(op, min_size)
         if found is None:
             continue
         x, w, (n, c, h, wd) = found
