@@ -216,7 +216,7 @@ def _record_gguf_blocks(g, folder: Path, touched: set[str]) -> dict | None:
     """`folder/gguf_blocks.json`: for each weight the export copied unchanged from GGUF Q8_0 / Q4_0 blocks
     (no LoRA merged into it), where those blocks lie, so that a target built with `weights: gguf` keeps
     them as they are (compiler/targets/gguf_blocks.py). Returns the component's record of it, or None."""
-    tensors = {w.name: b for w in g.weights.values() if w.key not in touched
+    tensors = {w.name: b for w in g.weights.values() if w.key not in touched and w.take is None
                and (b := carried_blocks(g.ckpt.refs[w.key])) is not None}
     if not tensors:
         return None

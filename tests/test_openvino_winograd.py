@@ -31,7 +31,7 @@ def test_winograd_matches_direct_convolution(shape):
     bias = rng.standard_normal(k).astype(np.float32)
     x = rng.standard_normal(shape).astype(np.float32)
     rewritten = _model(shape, weights, bias)
-    info = rewrite_convolutions(rewritten)
+    info = rewrite_convolutions(rewritten, min_size=16)
     assert info["convolutions"] == 1 and info["weight_bytes_after"] == 4 * weights.nbytes
     assert "ExtractImagePatches" in {op.get_type_name() for op in rewritten.get_ordered_ops()}
     want = _run(_model(shape, weights, bias), x)
@@ -50,16 +50,17 @@ def test_only_convolutions_where_winograd_pays_are_rewritten():
     assert not pays(1280, 1280, 8, 8) and pays(320, 320, 64, 64)
 
 
-def test_winograd_can_start_at_a_larger_side():
-    """Target option `winograd: 32`: the 16x16 convolutions (whose transformed weights are most of a UNet's memory)
-    stay direct, the 32x32 ones are rewritten; the option takes true, false or a side >= 1, else one line."""
+def test_winograd_starts_at_32_unless_told():
+    """By default (and with target option `winograd: 32`) the 16x16 convolutions, whose transformed weights are most
+    of a UNet's memory, stay direct and the 32x32 ones are rewritten; `winograd: 16` rewrites the 16x16 ones too;
+    the option takes true, false or a side >= 1, else one line."""
     from precast.compiler.errors import BadInput
     from precast.compiler.targets import parse_target
     w = (np.random.default_rng(2).standard_normal((256, 256, 3, 3)) * 0.05).astype(np.float32)
     b = np.zeros(256, np.float32)
-    assert rewrite_convolutions(_model((1, 256, 16, 16), w, b), min_size=32)["convolutions"] == 0
-    assert rewrite_convolutions(_model((1, 256, 32, 32), w, b), min_size=32)["convolutions"] == 1
-    assert rewrite_convolutions(_model((1, 256, 16, 16), w, b))["convolutions"] == 1
+    assert rewrite_convolutions(_model((1, 256, 16, 16), w, b))["convolutions"] == 0
+    assert rewrite_convolutions(_model((1, 256, 32, 32), w, b))["convolutions"] == 1
+    assert rewrite_convolutions(_model((1, 256, 16, 16), w, b), min_size=16)["convolutions"] == 1
     assert dict(parse_target("openvino", {"winograd": 32}).options)["winograd"] == 32
     for bad in (0, "32", 1.5):
         with pytest.raises(BadInput, match="winograd="):

@@ -97,7 +97,9 @@ FAMILIES = (
                      transformer_fields=_transformer_fields,
                      variants={"dev": {"_class_name": "Flux2Pipeline",
                                        "tokenizer": ["transformers", "LlamaTokenizerFast"]}}),
-           fp32_vae=True, text_encoder_files=True, check_parts=check_parts, demos={"demo:tiny-flux2-klein": DEMO, "demo:tiny-flux2-dev": DEMO},
-           no_genai="OpenVINO GenAI has no FLUX.2 pipeline (its Text2ImagePipeline runs SD 1.x / 2.x, SDXL, SD3 and "
-                    "Flux), so export-openvino-genai cannot write one"),
+           fp32_vae=True, text_encoder_files=True, check_parts=check_parts,
+           demos={"demo:tiny-flux2-klein": DEMO, "demo:tiny-flux2-dev": DEMO},
+           no_genai="export-openvino-genai does not write FLUX.2 folders yet: OpenVINO GenAI 2026.4's "
+                    "Flux2KleinPipeline reads optimum-intel's layout (the text encoder's hidden states one output per "
+                    "layer, batched position ids), not precast's graphs; it has no FLUX.2 dev pipeline"),
 )

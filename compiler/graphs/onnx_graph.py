@@ -49,6 +49,7 @@ class Weight:
     key: str                  # full canonical checkpoint key
     shape: tuple[int, ...]
     elem_type: int
+    take: tuple[int, int] | None = None     # (axis, index): the one slice of the stored tensor the graph reads
 
 
 class Graph(Layers):
@@ -94,8 +95,9 @@ class Graph(Layers):
                            "the checkpoint is incomplete or damaged (or of another layout)")
         return self.ckpt.shape(self.prefix + key)
 
-    def param(self, key: str, fp32: bool = False) -> str:
-        """Bind a checkpoint tensor (name relative to this component's prefix)."""
+    def param(self, key: str, fp32: bool = False, take: tuple[int, int] | None = None) -> str:
+        """Bind a checkpoint tensor (name relative to this component's prefix); `take` (axis, index): only that
+        slice of it is written (e.g. the last time slice of a causal 3-D kernel run on one frame)."""
         full = self.prefix + key
         if full not in self.ckpt.refs:
             self.missing.append(full)
@@ -111,7 +113,10 @@ class Graph(Layers):
                 raise BadInput(f"{ref.file.path}: {ref.scale} has shape {list(ref.file.tensors[ref.scale].shape)}; a "
                                "scaled-fp8 weight scale is one number: the file is damaged")
             elem = FLOAT if fp32 else self.dtype
-            self.weights[key] = Weight(key, full, tuple(self.ckpt.shape(full)), elem)
+            shape = tuple(self.ckpt.shape(full))
+            if take is not None:
+                shape = shape[:take[0]] + shape[take[0] + 1:]
+            self.weights[key] = Weight(key, full, shape, elem, take)
         return key
 
     def skip(self, keys: list[str]) -> None:

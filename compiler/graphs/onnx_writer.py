@@ -1,8 +1,8 @@
 """Writing a built graph: model.onnx plus its weights streamed into external data.
 
 Owns: the data file's layout (fixed before anything is written, so the bytes are the same
-whatever order tensors are written in), reading, transforming (a LoRA merge), casting and
-checking each weight (NaN/inf, the target dtype's range) as it is written on WRITERS threads; a
+whatever order tensors are written in), reading (one slice of it where the graph takes one),
+transforming (a LoRA merge), casting and checking each weight (NaN/inf, the target dtype's range) as it is written on WRITERS threads; a
 large stored tensor (an LLM's embedding table: 0.4-0.7 G values) in row blocks of about BLOCK_BYTES, so
 the peak memory is a few blocks, not the tensor beside its decoded copy.
 """
@@ -51,7 +51,7 @@ def _write_weights(graph: Graph, fd: int, placed: list[tuple[Weight, int, int]],
     two tensors per thread are in flight, so memory stays near a handful of tensors."""
     def write_one(w: Weight, offset: int, size: int) -> int:
         ref = getattr(graph.ckpt, "refs", {}).get(w.key)
-        blocks = ref.blocks(BLOCK_BYTES) if ref is not None and transform is None else None
+        blocks = ref.blocks(BLOCK_BYTES) if ref is not None and transform is None and w.take is None else None
         if blocks:
             done = 0
             for rows in blocks:
@@ -62,6 +62,8 @@ def _write_weights(graph: Graph, fd: int, placed: list[tuple[Weight, int, int]],
         # BF16 -> bf16 (and F16 -> fp16) exports copy the bytes as they are; fp8 decodes straight into the
         # export's dtype, except where a transform (a LoRA) needs the exact float32 values first
         arr = graph.ckpt.read(w.key, raw=True, target=None if w.key in exact else NP_OF[w.elem_type])
+        if w.take is not None:
+            arr = np.take(arr, w.take[1], axis=w.take[0])
         if transform is not None:
             arr = transform(w, arr)
         if write_block(w, arr, offset) != size:
@@ -74,7 +76,7 @@ def _write_weights(graph: Graph, fd: int, placed: list[tuple[Weight, int, int]],
         # the narrower of the two is checked: a widening cast (fp16 -> fp32) cannot make inf
         if _has_non_finite(cast if cast.itemsize <= arr.itemsize else arr):
             # read in float32 to say which it is: damaged (NaN/inf) or past the export dtype's range
-            _refuse_non_finite(graph, w, arr if arr.dtype != cast.dtype else graph.ckpt.read(w.key), cast)
+            _refuse_non_finite(graph, w, arr if arr.dtype != cast.dtype or w.take else graph.ckpt.read(w.key), cast)
         view, done = memoryview(cast.reshape(-1).view(np.uint8)), 0   # ml_dtypes arrays have no buffer format
         while done < view.nbytes:
             done += os.pwrite(fd, view[done:], offset + done)

@@ -3,7 +3,8 @@ images, diffusers names (`decoder.up_blocks.N.resnets.M.conv1.weight`, ...).
 
 Owns: its config from shapes (latent channels from decoder.conv_in, the blocks from the names) and the decoder
 and encoder graphs of one frame. On one frame every causal Conv3d (time padding 2k on the front only) reduces to
-a Conv2d with the last time slice of its kernel (the zero padding meets the other slices); the temporal
+a Conv2d with the last time slice of its kernel (the zero padding meets the other slices; only that slice is
+written: Graph.param's `take`); the temporal
 up/downsamplers' time_conv is not run on the first frame (diffusers marks it 'Rep' / caches it), so it is skipped
 here. RMS_norm is F.normalize over channels (x / max(||x||, 1e-12)) * sqrt(C) * gamma; the attention is one head
 over the pixels (to_qkv / proj 1x1 convs); upsamplers are nearest 2x + a 3x3 conv halving the channels,
@@ -69,12 +70,12 @@ def qwen_vae_config(g: Graph, config_json: dict, overrides: dict) -> QwenVaeConf
 def conv(g: Graph, x: str, module: str, stride: int = 1, pads: tuple[int, ...] | None = None) -> str:
     """A causal Conv3d (or Conv2d) on one frame: the kernel's last time slice as a Conv2d."""
     shape = g.shape(f"{module}.weight")
-    w = g.param(f"{module}.weight")
-    if len(shape) == 5:
+    if len(shape) == 5:      # only the last time slice is written (taken at the source: a third of the bytes)
         out_ch, in_ch, _, kh, kw = shape
-        w = g.op("Gather", w, g.const(np.array(shape[2] - 1, np.int64)), axis=2)
+        w = g.param(f"{module}.weight", take=(2, shape[2] - 1))
     else:
         out_ch, in_ch, kh, kw = shape
+        w = g.param(f"{module}.weight")
     g._check_channels(x, module, in_ch, "takes")
     g.expect(f"{module}.bias", (out_ch,), "one bias per output channel")
     y = g.op("Conv", x, w, g.param(f"{module}.bias"), strides=[stride, stride],

@@ -7,7 +7,8 @@ memory and handed out as one bytes object, two copies of the weights beside the 
 Owns: the compile config (performance hint, inference precision chosen from what the CPU
 does fast: f32 unless AMX makes bf16 faster; static shapes when the profile is static), the
 model rewrites applied before compiling (Winograd 3x3 convolutions on CPU in f32 with static
-shapes: openvino_winograd.py, option `winograd: false` turns it off; a half-precision export's
+shapes, on outputs of 32x32 and more by default: openvino_winograd.py; option `winograd: false` turns it off,
+`winograd: N` sets the smallest side; a half-precision export's
 attention made fusable on CPU: runtime/openvino_attention.py, which the runtime's compile-on-load
 fallback applies too; option `compress_to_fp16`: every float weight, the Winograd-transformed ones
 included, stored in fp16 in the engine and widened to the inference precision by OpenVINO -- half the
@@ -29,12 +30,12 @@ from ...runtime.sessions import restore_input_defaults
 from ..errors import BadInput
 from .base import BuildJob, TargetSpec
 from . import gguf_blocks
-from .openvino_winograd import MIN_SIZE, rewrite_convolutions
+from .openvino_winograd import DEFAULT_MIN_SIZE, rewrite_convolutions
 from .quantize import quantized, weights_as_parts
 from .quantize_openvino import compress_openvino, transposes_into_matmuls
 
 IR_OVER = 4 << 30      # store: auto keeps exports over 4 GiB as IR (see the module docstring)
-REWRITES = "winograd-f4x4-1,attention-f32-1,fp16-weights-1"   # bump when a model rewrite changes: it is part of the cache key
+REWRITES = "winograd-f4x4-2,attention-f32-1,fp16-weights-1"   # bump when a model rewrite changes: it is part of the cache key
 
 
 class OpenVinoTarget:
@@ -123,7 +124,7 @@ class OpenVinoTarget:
         if device == "CPU" and job.static and config["INFERENCE_PRECISION_HINT"] == "f32" \
                 and spec.get("winograd", True) and weights is None:    # quantized weights: convolutions as NNCF left them
             winograd = spec.get("winograd", True)     # true, or the smallest output side rewritten
-            rewrites["winograd"] = rewrite_convolutions(model, MIN_SIZE if winograd is True else winograd)
+            rewrites["winograd"] = rewrite_convolutions(model, DEFAULT_MIN_SIZE if winograd is True else winograd)
         if spec.get("compress_to_fp16"):     # after the rewrites, so their constants are stored in fp16 too
             _note(job, "compress_to_fp16")
             rewrites["weights_fp16"] = compress_weights_fp16(model, ov)

@@ -27,7 +27,11 @@ G = np.array([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6],
               [1 / 24, 1 / 12, 1 / 6], [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]], np.float64)
 AT = np.array([[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 0], [0, 1, 1, 4, 4, 0], [0, 1, -1, 8, -8, 1]], np.float64)
 MIN_CHANNELS = 256                          # below this the transforms cost more than they save
-MIN_SIZE = 16                               # output height and width
+MIN_SIZE = 16                               # output height and width: below it, never
+# the default smallest side (target option `winograd: true`): full-size SD 1.5 at 512x512, batch 2, 2 threads, AMD
+# EPYC AVX-512 (benchmarks/suite.py --precast-variant, 2026-11-27): rewriting the 16x16 convolutions too saves 2% of
+# a UNet call (6.33 vs 6.48 s) for 3.07 GB more transformed weights (4.34 vs 1.27 GB), most of the engine's memory
+DEFAULT_MIN_SIZE = 32
 
 
 def pays(channels_in: int, channels_out: int, height: int, width: int, min_size: int = MIN_SIZE) -> bool:
@@ -102,10 +106,11 @@ def winograd_conv(ops, x, w: np.ndarray, n: int, c: int, h: int, wd: int):
     return y.output(0)
 
 
-def rewrite_convolutions(model, min_size: int = MIN_SIZE) -> dict:
+def rewrite_convolutions(model, min_size: int = DEFAULT_MIN_SIZE) -> dict:
     """Rewrite every convolution of a static-shaped f32 OpenVINO model where Winograd pays and whose output
-    is at least `min_size` on each side (target option `winograd: 32` keeps the 16x16 ones direct: their
-    transformed weights are most of the memory); returns what was done (count, weight bytes before and after)."""
+    is at least `min_size` on each side (by default 32: a 512x512 SD UNet's 16x16 convolutions stay direct, their
+    transformed weights being most of the memory for 2% of the time; target option `winograd: 16` rewrites them
+    too); returns what was done (count, weight bytes before and after)."""
     import openvino.opset13 as ops
     count, before, after = 0, 0, 0
     for op in list(model.get_ordered_ops()):
