@@ -4,6 +4,8 @@ clear error."""
 import ctypes.util
 import json
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -77,6 +79,43 @@ def test_an_openvino_blob_whose_pages_drop_during_its_import_gives_the_same_outp
     assert len(calls) >= 2
     for name, want in kept.items():
         np.testing.assert_array_equal(dropped[name], want)
+
+
+def _mapped_kb(blob, field: str) -> int:
+    """kB of `field` (Rss, Private_Dirty, Anonymous) over the mappings of `blob`, from /proc/self/smaps."""
+    import re
+    from pathlib import Path
+    base, end, total = blob.ctypes.data, blob.ctypes.data + blob.nbytes, 0
+    for m in re.finditer(r"^([0-9a-f]+)-([0-9a-f]+) [^\n]*\n((?:[A-Z][\w]*:[^\n]*\n)+)", Path("/proc/self/smaps").read_text(),
+                         re.MULTILINE):
+        if int(m.group(1), 16) < end and int(m.group(2), 16) > base:
+            total += int(re.search(rf"^{field}:\s+(\d+)", m.group(3), re.MULTILINE).group(1))
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
+def test_blob_pages_drop_unless_written_through_the_map(tmp_path):
+    """A blob written moments ago (its pages still dirty in the page cache, as right after `precast build`) is
+    dropped from RSS: only pages copied on write count as written. A page written through the map keeps its
+    mapping (the drop stops at import time; between calls only mappings without one go), its bytes intact."""
+    import os
+    from precast.runtime.blob_pages import release_pages
+    path = tmp_path / "model.blob"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    os.write(fd, np.arange(1 << 20, dtype=np.uint32).tobytes())      # 4 MiB, not synced
+    os.close(fd)
+    blob = np.memmap(path, dtype=np.uint8, mode="c")
+    assert int(blob.view(np.uint32)[::1024].sum()) > 0                # every page read
+    assert _mapped_kb(blob, "Rss") >= 4000
+    dirty = _mapped_kb(blob, "Private_Dirty")                        # the page cache's, not ours
+    assert release_pages(blob), f"not dropped ({dirty} kB dirty in the page cache)"
+    assert _mapped_kb(blob, "Rss") == 0
+    assert int(blob.view(np.uint32)[1000]) == 1000                    # read back from the page cache
+    blob.view(np.uint32)[5] = 77                                       # copied on write: ours now
+    assert _mapped_kb(blob, "Anonymous") > 0
+    assert not release_pages(blob)                                     # an import could be writing: nothing dropped
+    assert not release_pages(blob, clean_parts=True)                   # its one mapping holds a written page: kept
+    assert int(blob.view(np.uint32)[5]) == 77 and int(blob.view(np.uint32)[1 << 19]) == 1 << 19
 
 
 def test_onnxruntime_artifact_is_simplified_optimized_and_equal(export_dir, cache_env):
