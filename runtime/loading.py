@@ -109,6 +109,9 @@ class BundleModel(VaePasses):
         # VAE tiling (runtime/vae_tiling.py): None = when past the engine's profile or the memory budget; the
         # tile's side in px; what the last passes did ({"decoder" / "encoder": record}, reset by the caller)
         self.vae_tiling, self.vae_tile, self.tiled, self.exact = vae_tiling, vae_tile, {}, {}
+        # a one-shot caller's word that the next call is the last (`precast generate`): each component is released
+        # once its stage is over -- the text encoders when denoising starts, the denoiser before decoding
+        self.release_after_use = False
         reqs = tile_requests(manifest, reqs, vae_tiling, vae_tile, latent_factor(manifest))
         with timed(self.stages, "discover"):
             devices = discover_devices(sysroot, env)
@@ -138,9 +141,9 @@ class BundleModel(VaePasses):
         self.verify_files = checks
         self.one_at_a_time = {c for c, s in self.selections.items()
                               if c in needed and s.choice is not None and (s.choice.memory or {}).get("plan") == "one-at-a-time"}
+        self._load_later = (manifest, reqs, checks)
         if self.one_at_a_time:      # loaded on first use, the others under the plan released first
             self._futures = {}
-            self._load_later = (manifest, reqs, checks)
             self.stages["ready"] = 0.0
             return
         # one loader per 4 cores: on 2 cores parallel imports only slow the UNet's (measured: 2.82 s
@@ -189,7 +192,7 @@ class BundleModel(VaePasses):
         here, after releasing the others under that plan)."""
         if comp in self.loaded and self.loaded[comp].session is not None:
             return self.loaded[comp]
-        if self.one_at_a_time:
+        if self.one_at_a_time or comp not in self._futures:      # one at a time, or released (release())
             for other in self.one_at_a_time - {comp}:
                 if other in self.loaded and self.loaded[other].session is not None and self._displaces(comp, other):
                     self.loaded[other] = dataclasses.replace(self.loaded[other], session=None)
@@ -217,7 +220,7 @@ class BundleModel(VaePasses):
         """Every component loaded, in `needed` order (so the first failure raised is deterministic);
         `stages["open"]` is then the wall time from the first load's start to the last one's end."""
         for comp in self.needed:
-            if not (self.one_at_a_time and comp in self.loaded):    # one at a time: loaded once is enough
+            if comp not in self.loaded:      # loaded once is enough (one at a time, or released after use)
                 self.component(comp)
         self.stages["open"] = round(max(self._ended.values(), default=self._opened) - self._opened, 3)
 
@@ -267,6 +270,8 @@ class BundleModel(VaePasses):
         returning the loop's current estimate of the clean latents, [N, C, h, w] in the denoiser's space,
         for previews -- called only when one is asked for) and `run_stages` first_step and denoise."""
         t0 = time.perf_counter()
+        if self.release_after_use:     # the prompts are encoded: the text encoders' stage is over
+            self.release(("te",))
         hook, total = self.step_hook, len(timesteps)
         with _progress(total, progress) as bar:
             for i, t in enumerate(timesteps):
@@ -283,6 +288,15 @@ class BundleModel(VaePasses):
             hook.before(total, total)         # once more before decoding
         self.run_stages["denoise"] = round(time.perf_counter() - t0, 3)
         self.trim(keep=("vae_decoder", "vae_encoder", "preview_decoder"))
+
+    def release(self, modules: tuple[str, ...]) -> None:
+        """Loaded components of these modules ("te", "diffusion", "controlnet") let go of, sessions and futures
+        (a later `component()` would load them again): their memory goes with their last reference."""
+        for comp in [c for c in self.loaded if module_of(c) in modules and self.loaded[c].session is not None]:
+            self.loaded[comp] = dataclasses.replace(self.loaded[comp], session=None)
+            if comp in self._futures:
+                del self._futures[comp]
+        gc.collect()
 
     def trim(self, keep=()) -> None:
         """Loaded sessions other than `keep` give back the pages they read in place (an OpenVINO blob's mapped

@@ -274,6 +274,8 @@ def generate_cmd(bundle, prompt, negative, steps, seed, batch, count, from_png, 
         t1 = time.perf_counter()
         made, batches = [], []
         for run in range(count):    # each run's images written as soon as they are made
+            # the last run lets each component go once its stage is over (the hires fix's passes share them)
+            pipeline.pipe.release_after_use = run == count - 1 and not hires
             shots = pipeline.images(prompt, batch=batch, negative=negative, steps=steps, seed=seed + run * batch,
                                     guidance=guidance, scheduler=sched, schedule=kind, show_progress=not as_json,
                                     init_image=init_px, mask=mask_px, strength=strength,

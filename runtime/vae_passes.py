@@ -32,6 +32,8 @@ class VaePasses:
         """The VAE decoder's images, [N, H, W, 3] in its own range, as many per call as its engine's profile
         takes, in tiles where `vae_run` plans them: `run_stages` gets the seconds waited for its load (if it was
         still loading) and the decodes'."""
+        if self.release_after_use:     # the last call's denoising is over: its denoiser goes before the VAE runs
+            self.release(("diffusion", "controlnet"))
         t0 = time.perf_counter()
         self.component("vae_decoder")
         t1 = time.perf_counter()

@@ -4,6 +4,7 @@ whose /proc/meminfo gives a small MemAvailable (this machine's cpuinfo, so its C
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import precast
 
@@ -129,3 +130,21 @@ def test_a_vae_pass_is_budgeted_from_the_available_memory(tiny_bundle, tmp_path)
         weights = sum(r["memory"]["weights"] for r in pipe.report()["components"].values())
         budget = 500 * MiB if params else available       # binary units
         assert pipe._vae_budget("vae_decoder") == budget - weights, (available, params)
+
+
+def test_the_last_call_releases_each_component_after_its_stage(tiny_bundle):
+    """A one-shot caller's last call (`precast generate`'s: release_after_use) lets the text encoder go once the
+    prompts are encoded and the UNet once denoising ends, before the VAE decodes: the same image as a resident run,
+    those sessions gone after it, the report still naming where each ran; a further call loads them again."""
+    pipe = open_bundle(tiny_bundle[0]).pipeline("onnxruntime").pipe
+    kept = pipe("a cat", steps=2, seed=3)
+    assert all(pipe.loaded[c].session is not None for c in ("text_encoder", "unet", "vae_decoder"))
+    pipe.release_after_use = True
+    released = pipe("a cat", steps=2, seed=3)
+    assert np.array_equal(released, kept)
+    assert pipe.loaded["text_encoder"].session is None and pipe.loaded["unet"].session is None
+    assert pipe.loaded["vae_decoder"].session is not None
+    assert pipe.report()["components"]["unet"]["backend"] == "onnxruntime"
+    pipe.release_after_use = False
+    assert np.array_equal(pipe("a cat", steps=2, seed=3), kept)
+    assert pipe.loaded["unet"].session is not None
