@@ -22,15 +22,16 @@ AVAILABLE = "available memory (MemAvailable)"     # budget_from of the CPU's aut
 # The CPU's expected peak resident memory = factor x the bytes of the files each component loads (its plan's
 # "weights": an OpenVINO blob with its Winograd-expanded constants where it has them, an ONNX Runtime artifact,
 # the bundle's ONNX), per backend: (resident: x all components' bytes, one at a time: x the largest's).
-# Measured by benchmarks/memory.py (2026-11-26, docs/benchmarks.md "Memory"): peak RSS of a whole generate,
-# full-size SD 1.5 fp32, 512², 4 Euler steps, CFG 7, 2 threads, AMD EPYC; ONNX Runtime's files 3.85 GiB (UNet
-# 3.20), OpenVINO's 7.40 GiB (UNet blob 6.23, Winograd).
-#   resident:      OpenVINO 7.12 / 7.40 GiB = 0.96; ONNX Runtime 5.32 / 3.85 = 1.38
-#   one at a time: OpenVINO without Winograd 3.63 / 3.20 (its blob ~ the ONNX's bytes) = 1.13 (the Winograd
-#                  UNet alone: 6.71 / 6.23 = 1.08); ONNX Runtime (--params-backend cpu:3.5G) 5.13 / 3.20 = 1.60
+# Measured by benchmarks/memory.py (2026-11-27, docs/benchmarks.md "Memory, after three changes"): peak RSS of a
+# whole generate, full-size SD 1.5 fp32, 512², 4 Euler steps, CFG 7, 2 threads, AMD EPYC; ONNX Runtime's files
+# 3.85 GiB (UNet 3.20), OpenVINO's 5.26 GiB (UNet blob 4.09: Winograd from 32x32; VAE decoder blob 0.71).
+#   resident:      OpenVINO 5.59 / 5.26 = 1.06 (every component kept, as the Python API keeps them; `precast
+#                  generate`'s last run, releasing each after its stage: 4.69 = 0.89); ONNX Runtime 5.33 / 3.85 = 1.38
+#   one at a time: OpenVINO without Winograd 3.71 / 3.20 (its blob ~ the ONNX's bytes) = 1.16; ONNX Runtime
+#                  (--params-backend cpu:3.5G) 5.13 / 3.20 = 1.60
 # The VAE pass at 512² is inside these (the denoising stage holds the peak); a larger image's VAE pass is tiled
 # to the memory left (runtime/vae_tiling.py), so there is no per-pixel term. Other backends: ONNX Runtime's.
-PEAK_FACTORS = {"openvino": (0.96, 1.13), "onnxruntime": (1.38, 1.60)}
+PEAK_FACTORS = {"openvino": (1.06, 1.16), "onnxruntime": (1.38, 1.60)}
 
 
 def device_budget(device: Device, budgets: dict[str, int], devices: list[Device],

@@ -5,7 +5,8 @@ its tokenizer.json has it), read from the `tokenizer.json` a bundle carries and 
 Owns: LLMTokenizer -- a folder's tokenizer.json (its own padding and truncation settings off), pad token
 (tokenizer_config.json's, else `<|endoftext|>`) and the side padding goes on (tokenizer_config.json's
 `padding_side`, else transformers' default for its `tokenizer_class`: left for Llama's, which Mistral's
-tokenizer.json is loaded as, right for others), and the ids of a prompt put into a family's chat template as its
+tokenizer.json is loaded as -- and for any tokenizer with Mistral's `[INST]`, as FLUX.2 dev's pipelines pad it --,
+right for others), and the ids of a prompt put into a family's chat template as its
 pipeline puts it (ZImagePipeline, Flux2Pipeline: the template rendered -- it holds its own BOS --, then tokenized
 with special tokens recognised and none added, cut at the maximum length), the same ids transformers' tokenizer
 gives for the same file.
@@ -49,7 +50,8 @@ class LLMTokenizer:
         pad = pad.get("content") if isinstance(pad, dict) else pad
         pad_id = tok.token_to_id(pad or PAD)
         config = config if isinstance(config, dict) else {}
-        side = config.get("padding_side") or ("left" if config.get("tokenizer_class") in LEFT_PADDED else "right")
+        side = config.get("padding_side") or ("left" if config.get("tokenizer_class") in LEFT_PADDED
+                                              or tok.token_to_id("[INST]") is not None else "right")
         return cls(tok, 0 if pad_id is None else pad_id, side == "left")
 
     def encode(self, text: str) -> list[int]:

@@ -49,13 +49,13 @@ def demo(tmp_path_factory):
 
 # ---- the references: diffusers' and transformers' models holding the file's weights -------------------------
 
-def _transformer(sd):
+def _transformer(sd, c=TINY_FLUX2):
+    """Flux2Transformer2DModel of config `c` (dev's: with the guidance embedder) from the file's BFL names."""
     from diffusers import Flux2Transformer2DModel
     from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
-    c = TINY_FLUX2
     model = Flux2Transformer2DModel(in_channels=c.in_channels, num_layers=c.depth, num_single_layers=c.depth_single,
                                     attention_head_dim=c.hidden // c.heads, num_attention_heads=c.heads,
-                                    joint_attention_dim=c.context, axes_dims_rope=DEMO_AXES, guidance_embeds=False)
+                                    joint_attention_dim=c.context, axes_dims_rope=DEMO_AXES, guidance_embeds=c.guidance)
     model.load_state_dict(convert_flux2_transformer_checkpoint_to_diffusers(ref.component(sd, DIT_PREFIX)), strict=True)
     return model.eval()
 

@@ -15,13 +15,13 @@ from safetensors.torch import load_file, save_file
 
 import reference_dit as ref
 from conftest import precast, rel_err
-from test_flux2 import AXES, SCHEDULER, _vae
+from test_flux2 import AXES, SCHEDULER, _transformer, _vae
 from test_zimage import _one_line, _randomized, _run_ov, _session, psnr
-from precast.compiler.demo_flux2 import (DEMO_AXES, MISTRAL_PREFIX, TINY_FLUX2_DEV, TINY_MISTRAL_30, TINY_QWEN3_28,
+from precast.compiler.demo_flux2 import (MISTRAL_PREFIX, TINY_FLUX2_DEV, TINY_MISTRAL_30, TINY_QWEN3_28,
                                          flux2_components, mistral_tokenizer_json, write_demo_flux2,
                                          write_flux2_vae_file, write_mistral_file)
 from precast.compiler.demo_weights import write_components
-from precast.compiler.demo_zimage import DIT_PREFIX, write_qwen3_file
+from precast.compiler.demo_zimage import write_qwen3_file
 from precast.compiler.sources.llm_tokenizer_files import MISTRAL_CONFIG
 from precast.runtime.families.flux2 import SYSTEM
 
@@ -70,17 +70,6 @@ def _text_encoder(sd):
     return model.eval()
 
 
-def _transformer(sd):
-    from diffusers import Flux2Transformer2DModel
-    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
-    c = TINY_FLUX2_DEV
-    model = Flux2Transformer2DModel(in_channels=c.in_channels, num_layers=c.depth, num_single_layers=c.depth_single,
-                                    attention_head_dim=c.hidden // c.heads, num_attention_heads=c.heads,
-                                    joint_attention_dim=c.context, axes_dims_rope=DEMO_AXES, guidance_embeds=True)
-    model.load_state_dict(convert_flux2_transformer_checkpoint_to_diffusers(ref.component(sd, DIT_PREFIX)), strict=True)
-    return model.eval()
-
-
 def _tokenizer(folder):
     """The bundle's tokenizer.json as transformers loads FLUX.2-dev's (LlamaTokenizerFast, left padding) with the
     chat template: the text path of its PixtralProcessor (whose image processor needs torchvision)."""
@@ -96,12 +85,12 @@ def reference(demo):
     sd = {k: v.float() for k, v in load_file(demo["file"]).items()}
     return Flux2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), vae=_vae(sd),
                          text_encoder=_text_encoder(sd), tokenizer=_tokenizer(demo["bundle"] / "tokenizer"),
-                         transformer=_transformer(sd))
+                         transformer=_transformer(sd, TINY_FLUX2_DEV))
 
 
 # ---- components ----------------------------------------------------------------------------------------------
 
-def test_tokenizer_ids_and_left_padding_match_transformers(demo):
+def test_tokenizer_ids_and_left_padding_match_transformers(demo, tmp_path):
     """The runtime's input_ids and attention_mask (Mistral's template with BFL's system message, `[IMG]` taken out,
     cut at the length, padded on the left with `<pad>`) are exactly what Flux2Pipeline's apply_chat_template(
     padding="max_length", truncation=True) gives, on 300 generated prompts (scripts, emojis, whitespace runs, the
@@ -124,6 +113,14 @@ def test_tokenizer_ids_and_left_padding_match_transformers(demo):
         assert mask[0].tolist() == want["attention_mask"][0], prompt[:40]
         long += mask.all()
     assert long > 10      # the corpus reaches past the length: the cut is checked too
+    # a config that names no padding side nor a Llama class: Mistral's tokens say left; Qwen2's stay right
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "TokenizersBackend",
+                                                                "pad_token": "<pad>"}))
+    (tmp_path / "tokenizer.json").write_bytes((demo["bundle"] / "tokenizer" / "tokenizer.json").read_bytes())
+    assert LLMTokenizer.from_folder(tmp_path).pad_left
+    from precast.compiler.demo_zimage import tiny_tokenizer_json
+    (tmp_path / "tokenizer.json").write_text(tiny_tokenizer_json())
+    assert not LLMTokenizer.from_folder(tmp_path).pad_left
 
 
 def test_mistral_encoder_with_left_padding_matches_transformers(tmp_path):
