@@ -236,6 +236,28 @@ def test_generate_says_the_negative_prompt_is_unused(demo, tmp_path):
     assert json.loads(proc.stdout)["steps"] == 2 and (tmp_path / "fox.png").stat().st_size > 1000
 
 
+def test_diffusers_folder_exports_as_the_file(demo, reference, tmp_path):
+    """Flux2Pipeline saved as a diffusers folder (text_encoder/ = Mistral3ForConditionalGeneration: its text model
+    under model.language_model., a vision tower and lm_head beside it; its config's text_config) exports as variant
+    dev, its text encoder computing what the demo file's export computes, bit for bit."""
+    reference.save_pretrained(tmp_path / "folder")
+    (tmp_path / "folder" / "transformer" / "config.json").write_text(json.dumps(
+        {**json.loads((tmp_path / "folder" / "transformer" / "config.json").read_text()), "axes_dims_rope": [4, 4, 4, 4]}))
+    proc = precast("export", tmp_path / "folder", "--out", tmp_path / "fx", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert (report["family"], report["variant"], report["layout"], report["steps"], report["guidance"]) == \
+        ("flux2", "dev", "diffusers", 50, 4.0)
+    te = next(c for c in report["components"] if c["name"] == "text_encoder")["config"]
+    assert (te["reads"], te["head_dim"], te["theta"], te["eps"]) == ([10, 20, 30], 128, 1e9, 1e-5)
+    proc = precast("export", demo["file"], "--out", tmp_path / "sx", "--component", "text_encoder", "--set", AXES)
+    assert proc.returncode == 0, proc.stderr
+    ids = np.random.default_rng(6).integers(0, 512, (1, 40)).astype(np.int32)
+    feeds = {"input_ids": ids, "attention_mask": (np.arange(40) >= 9).astype(np.int32)[None]}
+    assert np.array_equal(_session(tmp_path / "fx" / "text_encoder").run(None, feeds)[0],
+                          _session(tmp_path / "sx" / "text_encoder").run(None, feeds)[0])
+
+
 # ---- split files and refusals --------------------------------------------------------------------------------
 
 def test_split_files_export_and_mismatches_are_one_line(tmp_path):
