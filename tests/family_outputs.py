@@ -24,6 +24,7 @@ EXPORTS = {
     "chroma": {"transformer": {"axes_dims_rope": [4, 6, 6]}},
     "z-image": {"transformer": {"axes_dims_rope": [4, 6, 6]}},
     "flux2-klein": {"transformer": {"axes_dims_rope": [4, 4, 4, 4]}},
+    "flux2-dev": {"transformer": {"axes_dims_rope": [4, 4, 4, 4]}},
     "qwen-image": {"transformer": {"axes_dims_rope": [4, 6, 6]}},
     "controlnet": {}, "lora": {},
 }
