@@ -105,19 +105,25 @@ def test_text_encoder_matches_flux2_klein_prompt_embeds(demo, reference):
     """The runtime's conditioning (chat template, tokenizer, padding to the text length, the encoder's hidden states
     9, 18 and 27 stacked) equals Flux2KleinPipeline._get_qwen3_prompt_embeds <= 1e-4, padding rows included, on ONNX
     Runtime and OpenVINO; the layers past 27 are not in the graph."""
-    from precast.runtime.families.flux2 import Flux2Txt2Img
     prompts = ("a photo of a cat", "一只猫坐在红色沙发上 " * 3, "word " * 100)    # the last one cut at 64 tokens
     with torch.no_grad():
         want = [type(reference)._get_qwen3_prompt_embeds(reference.text_encoder, reference.tokenizer, p,
                                                          max_sequence_length=TEXT).numpy() for p in prompts]
+    config = conditioning_matches(demo, prompts, want, TEXT)
+    assert (config["layers"], config["reads"]) == (28, [9, 18, 27])
+
+
+def conditioning_matches(demo, prompts, want: list, text: int) -> dict:
+    """The runtime's encode() of each prompt equals the reference's embeds <= 1e-4 on both bundles (text ids
+    (0, 0, 0, i) over the text length); the bundle's text encoder config."""
+    from precast.runtime.families.flux2 import Flux2Txt2Img
     for bundle, backend in ((demo["ort"], "onnxruntime"), (demo["bundle"], "openvino")):
         run = Flux2Txt2Img(bundle, backend, width=64, height=64, strict=True)
         for prompt, embeds in zip(prompts, want):
             ours = run.encode(prompt)
             assert rel_err(ours["encoder_hidden_states"], embeds) <= 1e-4, (backend, prompt[:10])
-            assert ours["txt_ids"].tolist() == [[0, 0, 0, i] for i in range(TEXT)]
-    config = json.loads((demo["bundle"] / "manifest.json").read_text())["components"]["text_encoder"]["config"]
-    assert (config["layers"], config["reads"]) == (28, [9, 18, 27])
+            assert ours["txt_ids"].tolist() == [[0, 0, 0, i] for i in range(text)]
+    return json.loads((demo["bundle"] / "manifest.json").read_text())["components"]["text_encoder"]["config"]
 
 
 def test_transformer_matches_diffusers(demo, reference, tmp_path):

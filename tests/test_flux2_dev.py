@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 import reference_dit as ref
 from conftest import precast, rel_err
-from test_flux2 import AXES, SCHEDULER, _transformer, _vae
+from test_flux2 import AXES, SCHEDULER, _transformer, _vae, conditioning_matches
 from test_zimage import _one_line, _randomized, _run_ov, _session, psnr
 from precast.compiler.demo_flux2 import (MISTRAL_PREFIX, TINY_FLUX2_DEV, TINY_MISTRAL_30, TINY_QWEN3_28,
                                          flux2_components, mistral_tokenizer_json, write_demo_flux2,
@@ -160,17 +160,11 @@ def test_text_encoder_matches_flux2_prompt_embeds(demo, reference):
     """The runtime's conditioning (Mistral's template with BFL's system message, `[IMG]` taken out, left padding to
     the text length, hidden states 10, 20 and 30 stacked) equals Flux2Pipeline._get_mistral_3_small_prompt_embeds
     <= 1e-4, padding rows included, on ONNX Runtime and OpenVINO."""
-    from precast.runtime.families.flux2 import Flux2Txt2Img
     prompts = ("a photo of a cat", "一只猫坐在红色沙发上 [IMG]", "word " * 200)    # the last one cut at the length
     with torch.no_grad():
         want = [type(reference)._get_mistral_3_small_prompt_embeds(reference.text_encoder, reference.tokenizer, p,
                                                                    max_sequence_length=TEXT).numpy() for p in prompts]
-    for bundle, backend in ((demo["ort"], "onnxruntime"), (demo["bundle"], "openvino")):
-        run = Flux2Txt2Img(bundle, backend, width=64, height=64, strict=True)
-        for prompt, embeds in zip(prompts, want):
-            ours = run.encode(prompt)
-            assert rel_err(ours["encoder_hidden_states"], embeds) <= 1e-4, (backend, prompt[:10])
-    config = json.loads((demo["bundle"] / "manifest.json").read_text())["components"]["text_encoder"]["config"]
+    config = conditioning_matches(demo, prompts, want, TEXT)
     assert (config["layers"], config["reads"], config["theta"], config["eps"]) == (30, [10, 20, 30], 1e9, 1e-5)
 
 
