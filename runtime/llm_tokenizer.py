@@ -62,9 +62,10 @@ class LLMTokenizer:
         read as such, none added), at most `limit` of them."""
         return self.tokenizer.encode(template.replace("{prompt}", prompt), add_special_tokens=False).ids[:limit]
 
-    def padded(self, ids: list[int], length: int) -> tuple[np.ndarray, np.ndarray]:
-        """input_ids and attention_mask int32 [1, length]: `ids` padded on the tokenizer's side."""
-        at = length - len(ids) if self.pad_left else 0
+    def padded(self, ids: list[int], length: int, left: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """input_ids and attention_mask int32 [1, length]: `ids` padded on the tokenizer's side, or on the left /
+        right as `left` says (a pipeline that reads the real rows first pads on the right whatever the tokenizer)."""
+        at = length - len(ids) if (self.pad_left if left is None else left) else 0
         out = np.full((1, length), self.pad_id, np.int32)
         out[0, at:at + len(ids)] = ids
         mask = np.zeros((1, length), np.int32)

@@ -126,9 +126,7 @@ class QwenImageTxt2Img(PackedFlowPipeline):
                             f"{DROP} the pipeline drops: not the model's tokenizer; rebuild the bundle with "
                             "Qwen-Image's")
         length = self.fit("text_encoder", "input_ids", len(ids))
-        padded = np.full((1, length), tok.pad_id, np.int32)
-        padded[0, :len(ids)] = ids
-        mask = (np.arange(length) < len(ids))[None, :].astype(np.int32)
+        padded, mask = tok.padded(ids, length, left=False)
         session = self.component("text_encoder").session
         states = session.run({"input_ids": padded, "attention_mask": mask})["hidden_states"].astype(np.float32)
         n = len(ids) - DROP

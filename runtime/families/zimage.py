@@ -102,11 +102,10 @@ class ZImageTxt2Img(FlowPipeline):
     # ---- conditioning ---------------------------------------------------------------------------
     def encode(self, prompt: str) -> dict[str, np.ndarray]:
         """The encoder's hidden states of the chat-templated prompt (its real tokens first) and their mask."""
-        ids = self.tokenizers["text_encoder"].chat(prompt, CHAT, MAX_TOKENS)
+        tok = self.tokenizers["text_encoder"]
+        ids = tok.chat(prompt, CHAT, MAX_TOKENS)
         length, kept = self.text_length(len(ids))
-        padded = np.full((1, length), self.tokenizers["text_encoder"].pad_id, np.int32)
-        padded[0, :kept] = ids[:kept]
-        mask = (np.arange(length) < kept)[None, :].astype(np.int32)
+        padded, mask = tok.padded(ids[:kept], length, left=False)
         session = self.component("text_encoder").session
         states = session.run({"input_ids": padded, "attention_mask": mask})["hidden_states"].astype(np.float32)
         return {"encoder_hidden_states": states, "attention_mask": mask}
