@@ -48,11 +48,12 @@ PARTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "unet", "transforme
 INSTALL = "pip install 'precast[openvino-genai]' (openvino, openvino-tokenizers and transformers)"
 
 
-def model_index(family: str, components: list[str]) -> dict:
-    """model_index.json as optimum-intel writes it for the family's pipeline (the family's GenAI.index); an
-    optional part the export lacks (SD3's T5) is named null with its tokenizer, as diffusers does."""
+def model_index(family: str, components: list[str], variant: str = "") -> dict:
+    """model_index.json as optimum-intel writes it for the family's pipeline (the family's GenAI.index, with its
+    variant's fields); an optional part the export lacks (SD3's T5) is named null with its tokenizer, as
+    diffusers does."""
     fam = FAMILIES[family]
-    out = {"_diffusers_version": DIFFUSERS_VERSION, **fam.genai.index}
+    out = {"_diffusers_version": DIFFUSERS_VERSION, **fam.genai.index, **fam.genai.variants.get(variant, {})}
     for name in fam.runtime.optional:
         if name not in components:
             out[name] = out[name.replace("text_encoder", "tokenizer")] = [None, None]
@@ -103,8 +104,9 @@ def _modules():
     return ov, openvino_tokenizers
 
 
-def convert_component(ov, onnx_path: Path, name: str, dtype: str):
-    """precast's ONNX graph -> an ov.Model with the IO GenAI feeds (see the module doc)."""
+def convert_component(ov, onnx_path: Path, name: str, dtype: str, text_inputs: tuple[str, ...] = ("input_ids",)):
+    """precast's ONNX graph -> an ov.Model with the IO GenAI feeds (see the module doc); `text_inputs`: what
+    GenAI feeds a text encoder, int64 all."""
     model = ov.convert_model(str(onnx_path))
     if dtype in ("fp16", "bf16"):
         rewrite_attention(model)
@@ -112,7 +114,7 @@ def convert_component(ov, onnx_path: Path, name: str, dtype: str):
     changed = False
     for port in model.inputs:
         want = None
-        if port.get_any_name() == "input_ids" or (name == "unet" and port.get_any_name() == "timestep"):
+        if port.get_any_name() in text_inputs or (name == "unet" and port.get_any_name() == "timestep"):
             want = ov.Type.i64
         elif port.get_element_type().is_real():
             want = ov.Type.f32
@@ -126,9 +128,9 @@ def convert_component(ov, onnx_path: Path, name: str, dtype: str):
     if changed:
         model = ppp.build()
     names = [p.get_any_name() for p in model.inputs]
-    if name.startswith("text_encoder") and names != ["input_ids"]:
+    if name.startswith("text_encoder") and names != list(text_inputs):
         raise BadInput(f"{onnx_path}: the text encoder converts with inputs {names}; OpenVINO GenAI feeds "
-                       "input_ids only. Export again with this precast version")
+                       f"{', '.join(text_inputs)} only. Export again with this precast version")
     return model
 
 
@@ -161,19 +163,59 @@ def hidden_state_outputs(ov, model, name: str, layers: int, pooled: bool, record
     return ov.Model(results, model.get_parameters(), name)
 
 
-def write_tokenizer(ov, ovt, source: Path, dest: Path) -> list[str]:
-    """Copy the export's CLIP (vocab.json) or T5 (spiece.model, tokenizer.json) tokenizer files and add
-    openvino_tokenizer.xml / openvino_detokenizer.xml."""
-    from transformers import CLIPTokenizer, T5TokenizerFast
+def write_tokenizer(ov, ovt, source: Path, dest: Path, chat_template: str = "") -> list[str]:
+    """Copy the export's CLIP (vocab.json), T5 (spiece.model, tokenizer.json) or LLM (tokenizer.json with a
+    chat template: `chat_template`, which the folder's tokenizer_config.json and the OpenVINO tokenizer carry)
+    tokenizer files and add openvino_tokenizer.xml / openvino_detokenizer.xml."""
+    from transformers import AutoTokenizer, CLIPTokenizer, T5TokenizerFast
     dest.mkdir(parents=True, exist_ok=True)
     for f in sorted(source.iterdir()):
         if f.is_file():
             shutil.copy2(f, dest / f.name)
-    kind = CLIPTokenizer if (source / "vocab.json").is_file() else T5TokenizerFast
-    tokenizer, detokenizer = ovt.convert_tokenizer(kind.from_pretrained(source), with_detokenizer=True)
+    if chat_template:
+        config = json.loads((dest / "tokenizer_config.json").read_text())
+        write_json(dest / "tokenizer_config.json", {**config, "chat_template": chat_template})
+        kind = AutoTokenizer
+    else:
+        kind = CLIPTokenizer if (source / "vocab.json").is_file() else T5TokenizerFast
+    tokenizer, detokenizer = ovt.convert_tokenizer(kind.from_pretrained(dest), with_detokenizer=True)
     ov.save_model(tokenizer, str(dest / "openvino_tokenizer.xml"))
     ov.save_model(detokenizer, str(dest / "openvino_detokenizer.xml"))
     return sorted(f.name for f in dest.iterdir())
+
+
+def split_output(ov, model, name: str, names: list[str]):
+    """The model with its output `name` cut along the last axis into equal parts, one output per `names`."""
+    from openvino import opset13 as ops
+    outs = []
+    for port in model.outputs:
+        if port.get_any_name() != name:
+            outs.append(ops.result(port.get_node().input_value(0)))
+            continue
+        parts = ops.split(port.get_node().input_value(0), ops.constant(-1), len(names))
+        for part, part_name in zip(parts.outputs(), names):
+            part.get_tensor().set_names({part_name})
+            outs.append(ops.result(part))
+    return ov.Model(outs, model.get_parameters(), model.get_friendly_name())
+
+
+def batched_inputs(ov, model, names: tuple[str, ...]):
+    """The model with each input in `names` ([S, k]: one row set for the whole batch, as precast's graphs take
+    position ids) fed batched, [B, S, k], as GenAI feeds it: the first batch row is read."""
+    from openvino import opset13 as ops
+    for param in model.get_parameters():
+        name = param.get_output_tensor(0).get_any_name()
+        if name not in names:
+            continue
+        batched = ops.parameter([-1, *param.get_partial_shape()], param.get_element_type(), name)
+        first = ops.gather(batched, ops.constant(0), ops.constant(0))
+        for target in list(param.output(0).get_target_inputs()):
+            target.replace_source_output(first.output(0))
+        param.get_output_tensor(0).set_names(set())
+        batched.get_output_tensor(0).set_names({name})
+        model.replace_parameter(model.get_parameter_index(param), batched)
+    model.validate_nodes_and_infer_types()
+    return model
 
 
 def check_export(export_dir: Path, report: dict, comps: dict) -> list[str]:
@@ -183,8 +225,11 @@ def check_export(export_dir: Path, report: dict, comps: dict) -> list[str]:
     if fam is not None and fam.no_genai:
         raise BadInput(f"{export_dir}: a {fam.title} export; {fam.no_genai}")
     if fam is None or fam.genai is None:
-        raise BadInput(f"{export_dir}: a {family} export; export-openvino-genai writes SD 1.x / 2.x, SDXL, SD3 / SD3.5 "
-                       "and Flux pipelines (the SDXL refiner is not written yet)")
+        raise BadInput(f"{export_dir}: a {family} export; export-openvino-genai writes SD 1.x / 2.x, SDXL, SD3 / SD3.5, "
+                       "Flux and FLUX.2 klein pipelines (the SDXL refiner is not written yet)")
+    refused = fam.genai.variants.get(report.get("variant", ""))
+    if isinstance(refused, str):
+        raise BadInput(f"{export_dir}: a {fam.title} {report.get('variant')} export; {refused}")
     required = fam.runtime.needs
     missing = [n for n in required if n not in comps]
     if missing:
@@ -223,10 +268,12 @@ def export_openvino_genai(export_dir: str | Path, out: str | Path, progress=None
         written = []
         for name in parts:
             comp = comps[name]
-            model = convert_component(ov, comp.onnx_path, name, comp.export_dtype)
+            model = convert_component(ov, comp.onnx_path, name, comp.export_dtype, genai.text_inputs)
             if genai.pooled_first and name in ("text_encoder", "text_encoder_2"):
                 model = hidden_state_outputs(ov, model, name, configs[name]["layers"], name in genai.pooled_first,
                                              configs[name].get("hidden_name"))
+            if genai.adapt:
+                model = genai.adapt(ov, name, model, configs[name], report)
             (staging / name).mkdir()
             ov.save_model(model, str(staging / name / "openvino_model.xml"), compress_to_fp16=comp.export_dtype == "fp16")
             written.append({"name": name, "dtype": comp.export_dtype,
@@ -236,12 +283,14 @@ def export_openvino_genai(export_dir: str | Path, out: str | Path, progress=None
                                         for p in model.outputs]})
             say(f"{name}: openvino_model.xml")
         for folder in tokenizers:
-            write_tokenizer(ov, ovt, export_dir / folder, staging / folder)
+            write_tokenizer(ov, ovt, export_dir / folder, staging / folder, genai.chat_template)
             say(f"{folder}: openvino_tokenizer.xml, openvino_detokenizer.xml")
         files = pipeline_files(report, configs)
-        files["model_index.json"] = model_index(family, parts)
+        files["model_index.json"] = model_index(family, parts, report.get("variant", ""))
         if not genai.spacing:      # flow families keep interop's FlowMatch schedule (the export's)
             files["scheduler/scheduler_config.json"] = scheduler_config(report.get("prediction", "epsilon"))
+        if genai.files:
+            genai.files(files, configs, report)
         for rel, data in files.items():
             write_json(staging / rel, data)
         write_json(staging / "precast_openvino_genai.json",

@@ -1,10 +1,11 @@
-"""OpenVINO GenAI runs a precast Flux / SD3 export (issue 18, item 3): `precast export-openvino-genai`
-writes the tiny Flux.1 dev / schnell and SD3.5-medium / SD3-medium demos in optimum-intel's OpenVINO
-layout, openvino_genai.Text2ImagePipeline loads them as written (FluxPipeline, StableDiffusion3Pipeline)
-and, from the same initial noise (handed to GenAI through a Generator subclass: GenAI draws the
-unpacked [1, 16, h, w] latents with randn_tensor, as precast does) with the export's own flow-matching
-schedule, produces the image precast's pipeline (`precast generate`) produces from a bundle of the same
-checkpoint: PSNR >= 40 dB (GenAI returns uint8, so ~54 dB is the ceiling). Chroma is refused."""
+"""OpenVINO GenAI runs a precast Flux / SD3 / FLUX.2 klein export (issues 18 and 32):
+`precast export-openvino-genai` writes the tiny Flux.1 dev / schnell, SD3.5-medium / SD3-medium and FLUX.2 klein
+(distilled, and base with CFG) demos in optimum-intel's OpenVINO layout, openvino_genai.Text2ImagePipeline
+loads them as written (FluxPipeline, StableDiffusion3Pipeline, Flux2KleinPipeline) and, from the same initial
+noise (handed to GenAI through a Generator subclass: GenAI draws the unpacked [1, C, h, w] latents with
+randn_tensor, as precast does) with the export's own flow-matching schedule, produces the image precast's
+pipeline (`precast generate`) produces from a bundle of the same checkpoint: PSNR >= 40 dB (GenAI returns
+uint8, so ~54 dB is the ceiling). Chroma and FLUX.2 dev are refused."""
 import json
 
 import numpy as np
@@ -15,13 +16,19 @@ from precast.compiler.export import export
 PROMPT = "a photo of an astronaut riding a horse on the moon"
 FLUX = ["text_encoder", "text_encoder_2", "transformer", "vae_decoder"]
 SD3 = ["text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae_decoder"]
-# case: (demo, components, the bundle's T5 length, steps, guidance, negative prompt)
+LLM = ["text_encoder", "transformer", "vae_decoder"]
+# case: (demo, components, the bundle's text length, steps, guidance, negative prompt[, the export's variant])
 # Without T5, GenAI's StableDiffusion3Pipeline pads the text with 77 zero tokens (CLIP's length) whatever
 # max_sequence_length says, where precast (like diffusers) pads with the T5 length: a bundle of 77 matches.
 CASES = {"flux-dev": ("tiny-flux-dev", FLUX, 32, 4, 3.5, None),
          "flux-schnell": ("tiny-flux-schnell", FLUX, 32, 3, 0.0, None),
          "sd35-medium": ("tiny-sd35-medium", SD3, 32, 4, 4.5, "blurry"),
-         "sd3-no-t5": ("tiny-sd3", SD3[:2] + SD3[3:], 77, 4, 5.0, None)}
+         "sd3-no-t5": ("tiny-sd3", SD3[:2] + SD3[3:], 77, 4, 5.0, None),
+         # GenAI pads the chat-templated prompt to max_sequence_length, precast to the bundle's text length: 64
+         "flux2-klein": ("tiny-flux2-klein", LLM, 64, 4, 1.0, None),
+         # klein base (is_distilled false: weights alike, the variant from a diffusers folder's model_index.json):
+         # CFG against the empty prompt (GenAI takes no negative prompt for it)
+         "flux2-klein-base": ("tiny-flux2-klein", LLM, 64, 3, 4.0, None, "klein-base")}
 PINS = "openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0 (they must match openvino 2026.4.1)"
 
 
@@ -45,16 +52,19 @@ def made(tmp_path_factory):
 
 def _make(tmp, case):
     from conftest import precast
-    from precast.compiler.demo_dit import DEMO_AXES
+    from precast.compiler.families import FAMILIES
     from precast.compiler.openvino_genai import export_openvino_genai
-    demo, comps, t5, *_ = CASES[case]
+    demo, comps, t5, *rest = CASES[case]
     recipe = tmp / f"{case}.yaml"
     recipe.write_text(f"model: {{source: 'demo:{demo}'}}\ncomponents: [{', '.join(comps)}]\nprecision: fp32\n"
                       f"profiles: {{batch: 1, height: 64, width: 64, t5_tokens: {t5}}}\ntargets: [onnxruntime]\n")
     precast("build", recipe, "--out", tmp / case, env={"PRECAST_CACHE": str(tmp / "cache")}, check=True)
-    overrides = {"transformer": {"axes_dims_rope": DEMO_AXES}} if demo.startswith("tiny-flux") else None
+    overrides = next(f.demos[f"demo:{demo}"] for f in FAMILIES.values() if f"demo:{demo}" in f.demos) or None
     export(tmp / "cache" / "demo" / f"{demo}-seed0.safetensors", tmp / f"{case}-export", comps, overrides=overrides,
            progress=False)
+    if rest[3:]:                            # the variant a diffusers folder would have said
+        report = tmp / f"{case}-export" / "precast_export.json"
+        report.write_text(json.dumps({**json.loads(report.read_text()), "variant": rest[3]}))
     report = export_openvino_genai(tmp / f"{case}-export", tmp / f"{case}-genai")
     assert report["scheduler"] == "FlowMatchEulerDiscreteScheduler"
     return tmp / f"{case}-genai", tmp / case, tmp / f"{case}-export"
@@ -128,6 +138,44 @@ def test_sd3_layout_is_optimum_intels(made, case):
                       "timestep": "f32"}
 
 
+def test_flux2_klein_layout_is_optimum_intels(made):
+    """What Flux2KleinPipeline reads: the stacked layers one output each, batched position ids, the latents'
+    batch-norm statistics, the empirical mu, and a tokenizer whose chat template renders precast's prompt."""
+    import openvino as ov
+    from precast.runtime.families.flux2 import CHAT
+    from precast.runtime.llm_tokenizer import LLMTokenizer
+    root, bundle, src = made("flux2-klein")
+    index = json.loads((root / "model_index.json").read_text())
+    assert (index["_class_name"], index["text_encoder"], index["is_distilled"]) == \
+        ("Flux2KleinPipeline", ["transformers", "Qwen3ForCausalLM"], True)
+    te = json.loads((root / "text_encoder/config.json").read_text())
+    assert te["hidden_states_layers"] == [9, 18, 27] and te["hidden_size"] == 32
+    assert _io(root / "text_encoder/openvino_model.xml") == (
+        {"input_ids": "i64", "attention_mask": "i64"}, ["hidden_states.9", "hidden_states.18", "hidden_states.27"])
+    inputs, outputs = _io(root / "transformer/openvino_model.xml")
+    assert set(inputs) == {"hidden_states", "encoder_hidden_states", "timestep", "img_ids", "txt_ids"}
+    model = ov.Core().read_model(root / "transformer/openvino_model.xml")
+    assert {p.get_any_name(): p.get_partial_shape().rank.get_length() for p in model.inputs
+            if p.get_any_name().endswith("_ids")} == {"img_ids": 3, "txt_ids": 3}     # [B, S, 4]
+    vae = json.loads((root / "vae_decoder/config.json").read_text())
+    stats = json.loads((src / "precast_export.json").read_text())["components"]
+    std = np.asarray(next(c["config"] for c in stats if c["name"] == "vae_decoder")["latents_bn_std"])
+    assert len(vae["bn_running_mean_data"]) == 128 and vae["batch_norm_eps"] == 0.0
+    np.testing.assert_allclose(np.sqrt(vae["bn_running_var_data"]), std, rtol=1e-6)
+    sched = json.loads((root / "scheduler/scheduler_config.json").read_text())
+    assert sched["time_shift_type"] == "exponential" and sched["use_dynamic_shifting"] is True
+    config = json.loads((root / "tokenizer/tokenizer_config.json").read_text())
+    from transformers import AutoTokenizer
+    hf = AutoTokenizer.from_pretrained(root / "tokenizer")
+    assert config["chat_template"] == hf.chat_template
+    text = hf.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True,
+                                  enable_thinking=False)
+    assert text == CHAT.format(prompt=PROMPT)
+    tok = ov.Core().compile_model(root / "tokenizer/openvino_tokenizer.xml", "CPU")
+    ids = tok([text])["input_ids"][0].tolist()
+    assert ids == LLMTokenizer.from_folder(root / "tokenizer").chat(PROMPT, CHAT, 512)
+
+
 class _Noise:
     """An openvino_genai.Generator handing GenAI precast's initial noise (the flow schedules draw no more)."""
 
@@ -151,18 +199,19 @@ class _Noise:
 @pytest.mark.parametrize("case", list(CASES))
 def test_text2image_pipeline_matches_precast_generate(made, case):
     ov_genai = _need("openvino_genai")
-    from precast.runtime.families.flux import FluxTxt2Img
-    from precast.runtime.families.sd3 import SD3Txt2Img
+    from precast.runtime.families import FAMILIES
+    from precast.runtime.manifest import read_manifest
     folder, bundle, _ = made(case)
-    demo, _, t5, steps, guidance, negative = CASES[case]
-    noise = np.random.default_rng(7).standard_normal((1, 16, 32, 32)).astype(np.float32)
+    demo, _, t5, steps, guidance, negative, *_ = CASES[case]
+    family = read_manifest(bundle).model["family"]
+    channels = 32 if family == "flux2" else 16
+    noise = np.random.default_rng(7).standard_normal((1, channels, 32, 32)).astype(np.float32)
     pipe = ov_genai.Text2ImagePipeline(str(folder), "CPU", INFERENCE_PRECISION_HINT="f32")
     kw = {} if negative is None else {"negative_prompt": negative}
     out = pipe.generate(PROMPT, width=64, height=64, num_inference_steps=steps, guidance_scale=guidance,
                         max_sequence_length=t5, generator=_Noise(noise), **kw)
     image = out.data[0].astype(np.float64) / 255          # [64, 64, 3] uint8 -> [0, 1]
-    runtime = FluxTxt2Img if demo.startswith("tiny-flux") else SD3Txt2Img
-    ours = runtime(bundle, "cpu", width=64, height=64)(PROMPT, negative or "", steps=steps, guidance=guidance,
+    ours = FAMILIES[family].pipeline(bundle, "cpu", width=64, height=64)(PROMPT, negative or "", steps=steps, guidance=guidance,
                                                        latents=noise, progress=False)
     assert image.shape == ours.shape == (64, 64, 3) and image.std() > 0.05   # a picture, not a flat fill
     psnr = 10 * np.log10(1.0 / max(float(np.mean((image - ours) ** 2)), 1e-12))
@@ -184,6 +233,8 @@ def test_refusals_are_one_clear_error(made, tmp_path):
     _, _, flux = made("flux-dev")
     with pytest.raises(BadInput, match="OpenVINO GenAI has no Chroma pipeline"):
         export_openvino_genai(_fake_export(flux, tmp_path / "chroma", family="chroma"), tmp_path / "out")
+    with pytest.raises(BadInput, match="no FLUX.2 dev pipeline"):
+        export_openvino_genai(_fake_export(flux, tmp_path / "dev", family="flux2", variant="dev"), tmp_path / "out")
     with pytest.raises(BadInput, match="SDXL refiner is not written yet"):
         export_openvino_genai(_fake_export(flux, tmp_path / "refiner", family="sdxl-refiner"), tmp_path / "out")
     # a schedule GenAI's FluxPipeline does not sample (its sigmas are linspace(1, 1/steps))

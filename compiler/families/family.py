@@ -72,6 +72,11 @@ class GenAI:
     # read by index); empty: a CLIP model's outputs are kept as exported
     spacing: str | None = None     # flow families: the schedule spacing GenAI's pipeline samples
     static_shift_only: bool = False
+    text_inputs: tuple[str, ...] = ("input_ids",)   # what GenAI feeds each text encoder (int64 all)
+    adapt: Callable | None = None  # (ov, name, ov.Model, config, report) -> the model with the IO GenAI's pipeline uses
+    files: Callable | None = None  # (files, configs, report) -> None: adds what GenAI reads beyond diffusers' fields
+    chat_template: str = ""        # Jinja its tokenizer carries: GenAI templates the prompt with it
+    variants: dict = field(default_factory=dict)   # variant -> model_index.json fields, or why it is refused (str)
 
 
 @dataclass(frozen=True)

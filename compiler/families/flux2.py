@@ -8,7 +8,7 @@ it, else Mistral-Small-3.2's text model read at 10, 20 and 30 as Flux2Pipeline r
 compiler/graphs/llm_encoder.py; the transformer: compiler/graphs/flux2.py; the FLUX.2 VAE with its latents'
 batch-norm statistics: compiler/graphs/flux2_vae.py), how the parts must fit (the transformer packs 2x2 patches of
 the VAE's latent channels and reads the stacked states' width; the tokenizer is there), the tiny demos' RoPE split,
-and its diffusers folder layout (Flux2KleinPipeline).
+its diffusers folder layout (Flux2KleinPipeline) and its OpenVINO GenAI folder (klein).
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from ..errors import BadInput
 from ..graphs import flux2, flux2_vae, ldm_vae, llm_encoder, vae_segments
 from ..sources.llm_tokenizer_files import llm_tokenizer_files
 from ..sources.tensor_refs import DIT, LLM, VAE, Checkpoint
-from .family import Component, Detected, Diffusers, Family
-from .shared import FLOW_SCHEDULER
+from .family import Component, Detected, Diffusers, Family, GenAI
+from .shared import FLOW_EULER, FLOW_SCHEDULER, QWEN3_CHAT, QWEN_TOKENIZER
 
 LOOKED_FOR = "single_stream_modulation.* (FLUX.2)"
 TE_HINT = ("FLUX.2 split files ship the text encoder on its own: pass it with --text-encoder (klein 4B: "
@@ -91,6 +91,41 @@ def _transformer_fields(cfg: dict) -> dict:
                 guidance_embeds=bool(cfg.get("guidance")))
 
 
+def _genai_adapt(ov, name: str, model, config: dict, report: dict):
+    """OpenVINO GenAI's Flux2KleinPipeline reads the text encoder's states one output per layer
+    (`hidden_states.N`, stacked on the host in config.json's hidden_states_layers order, as precast's graph stacks
+    them) and feeds the transformer batched position ids."""
+    from ..openvino_genai import batched_inputs, split_output
+    if name == "text_encoder":
+        return split_output(ov, model, "hidden_states", [f"hidden_states.{i}" for i in config["reads"]])
+    if name == "transformer":
+        return batched_inputs(ov, model, ("img_ids", "txt_ids"))
+    return model
+
+
+def _genai_files(files: dict, configs: dict, report: dict) -> None:
+    """What Flux2KleinPipeline reads beyond diffusers' fields: the layers it stacks, the latents' batch-norm
+    statistics (precast keeps the std: written as the variance with eps 0) and the schedule's empirical mu
+    (GenAI's time_shift_type "exponential")."""
+    files["text_encoder/config.json"]["hidden_states_layers"] = list(configs["text_encoder"]["reads"])
+    vae = configs["vae_decoder"]
+    files["vae_decoder/config.json"].update(
+        bn_running_mean_data=list(vae["latents_bn_mean"]), bn_running_var_data=[s * s for s in vae["latents_bn_std"]],
+        batch_norm_eps=0.0, patch_size=[2, 2])
+    if (report.get("scheduler") or {}).get("dynamic_mu") == "empirical":
+        files["scheduler/scheduler_config.json"]["time_shift_type"] = "exponential"
+
+
+GENAI = GenAI({"_class_name": "Flux2KleinPipeline", "scheduler": FLOW_EULER, "tokenizer": QWEN_TOKENIZER,
+               "text_encoder": ["transformers", "Qwen3ForCausalLM"], "vae": ["diffusers", "AutoencoderKLFlux2"],
+               "transformer": ["diffusers", "Flux2Transformer2DModel"]},
+              spacing="1/steps", text_inputs=("input_ids", "attention_mask"), adapt=_genai_adapt, files=_genai_files,
+              chat_template=QWEN3_CHAT,
+              variants={"klein": {"is_distilled": True}, "klein-base": {"is_distilled": False},
+                        "dev": "OpenVINO GenAI 2026.4 has no FLUX.2 dev pipeline (its Flux2KleinPipeline reads a "
+                               "Qwen3 text encoder, not dev's Mistral), so export-openvino-genai cannot write one"})
+
+
 FAMILIES = (
     Family("flux2", {"text_encoder": TEXT_ENCODER, "transformer": TRANSFORMER, **VAES},
            Diffusers("Flux2KleinPipeline", FLOW_SCHEDULER, 128, transformer="Flux2Transformer2DModel",
@@ -99,7 +134,5 @@ FAMILIES = (
                                        "tokenizer": ["transformers", "LlamaTokenizerFast"]}}),
            fp32_vae=True, text_encoder_files=True, check_parts=check_parts,
            demos={"demo:tiny-flux2-klein": DEMO, "demo:tiny-flux2-dev": DEMO},
-           no_genai="export-openvino-genai does not write FLUX.2 folders yet: OpenVINO GenAI 2026.4's "
-                    "Flux2KleinPipeline reads optimum-intel's layout (the text encoder's hidden states one output per "
-                    "layer, batched position ids), not precast's graphs; it has no FLUX.2 dev pipeline"),
+           genai=GENAI),
 )

@@ -35,6 +35,13 @@ EULER = ["diffusers", "EulerDiscreteScheduler"]
 FLOW_EULER = ["diffusers", "FlowMatchEulerDiscreteScheduler"]
 DPM_SOLVER = "DPMSolverMultistepScheduler"
 FLOW_SCHEDULER = "FlowMatchEulerDiscreteScheduler"
+QWEN_TOKENIZER = ["transformers", "Qwen2TokenizerFast"]
+# The part of Qwen3's chat template the pipelines render (user turns, the assistant's turn opened; with
+# enable_thinking false an empty think block), written for OpenVINO GenAI, which templates the prompt with the
+# template its tokenizer carries
+QWEN3_CHAT = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+              "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
 
 
 def clip(name: str, prefixes: tuple[str, ...], use: str, tokenizer: str = "clip", config_file: str = "",
