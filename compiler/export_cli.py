@@ -267,8 +267,8 @@ def note_evicted(record: dict) -> None:
 def export_openvino_genai_cmd(export_dir, out, as_json):
     """Write EXPORT_DIR (a `precast export`) as an OpenVINO GenAI folder (optimum-cli's OpenVINO layout)
     that openvino_genai.Text2ImagePipeline(OUT, device) runs: SD 1.x / 2.x and SDXL with the Euler scheduler,
-    SD3 / SD3.5 and Flux with the export's flow-matching schedule; Chroma is refused (GenAI has no Chroma
-    pipeline)."""
+    SD3 / SD3.5, Flux, FLUX.2 klein, Z-Image and Qwen-Image with the export's flow-matching schedule; Chroma
+    and FLUX.2 dev are refused (GenAI has no pipeline for them)."""
     def go():
         from .openvino_genai import export_openvino_genai
         report = export_openvino_genai(export_dir, out, progress=None if as_json else

@@ -60,7 +60,7 @@ def scheduler_config(model: dict) -> dict:
     out = {"_class_name": "FlowMatchEulerDiscreteScheduler", "_diffusers_version": DIFFUSERS_VERSION,
            "num_train_timesteps": 1000, "shift": sched.get("shift", 1.0),
            "use_dynamic_shifting": sched.get("use_dynamic_shifting", False)}
-    for k in ("base_shift", "max_shift", "base_image_seq_len", "max_image_seq_len"):
+    for k in ("base_shift", "max_shift", "base_image_seq_len", "max_image_seq_len", "shift_terminal"):
         if k in sched:
             out[k] = sched[k]
     return out

@@ -27,7 +27,11 @@ StableDiffusion3Pipeline with the export's own flow-matching schedule, which bot
 does (Flux: sigmas linspace(1, 1/steps), SD3: the scheduler's default; check_flow_schedule). GenAI pads
 T5 to generate()'s max_sequence_length, precast to the bundle's T5 length; an SD3 folder without T5
 gets 77 zero text tokens from GenAI whatever that length (precast: the T5 length).
-The SDXL refiner and Chroma (no GenAI pipeline) are refused with a message.
+FLUX.2 klein, Z-Image and Qwen-Image: GenAI's Flux2KleinPipeline / ZImagePipeline / QwenImagePipeline, which
+template the prompt with the tokenizer's chat template (written for each: GenAI.chat_template) and feed the LLM
+text encoder input_ids and attention_mask (int64); where GenAI feeds a model otherwise than precast's graphs take
+it, the family's GenAI.adapt rewrites its IO (compiler/ov_io.py) and GenAI.files adds the config fields GenAI
+reads. The SDXL refiner, Chroma and FLUX.2 dev (no GenAI pipeline) are refused with a message.
 """
 from __future__ import annotations
 
@@ -164,9 +168,10 @@ def hidden_state_outputs(ov, model, name: str, layers: int, pooled: bool, record
 
 
 def write_tokenizer(ov, ovt, source: Path, dest: Path, chat_template: str = "") -> list[str]:
-    """Copy the export's CLIP (vocab.json), T5 (spiece.model, tokenizer.json) or LLM (tokenizer.json with a
-    chat template: `chat_template`, which the folder's tokenizer_config.json and the OpenVINO tokenizer carry)
-    tokenizer files and add openvino_tokenizer.xml / openvino_detokenizer.xml."""
+    """Copy the export's CLIP (vocab.json), T5 (spiece.model, tokenizer.json) or LLM (tokenizer.json, its
+    class in tokenizer_config.json; `chat_template`, where GenAI templates the prompt with the tokenizer's, is
+    written there and carried by the OpenVINO tokenizer) tokenizer files and add openvino_tokenizer.xml /
+    openvino_detokenizer.xml."""
     from transformers import AutoTokenizer, CLIPTokenizer, T5TokenizerFast
     dest.mkdir(parents=True, exist_ok=True)
     for f in sorted(source.iterdir()):
@@ -175,47 +180,12 @@ def write_tokenizer(ov, ovt, source: Path, dest: Path, chat_template: str = "") 
     if chat_template:
         config = json.loads((dest / "tokenizer_config.json").read_text())
         write_json(dest / "tokenizer_config.json", {**config, "chat_template": chat_template})
-        kind = AutoTokenizer
-    else:
-        kind = CLIPTokenizer if (source / "vocab.json").is_file() else T5TokenizerFast
+    kind = CLIPTokenizer if (source / "vocab.json").is_file() else \
+        T5TokenizerFast if (source / "spiece.model").is_file() else AutoTokenizer
     tokenizer, detokenizer = ovt.convert_tokenizer(kind.from_pretrained(dest), with_detokenizer=True)
     ov.save_model(tokenizer, str(dest / "openvino_tokenizer.xml"))
     ov.save_model(detokenizer, str(dest / "openvino_detokenizer.xml"))
     return sorted(f.name for f in dest.iterdir())
-
-
-def split_output(ov, model, name: str, names: list[str]):
-    """The model with its output `name` cut along the last axis into equal parts, one output per `names`."""
-    from openvino import opset13 as ops
-    outs = []
-    for port in model.outputs:
-        if port.get_any_name() != name:
-            outs.append(ops.result(port.get_node().input_value(0)))
-            continue
-        parts = ops.split(port.get_node().input_value(0), ops.constant(-1), len(names))
-        for part, part_name in zip(parts.outputs(), names):
-            part.get_tensor().set_names({part_name})
-            outs.append(ops.result(part))
-    return ov.Model(outs, model.get_parameters(), model.get_friendly_name())
-
-
-def batched_inputs(ov, model, names: tuple[str, ...]):
-    """The model with each input in `names` ([S, k]: one row set for the whole batch, as precast's graphs take
-    position ids) fed batched, [B, S, k], as GenAI feeds it: the first batch row is read."""
-    from openvino import opset13 as ops
-    for param in model.get_parameters():
-        name = param.get_output_tensor(0).get_any_name()
-        if name not in names:
-            continue
-        batched = ops.parameter([-1, *param.get_partial_shape()], param.get_element_type(), name)
-        first = ops.gather(batched, ops.constant(0), ops.constant(0))
-        for target in list(param.output(0).get_target_inputs()):
-            target.replace_source_output(first.output(0))
-        param.get_output_tensor(0).set_names(set())
-        batched.get_output_tensor(0).set_names({name})
-        model.replace_parameter(model.get_parameter_index(param), batched)
-    model.validate_nodes_and_infer_types()
-    return model
 
 
 def check_export(export_dir: Path, report: dict, comps: dict) -> list[str]:
@@ -226,7 +196,7 @@ def check_export(export_dir: Path, report: dict, comps: dict) -> list[str]:
         raise BadInput(f"{export_dir}: a {fam.title} export; {fam.no_genai}")
     if fam is None or fam.genai is None:
         raise BadInput(f"{export_dir}: a {family} export; export-openvino-genai writes SD 1.x / 2.x, SDXL, SD3 / SD3.5, "
-                       "Flux and FLUX.2 klein pipelines (the SDXL refiner is not written yet)")
+                       "Flux, FLUX.2 klein, Z-Image and Qwen-Image pipelines (the SDXL refiner is not written yet)")
     refused = fam.genai.variants.get(report.get("variant", ""))
     if isinstance(refused, str):
         raise BadInput(f"{export_dir}: a {fam.title} {report.get('variant')} export; {refused}")

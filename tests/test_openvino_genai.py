@@ -198,7 +198,7 @@ def test_refuses_families_not_written_yet(genai_folder, tmp_path):
     fake.mkdir()
     report = json.loads((src / "precast_export.json").read_text())
     (fake / "precast_export.json").write_text(json.dumps({**report, "family": "sdxl-refiner"}))
-    with pytest.raises(BadInput, match="SD 1.x / 2.x, SDXL, SD3 / SD3.5 and Flux"):
+    with pytest.raises(BadInput, match="SD 1.x / 2.x, SDXL, SD3 / SD3.5, Flux, FLUX.2 klein"):
         export_openvino_genai(fake, tmp_path / "out")
     (fake / "precast_export.json").write_text(json.dumps({**report, "family": "flux"}))
     with pytest.raises(BadInput, match="has no text_encoder_2, transformer"):   # an SD export relabelled

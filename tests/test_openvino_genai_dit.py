@@ -1,7 +1,8 @@
-"""OpenVINO GenAI runs a precast Flux / SD3 / FLUX.2 klein export (issues 18 and 32):
-`precast export-openvino-genai` writes the tiny Flux.1 dev / schnell, SD3.5-medium / SD3-medium and FLUX.2 klein
-(distilled, and base with CFG) demos in optimum-intel's OpenVINO layout, openvino_genai.Text2ImagePipeline
-loads them as written (FluxPipeline, StableDiffusion3Pipeline, Flux2KleinPipeline) and, from the same initial
+"""OpenVINO GenAI runs a precast Flux / SD3 / FLUX.2 klein / Z-Image / Qwen-Image export (issues 18 and 32):
+`precast export-openvino-genai` writes the tiny Flux.1 dev / schnell, SD3.5-medium / SD3-medium, FLUX.2 klein
+(distilled, and base with CFG), Z-Image (Turbo, and with CFG) and Qwen-Image demos in optimum-intel's OpenVINO
+layout, openvino_genai.Text2ImagePipeline loads them as written (FluxPipeline, StableDiffusion3Pipeline,
+Flux2KleinPipeline, ZImagePipeline, QwenImagePipeline) and, from the same initial
 noise (handed to GenAI through a Generator subclass: GenAI draws the unpacked [1, C, h, w] latents with
 randn_tensor, as precast does) with the export's own flow-matching schedule, produces the image precast's
 pipeline (`precast generate`) produces from a bundle of the same checkpoint: PSNR >= 40 dB (GenAI returns
@@ -28,7 +29,14 @@ CASES = {"flux-dev": ("tiny-flux-dev", FLUX, 32, 4, 3.5, None),
          "flux2-klein": ("tiny-flux2-klein", LLM, 64, 4, 1.0, None),
          # klein base (is_distilled false: weights alike, the variant from a diffusers folder's model_index.json):
          # CFG against the empty prompt (GenAI takes no negative prompt for it)
-         "flux2-klein-base": ("tiny-flux2-klein", LLM, 64, 3, 4.0, None, "klein-base")}
+         "flux2-klein-base": ("tiny-flux2-klein", LLM, 64, 3, 4.0, None, "klein-base"),
+         # GenAI runs true CFG only with a negative prompt and templates "" as it is; precast reads "" as " " (as
+         # QwenImagePipeline does): " " both. Both keep the prompt whole (the bundle's 160 - 34 template tokens)
+         "qwen-image": ("tiny-qwen-image", LLM + ["vae_encoder"], 160, 4, 4.0, " "),
+         # Turbo without CFG (GenAI's defaults are the base model's: 50 steps, guidance 5), and with CFG as the base
+         # model runs it (the same guidance number on both sides)
+         "z-image-turbo": ("tiny-z-image", LLM, 128, 8, 1.0, None),
+         "z-image-cfg": ("tiny-z-image", LLM, 128, 4, 4.0, "blurry")}
 PINS = "openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0 (they must match openvino 2026.4.1)"
 
 
@@ -176,6 +184,62 @@ def test_flux2_klein_layout_is_optimum_intels(made):
     assert ids == LLMTokenizer.from_folder(root / "tokenizer").chat(PROMPT, CHAT, 512)
 
 
+def test_qwen_image_layout_is_optimum_intels(made):
+    """What QwenImagePipeline feeds: the packed grid's height / width (int64 scalars; precast's graph takes
+    position ids, now computed in the model: equal to the runtime's on odd, non-square grids), an int64 text mask,
+    a 5-D single-frame VAE; the schedule's shift_terminal."""
+    import openvino as ov
+    from precast.runtime.families.qwenimage import latent_ids, text_ids
+    import onnxruntime as ort
+    root, _, src = made("qwen-image")
+    index = json.loads((root / "model_index.json").read_text())
+    assert (index["_class_name"], index["vae"], index["text_encoder"][1]) == \
+        ("QwenImagePipeline", ["diffusers", "AutoencoderKLQwenImage"], "Qwen2_5_VLForConditionalGeneration")
+    inputs, _ = _io(root / "transformer/openvino_model.xml")
+    assert inputs == {"hidden_states": "f32", "encoder_hidden_states": "f32", "encoder_hidden_states_mask": "i64",
+                      "timestep": "f32", "height": "i64", "width": "i64"}
+    for comp, name in (("vae_decoder", "latent_sample"), ("vae_encoder", "sample")):
+        model = ov.Core().read_model(root / comp / "openvino_model.xml")
+        assert model.input(name).get_partial_shape().rank.get_length() == 5
+        assert model.output(0).get_partial_shape().rank.get_length() == 5
+    vae = json.loads((root / "vae_decoder/config.json").read_text())
+    assert 2 ** len(vae["temperal_downsample"]) == 8 and vae["z_dim"] == 16
+    assert json.loads((root / "scheduler/scheduler_config.json").read_text())["shift_terminal"] == 0.02
+    genai = ov.Core().compile_model(root / "transformer/openvino_model.xml", "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    ours = ort.InferenceSession(str(src / "transformer/model.onnx"), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    for rows, cols, length in ((3, 5, 7), (4, 4, 2), (6, 1, 3)):
+        feed = {"hidden_states": rng.standard_normal((1, rows * cols, 64), np.float32),
+                "encoder_hidden_states": rng.standard_normal((1, length, 256), np.float32),
+                "timestep": np.array([0.6], np.float32)}
+        mask = np.ones((1, length), np.int64)
+        got = genai({**feed, "encoder_hidden_states_mask": mask, "height": np.int64(rows), "width": np.int64(cols)})
+        want = ours.run(None, {**feed, "encoder_hidden_states_mask": mask.astype(np.int32),
+                               "img_ids": latent_ids(rows, cols), "txt_ids": text_ids(length, rows, cols)})[0]
+        np.testing.assert_allclose(got[0], want, atol=1e-5)
+
+
+def test_z_image_layout_is_optimum_intels(made):
+    """What ZImagePipeline feeds: an additive float text mask and int32 position ids (precast's graph derives the
+    positions from the mask), the text encoder's last_hidden_state; its tokenizer renders ZImagePipeline's chat
+    text even as GenAI asks, thinking off."""
+    from transformers import AutoTokenizer
+    from precast.runtime.families.zimage import CHAT
+    root, _, _ = made("z-image-turbo")
+    index = json.loads((root / "model_index.json").read_text())
+    assert (index["_class_name"], index["vae"], index["transformer"][1]) == \
+        ("ZImagePipeline", ["diffusers", "AutoencoderKL"], "ZImageTransformer2DModel")
+    assert _io(root / "text_encoder/openvino_model.xml") == (
+        {"input_ids": "i64", "attention_mask": "i64"}, ["last_hidden_state"])
+    assert _io(root / "transformer/openvino_model.xml")[0] == {
+        "hidden_states": "f32", "encoder_hidden_states": "f32", "timestep": "f32", "encoder_attention_mask": "f32",
+        "txt_ids": "i32", "img_ids": "i32"}
+    hf = AutoTokenizer.from_pretrained(root / "tokenizer")
+    for thinking in (False, True):
+        assert hf.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True,
+                                      enable_thinking=thinking) == CHAT.format(prompt=PROMPT)
+
+
 class _Noise:
     """An openvino_genai.Generator handing GenAI precast's initial noise (the flow schedules draw no more)."""
 
@@ -203,16 +267,17 @@ def test_text2image_pipeline_matches_precast_generate(made, case):
     from precast.runtime.manifest import read_manifest
     folder, bundle, _ = made(case)
     demo, _, t5, steps, guidance, negative, *_ = CASES[case]
-    family = read_manifest(bundle).model["family"]
-    channels = 32 if family == "flux2" else 16
-    noise = np.random.default_rng(7).standard_normal((1, channels, 32, 32)).astype(np.float32)
+    manifest = read_manifest(bundle)
+    family = FAMILIES[manifest.model["family"]]
+    shape = family.requests(manifest, 1, 64, 64)["vae_decoder"]["latent_sample"]     # what precast draws
+    noise = np.random.default_rng(7).standard_normal(shape).astype(np.float32)
     pipe = ov_genai.Text2ImagePipeline(str(folder), "CPU", INFERENCE_PRECISION_HINT="f32")
     kw = {} if negative is None else {"negative_prompt": negative}
     out = pipe.generate(PROMPT, width=64, height=64, num_inference_steps=steps, guidance_scale=guidance,
                         max_sequence_length=t5, generator=_Noise(noise), **kw)
     image = out.data[0].astype(np.float64) / 255          # [64, 64, 3] uint8 -> [0, 1]
-    ours = FAMILIES[family].pipeline(bundle, "cpu", width=64, height=64)(PROMPT, negative or "", steps=steps, guidance=guidance,
-                                                       latents=noise, progress=False)
+    ours = family.pipeline(bundle, "cpu", width=64, height=64)(PROMPT, negative or "", steps=steps, guidance=guidance,
+                                                              latents=noise, progress=False)
     assert image.shape == ours.shape == (64, 64, 3) and image.std() > 0.05   # a picture, not a flat fill
     psnr = 10 * np.log10(1.0 / max(float(np.mean((image - ours) ** 2)), 1e-12))
     print(f"{case}: PSNR {psnr:.1f} dB")

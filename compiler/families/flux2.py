@@ -95,7 +95,7 @@ def _genai_adapt(ov, name: str, model, config: dict, report: dict):
     """OpenVINO GenAI's Flux2KleinPipeline reads the text encoder's states one output per layer
     (`hidden_states.N`, stacked on the host in config.json's hidden_states_layers order, as precast's graph stacks
     them) and feeds the transformer batched position ids."""
-    from ..openvino_genai import batched_inputs, split_output
+    from ..ov_io import batched_inputs, split_output
     if name == "text_encoder":
         return split_output(ov, model, "hidden_states", [f"hidden_states.{i}" for i in config["reads"]])
     if name == "transformer":

@@ -5,19 +5,21 @@ unmodulated context_refiner blocks, in diffusers names after compiler/sources/zi
 (the Qwen3 text encoder read at hidden_states[-2]: compiler/graphs/llm_encoder.py; the transformer:
 compiler/graphs/zimage.py; the FLUX.1 VAE: compiler/graphs/ldm_vae.py), how the parts must fit (the transformer
 patches the VAE's latent channels and reads the text encoder's width; the tokenizer is there), the tiny demo's
-RoPE split, and its diffusers folder layout (ZImagePipeline).
+RoPE split, and its diffusers and OpenVINO GenAI folder layouts (ZImagePipeline).
 """
 from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import BadInput
 from ..graphs import llm_encoder, zimage
 from ..sources.llm_tokenizer_files import llm_tokenizer_files
 from ..sources.tensor_refs import DIT, LLM, Checkpoint
-from .family import Component, Detected, Diffusers, Family
-from .shared import FLOW_SCHEDULER, VAES
+from .family import Component, Detected, Diffusers, Family, GenAI
+from .shared import FLOW_EULER, FLOW_SCHEDULER, QWEN_TOKENIZER, VAE_MODEL, VAES
 
 LOOKED_FOR = "cap_embedder.* + noise_refiner.* (Z-Image)"
 TE_HINT = ("Z-Image split files ship the Qwen3 text encoder on its own: pass it with --text-encoder "
@@ -61,12 +63,47 @@ def _transformer_fields(cfg: dict) -> dict:
                 all_patch_size=[2], all_f_patch_size=[1])
 
 
+# Qwen3's chat template as ZImagePipeline renders it (enable_thinking true: the assistant's turn opened, no think
+# block), whatever enable_thinking says: OpenVINO GenAI templates the prompt with thinking off
+CHAT = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _genai_adapt(ov, name: str, model, config: dict, report: dict):
+    """OpenVINO GenAI's ZImagePipeline reads the text encoder's `last_hidden_state`, and feeds the transformer an
+    additive float text mask (0 on the prompt's rows) and int32 position ids, which precast's graph derives from
+    the mask itself (the same positions: accepted, not read); it negates the transformer's output on the host,
+    where precast's graph outputs the velocity: negated back here."""
+    from openvino import opset13 as ops
+    from ..ov_io import computed_inputs, parameter
+    if name == "text_encoder":
+        model.output(0).get_tensor().set_names({"last_hidden_state"})
+    elif name == "transformer":
+        additive = parameter(ov, "encoder_attention_mask", ov.Type.f32, [-1, -1])
+        mask = ops.convert(ops.greater(additive, ops.constant(np.float32(-1))), ov.Type.i32)
+        ids = [parameter(ov, n, ov.Type.i32, [-1, -1, 3]) for n in ("txt_ids", "img_ids")]
+        model = computed_inputs(model, [additive, *ids], {"attention_mask": mask.output(0)})
+        (out,) = model.outputs
+        source = out.get_node().input_value(0)
+        names = out.get_names()
+        source.get_tensor().set_names(set())
+        negated = ops.negative(source)
+        negated.output(0).get_tensor().set_names(names)
+        model = ov.Model([ops.result(negated)], model.get_parameters(), model.get_friendly_name())
+    return model
+
+
+GENAI = GenAI({"_class_name": "ZImagePipeline", "scheduler": FLOW_EULER, "tokenizer": QWEN_TOKENIZER,
+               "text_encoder": ["transformers", "Qwen3Model"], "vae": VAE_MODEL,
+               "transformer": ["diffusers", "ZImageTransformer2DModel"]},
+              spacing="1/steps", static_shift_only=True, text_inputs=("input_ids", "attention_mask"),
+              adapt=_genai_adapt, chat_template=CHAT)
+
+
 FAMILIES = (
     Family("zimage", {"text_encoder": TEXT_ENCODER, "transformer": TRANSFORMER, **VAES},
            Diffusers("ZImagePipeline", FLOW_SCHEDULER, 128, transformer="ZImageTransformer2DModel",
                      transformer_fields=_transformer_fields),
            fp32_vae=True, text_encoder_files=True, check_parts=check_parts, demos={"demo:tiny-z-image": DEMO},
-           no_genai="export-openvino-genai does not write Z-Image folders yet: OpenVINO GenAI 2026.4's ZImagePipeline "
-                    "reads optimum-intel's layout (a transformer with an additive text mask and position-id inputs), "
-                    "not precast's graphs"),
+           genai=GENAI),
 )
