@@ -115,34 +115,41 @@ def test_llm_encoder_matches_transformers(tmp_path, kind, reads):
 
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen2.5"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2.5", "mistral"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_llm_encoder_half_precision_stays_close(tmp_path, kind, dtype):
     """The encoder exported in fp16 (ONNX Runtime) and bf16 (OpenVINO, f32 compute on the bf16 weights) against
     transformers' fp32 run, held to what transformers itself loses in that precision: no worse than twice the error of
-    its own fp16 / bf16 run of the same weights, with a floor of 1e-2 (as the T5's test); padded rows included."""
+    its own fp16 / bf16 run of the same weights, with a floor of 1e-2 (as the T5's test); padded rows included
+    (FLUX.2 dev's Mistral: left-padded, heads wider than width / heads, theta 1e9)."""
     import copy
-    from transformers import Qwen2Config, Qwen2Model, Qwen3Config, Qwen3Model
+    from transformers import MistralConfig, MistralModel, Qwen2Config, Qwen2Model, Qwen3Config, Qwen3Model
     torch.manual_seed(1)
+    theta = {"qwen3": 1e6, "qwen2.5": 1e4, "mistral": 1e9}[kind]
     common = dict(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=4, num_attention_heads=6,
-                  num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1e6 if kind == "qwen3" else 1e4)
+                  num_key_value_heads=2, rms_norm_eps=1e-5 if kind == "mistral" else 1e-6, rope_theta=theta)
     model = _randomized(Qwen3Model(Qwen3Config(head_dim=8, **common)) if kind == "qwen3" else
+                        MistralModel(MistralConfig(head_dim=16, **common)) if kind == "mistral" else
                         Qwen2Model(Qwen2Config(**common)))
     save_file({"model." + k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "te.safetensors")
     g = Graph("text_encoder", open_checkpoint(tmp_path / "te.safetensors"), LLM, dtype)
-    reads = (-2,) if kind == "qwen3" else (-1,)
-    build_llm_encoder(g, llm_config(g, {} if kind == "qwen3" else {"num_attention_heads": 6}, {}, reads=reads,
-                                    theta=common["rope_theta"]))
+    reads = {"qwen3": (-2,), "qwen2.5": (-1,), "mistral": (1, 2, 3)}[kind]
+    config = {"qwen3": {}, "qwen2.5": {"num_attention_heads": 6},
+              "mistral": {"num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 16}}[kind]
+    build_llm_encoder(g, llm_config(g, config, {}, reads=reads, theta=theta, eps=common["rms_norm_eps"]))
     save_model(g, str(tmp_path / "onnx"))
     ids = np.random.default_rng(2).integers(0, 300, (2, 21))
     mask = np.ones((2, 21), np.int64)
-    mask[1, 13:] = 0
+    if kind == "mistral":
+        mask[1, :8] = 0                     # Flux2Pipeline pads Mistral's prompt on the left
+    else:
+        mask[1, 13:] = 0
 
     @torch.no_grad()
     def reference(torch_dtype):
         states = copy.deepcopy(model).to(torch_dtype)(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
                                                        output_hidden_states=True).hidden_states
-        return states[reads[0]].float().numpy()
+        return np.concatenate([states[r].float().numpy() for r in reads], axis=-1)
     want = reference(torch.float32)
     theirs = rel_err(reference(torch.float16 if dtype == "fp16" else torch.bfloat16), want)
     feeds = {"input_ids": ids.astype(np.int32), "attention_mask": mask.astype(np.int32)}
