@@ -38,7 +38,7 @@ from .checks import check_strength, check_vae_tiling, is_int, shown
 from .component import Component
 from .devices import Device, apply_device_override, discover_devices
 from .errors import Cancelled, UserError
-from .families import family_of
+from .families import component_requests, family_of
 from .generate import ControlSpec, Image, ImageInput, Pipeline, check_image_mode, check_settings, control_entries
 from .hires import check_hires
 from .image_size import latent_factor, optimal_size, parse_size
@@ -126,7 +126,7 @@ class Bundle:
         w, h = self._size(size)
         m = self._machine(backend, params_backend, strict)
         family = family_of(self.manifest)
-        reqs = family.requests(self.manifest, 1, h, w)
+        reqs = component_requests(self.manifest, 1, h, w)
         together = tuple(c for c in family.needs if c in self.manifest.components)   # generate's memory plan
         stages = {**m.stages, "select": 0.0, "verify": 0.0}
         with timed(stages, "select"):    # headers and manifests only
@@ -153,7 +153,7 @@ class Bundle:
         w, h = self._size(size)
         m = self._machine(backend, params_backend, strict)
         placement = m.placements[COMPONENT_MODULE.get(component, "diffusion")]
-        request = family_of(self.manifest).requests(self.manifest, 1, h, w).get(component, {})
+        request = component_requests(self.manifest, 1, h, w).get(component, {})
         sel = select_component(self.manifest, component, placement, m.devices, request, m.installed, self.verify)
         if strict and sel.choice is None:
             raise UserError(nothing_runs(component, sel.target, sel.refused))

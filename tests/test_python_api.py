@@ -148,6 +148,22 @@ def test_flux_components_run_on_numpy_feeds(flux):
     assert vae.run({"latent_sample": np.zeros((1, 16, 32, 32), np.float32)})["sample"].shape == (1, 3, 64, 64)
 
 
+@pytest.mark.parametrize("demo, channels", [("tiny-flux2-klein", 32), ("tiny-qwen-image", 16)])
+def test_a_bundle_of_the_vae_alone_plans_and_decodes(tmp_path, demo, channels):
+    """A DiT family's bundle holding only its VAE (no transformer to read the latents' width from): doctor plans
+    it, and its decoder loads and decodes latents of the VAE's own channels (a KeyError before)."""
+    bundle = build_recipe(tmp_path, f"model: {{source: 'demo:{demo}'}}\ncomponents: [vae_decoder, vae_encoder]\n"
+                                    "precision: fp32\nprofiles: {batch: 1, height: 64, width: 64}\n"
+                                    "targets: [onnxruntime]\n")
+    proc = precast("doctor", bundle)
+    assert proc.returncode == 0 and "vae_decoder" in proc.stdout, proc.stderr
+    api = open_bundle(bundle)
+    assert set(api.plan().components) == {"vae_decoder", "vae_encoder"}
+    f = 64 // (2 ** (api.manifest.components["vae_decoder"]["config"]["decoder_levels"] - 1))
+    image = api.load("vae_decoder").run({"latent_sample": np.zeros((1, channels, f, f), np.float32)})["sample"]
+    assert image.shape == (1, 3, 64, 64)
+
+
 # ---- txt2img --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name, steps, scheduler", [("sd", 3, None), ("sd", 2, "dpm++2m"), ("flux", 2, None)])
 def test_txt2img_is_precast_generate(bundles, tmp_path, name, steps, scheduler):

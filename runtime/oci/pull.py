@@ -39,7 +39,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from ..errors import UserError
-from ..families import family_of
+from ..families import component_requests
 from ..fileops import WINDOWS, hold_path
 from ..fingerprint import Fingerprint, why_not_serves
 from ..image_size import optimal_size
@@ -100,7 +100,7 @@ def choose(m: Manifest, machine=None, fingerprints: tuple[str, ...] = (), everyt
                 onnx.add(c)
         return arts, onnx
     w, h = optimal_size(m)
-    requests = family_of(m).requests(m, 1, h, w)
+    requests = component_requests(m, 1, h, w)
     for c, sel in select_all(m, machine.placements, machine.devices, requests, machine.installed, False).items():
         if sel.choice is not None and sel.choice.artifact is not None:
             arts.add(sel.choice.artifact.id)
