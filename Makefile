@@ -11,8 +11,15 @@ INTEROP := .venv-interop
 INTEROP_STAMP := $(INTEROP)/.installed
 INTEROP_PINS := torch==2.13.0 transformers==4.57.6 optimum==2.1.0 optimum-onnx==0.1.0 optimum-intel==1.27.0 \
 	diffusers==0.39.0 onnxruntime==1.32.0 openvino==2026.4.1 numpy==2.4.6
+# optimum-intel 2.2 (its FLUX.2 klein / Z-Image / Qwen-Image pipelines) needs optimum 2.3 and transformers 5.5: a
+# second side venv, for tests/test_openvino_genai_dit.py. ~1.5 min, 1.6 GB. Its torchvision requirement resolves to
+# a CUDA build that breaks `import optimum.intel` beside the CPU torch; the diffusion pipelines never use it: removed.
+INTEROP_OV := .venv-interop-ov
+INTEROP_OV_STAMP := $(INTEROP_OV)/.installed
+INTEROP_OV_PINS := torch==2.13.0 transformers==5.5.4 optimum==2.3.0 optimum-intel==2.2.0 diffusers==0.39.0 \
+	openvino==2026.4.1 openvino-tokenizers==2026.4.1.0 nncf==3.4.0 huggingface_hub==1.21.0 numpy==2.4.6
 
-.PHONY: setup test-setup interop-setup demo demo-rtx demo-flux test bench clean
+.PHONY: setup test-setup interop-setup interop-ov-setup demo demo-rtx demo-flux test bench clean
 
 # The product: the compiler, the CPU runtimes (ONNX Runtime, OpenVINO) and TensorRT-RTX (its AOT builds need no GPU).
 $(STAMP): pyproject.toml Makefile
@@ -35,11 +42,20 @@ $(INTEROP_STAMP): Makefile
 	$(INTEROP)/bin/pip install -q $(INTEROP_PINS)
 	touch $(INTEROP_STAMP)
 
+# The second side environment: optimum-intel 2.2 (see INTEROP_OV_PINS).
+$(INTEROP_OV_STAMP): Makefile
+	test -x $(INTEROP_OV)/bin/python || $(PY) -m venv $(INTEROP_OV)
+	$(INTEROP_OV)/bin/pip install -q $(INTEROP_OV_PINS)
+	$(INTEROP_OV)/bin/pip uninstall -q -y torchvision
+	touch $(INTEROP_OV_STAMP)
+
 setup: $(STAMP)
 
 test-setup: $(TEST_STAMP)
 
 interop-setup: $(INTEROP_STAMP)
+
+interop-ov-setup: $(INTEROP_OV_STAMP)
 
 # The main job on the embedded default: tiny SD 1.x checkpoint -> bundle for this machine -> image.
 demo: setup
@@ -65,7 +81,7 @@ demo-flux: setup
 	$(BIN)/precast doctor $(DEMO)/flux-bundle
 	$(BIN)/precast generate $(DEMO)/flux-bundle --prompt "a photo of a cat" --size 64x64 --out $(DEMO)/flux-cat.png
 
-test: test-setup interop-setup
+test: test-setup interop-setup interop-ov-setup
 	$(BIN)/python -m pytest -q --durations=25
 
 # Benchmarks (minutes to an hour; full-size weights are generated into benchmarks/results/work).

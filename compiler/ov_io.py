@@ -2,9 +2,9 @@
 
 Owns: the few IO rewrites `precast export-openvino-genai` needs where OpenVINO GenAI's pipelines feed a model in
 another form than precast's runtime does (compiler/families/*.py compose them per family): an input's element
-type, an output cut into one output per part, position ids fed batched, inputs replaced by values computed in the
-graph from new ones, a single-frame 5-D image fed to a 4-D model. Each takes and returns an `ov.Model`; the
-`openvino` package is imported by the caller (an optional dependency).
+type, position ids fed batched, inputs replaced by values computed in the graph from new ones, a single-frame
+5-D image fed to a 4-D model. Each takes and returns an `ov.Model`; the `openvino` package is imported by the
+caller (an optional dependency).
 """
 from __future__ import annotations
 
@@ -31,20 +31,6 @@ def retype(ov, model, types: dict):
             ppp.input(port.get_any_name()).tensor().set_element_type(want)
             changed = True
     return ppp.build() if changed else model
-
-
-def split_output(ov, model, name: str, names: list[str]):
-    """The model with its output `name` cut along the last axis into equal parts, one output per `names`."""
-    ops, outs = _ops(), []
-    for port in model.outputs:
-        if port.get_any_name() != name:
-            outs.append(ops.result(port.get_node().input_value(0)))
-            continue
-        parts = ops.split(port.get_node().input_value(0), ops.constant(-1), len(names))
-        for part, part_name in zip(parts.outputs(), names):
-            part.get_tensor().set_names({part_name})
-            outs.append(ops.result(part))
-    return ov.Model(outs, model.get_parameters(), model.get_friendly_name())
 
 
 def computed_inputs(model, new: list, values: dict):

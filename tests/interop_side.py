@@ -1,11 +1,13 @@
-"""Runs in the side environment (.venv-interop, `make interop-setup`: optimum-onnx, optimum-intel and the
-transformers < 4.58 they need), never in the test process: tests/test_interop.py calls it as a subprocess.
+"""Runs in a side environment (.venv-interop, `make interop-setup`: optimum-onnx, optimum-intel and the
+transformers < 4.58 they need; .venv-interop-ov, `make interop-ov-setup`: optimum-intel 2.2), never in the test
+process: tests/test_interop.py and test_openvino_genai_dit.py call it as a subprocess.
 
     .venv-interop/bin/python tests/interop_side.py SPEC.json
 
 SPEC, to run a pipeline: {"module": "optimum.onnxruntime" | "optimum.intel", "class": pipeline class name, "folder": the pipeline
 folder, "load": from_pretrained keywords, "call": pipeline keywords, "latents": .npy of the initial latents,
-"out": .npy the image is written to (float32 [H, W, 3] in [0, 1], output_type="np")}. Prints one JSON line:
+"latents_form": how the pipeline takes them (`packed`), "out": .npy the image is written to (float32 [H, W, 3] in
+[0, 1], output_type="np")}. Prints one JSON line:
 the pipeline class that ran and the versions of the packages that ran it.
 
 SPEC, to export (the reverse direction, tests/test_foreign_onnx.py): {"export": {"tokenizer": a CLIP tokenizer
@@ -23,9 +25,26 @@ import torch
 
 
 def versions() -> dict:
-    from importlib.metadata import version
-    return {p: version(p) for p in ("optimum", "optimum-onnx", "optimum-intel", "diffusers", "transformers",
-                                    "onnxruntime", "openvino")}
+    from importlib.metadata import PackageNotFoundError, version
+    out = {}
+    for p in ("optimum", "optimum-onnx", "optimum-intel", "diffusers", "transformers", "onnxruntime", "openvino"):
+        try:
+            out[p] = version(p)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def packed(latents: torch.Tensor, form: str | None) -> torch.Tensor:
+    """precast's unpacked [B, C, h, w] noise in the form the pipeline takes `latents` in: FLUX.2's 2x2
+    patchified [B, 4C, h/2, w/2] ("patchify"), Qwen-Image's packed tokens [B, hw/4, 4C] ("pack")."""
+    if form == "patchify":
+        from diffusers import Flux2KleinPipeline
+        return Flux2KleinPipeline._patchify_latents(latents)
+    if form == "pack":
+        from diffusers import QwenImagePipeline
+        return QwenImagePipeline._pack_latents(latents, *latents.shape)
+    return latents
 
 
 def export_tiny_sd(tokenizer: str, model: str, out: str) -> dict:
@@ -59,7 +78,7 @@ def main(spec_path: str) -> None:
     pipe = cls.from_pretrained(spec["folder"], **spec.get("load", {}))
     call = dict(spec.get("call", {}))
     if spec.get("latents"):
-        call["latents"] = torch.from_numpy(np.load(spec["latents"]))
+        call["latents"] = packed(torch.from_numpy(np.load(spec["latents"])), spec.get("latents_form"))
     image = pipe(output_type="np", **call).images[0]
     np.save(spec["out"], np.asarray(image, np.float32))
     print(json.dumps({"class": type(pipe).__name__, **versions()}))

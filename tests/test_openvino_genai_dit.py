@@ -158,8 +158,23 @@ def test_flux2_klein_layout_is_optimum_intels(made):
         ("Flux2KleinPipeline", ["transformers", "Qwen3ForCausalLM"], True)
     te = json.loads((root / "text_encoder/config.json").read_text())
     assert te["hidden_states_layers"] == [9, 18, 27] and te["hidden_size"] == 32
+    # one output per hidden state up to the deepest read, in index order: GenAI reads hidden_states.N by name,
+    # optimum-intel's pipeline indexes the list of them by N; each is transformers' hidden_states[N]
     assert _io(root / "text_encoder/openvino_model.xml") == (
-        {"input_ids": "i64", "attention_mask": "i64"}, ["hidden_states.9", "hidden_states.18", "hidden_states.27"])
+        {"input_ids": "i64", "attention_mask": "i64"}, [f"hidden_states.{i}" for i in range(28)])
+    from test_flux2 import _text_encoder
+    import torch
+    from safetensors.torch import load_file
+    sd = {k: v.float() for k, v in load_file(next((src.parent / "cache" / "demo").glob("tiny-flux2-klein-*"))).items()}
+    ids, mask = np.random.default_rng(3).integers(0, 500, (2, 11)), np.ones((2, 11), np.int64)
+    mask[1, 7:] = 0
+    with torch.no_grad():
+        want = _text_encoder(sd)(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                                 output_hidden_states=True).hidden_states
+    got = ov.Core().compile_model(root / "text_encoder/openvino_model.xml", "CPU", {"INFERENCE_PRECISION_HINT": "f32"})(
+        {"input_ids": ids, "attention_mask": mask})
+    for i in range(28):
+        np.testing.assert_allclose(got[f"hidden_states.{i}"], want[i].numpy(), atol=1e-4, rtol=1e-4)
     inputs, outputs = _io(root / "transformer/openvino_model.xml")
     assert set(inputs) == {"hidden_states", "encoder_hidden_states", "timestep", "img_ids", "txt_ids"}
     model = ov.Core().read_model(root / "transformer/openvino_model.xml")
@@ -283,6 +298,45 @@ def test_text2image_pipeline_matches_precast_generate(made, case):
     print(f"{case}: PSNR {psnr:.1f} dB")
     assert psnr >= 40, psnr
     assert np.abs(image - ours).max() <= 2 / 255            # uint8 rounding, nothing more
+
+
+# optimum-intel 2.2's pipelines on the same folders (diffusers' pipelines over the OpenVINO models): the call that
+# is precast's case -- diffusers' guidance_scale for Z-Image is precast's guidance - 1, Qwen-Image's CFG is
+# true_cfg_scale -- and the form the pipeline takes latents in (tests/interop_side.py packed)
+OPTIMUM = {"flux2-klein": ({"guidance_scale": 1.0}, "patchify"),
+           "z-image-turbo": ({"guidance_scale": 0.0}, None),
+           "z-image-cfg": ({"guidance_scale": 3.0, "negative_prompt": "blurry"}, None),
+           "qwen-image": ({"true_cfg_scale": 4.0, "negative_prompt": " "}, "pack")}
+
+
+@pytest.mark.parametrize("case", list(OPTIMUM))
+def test_optimum_intel_runs_the_folder(made, case, tmp_path):
+    """optimum-intel 2.2's OVDiffusionPipeline (in its side environment: optimum 2.3, transformers 5.5) loads the
+    folder GenAI loads and, from precast's noise, gives precast's image."""
+    from side_env import run_side
+    from precast.runtime.families import FAMILIES
+    from precast.runtime.manifest import read_manifest
+    folder, bundle, _ = made(case)
+    _, _, t5, steps, guidance, negative, *_ = CASES[case]
+    manifest = read_manifest(bundle)
+    family = FAMILIES[manifest.model["family"]]
+    noise = np.random.default_rng(7).standard_normal(
+        family.requests(manifest, 1, 64, 64)["vae_decoder"]["latent_sample"]).astype(np.float32)
+    np.save(tmp_path / "noise.npy", noise)
+    call, form = OPTIMUM[case]
+    ran = run_side({"module": "optimum.intel", "class": "OVDiffusionPipeline", "folder": str(folder),
+                    "load": {"device": "CPU", "ov_config": {"INFERENCE_PRECISION_HINT": "f32"}},
+                    "call": {"prompt": PROMPT, "height": 64, "width": 64, "num_inference_steps": steps,
+                             "max_sequence_length": t5, **call},
+                    "latents": str(tmp_path / "noise.npy"), "latents_form": form, "out": str(tmp_path / "image.npy")},
+                   tmp_path, ov22=True)
+    assert ran["optimum-intel"].startswith("2.2")
+    image = np.load(tmp_path / "image.npy")
+    ours = family.pipeline(bundle, "cpu", width=64, height=64)(PROMPT, negative or "", steps=steps, guidance=guidance,
+                                                              latents=noise, progress=False)
+    psnr = 10 * np.log10(1.0 / max(float(np.mean((image - ours) ** 2)), 1e-12))
+    print(f"{case}: optimum-intel {ran['class']} PSNR {psnr:.1f} dB")
+    assert image.shape == ours.shape and psnr >= 40, psnr
 
 
 def _fake_export(src, dest, **changes):

@@ -91,13 +91,49 @@ def _transformer_fields(cfg: dict) -> dict:
                 guidance_embeds=bool(cfg.get("guidance")))
 
 
+def _genai_text_states(ov, model, reads: list[int]):
+    """The text encoder with one output per hidden state, `hidden_states.0` (the embeddings) up to the deepest
+    read, in index order: OpenVINO GenAI's Flux2KleinPipeline reads `hidden_states.N` by name (and stacks those of
+    config.json's hidden_states_layers, as precast's graph stacks them), optimum-intel's pipeline indexes the list
+    of `hidden_states*` outputs by N. precast's graph outputs the read states concatenated; the others are on the
+    residual stream it already computes: each layer's state is the second of two residual Adds whose first input
+    is the previous state (compiler/graphs/llm_encoder.py), walked back from the deepest read and checked against
+    the ones read."""
+    from openvino import opset13 as ops
+    (out,) = model.outputs
+    node = out.get_node().input_value(0).get_node()
+    read = [p for p in node.input_values()] if len(reads) > 1 else [out.get_node().input_value(0)]
+    states, x = {}, read[reads.index(max(reads))]
+    for i in range(max(reads), 0, -1):
+        states[i] = x
+        for _ in range(2):
+            if x.get_node().get_type_name() != "Add":
+                x = None
+                break
+            x = x.get_node().input_value(0)
+        if x is None:
+            break
+    first = x.get_node() if x is not None else None
+    if first is not None and first.get_type_name() == "Convert":
+        first = first.input_value(0).get_node()
+    if first is None or first.get_type_name() != "Gather" or any(states.get(r) != p for r, p in zip(reads, read)):
+        raise BadInput("the FLUX.2 text encoder's graph is not the one this precast writes (its residual stream "
+                       "cannot be followed from the states it reads); export it again with this precast version")
+    states[0] = x
+    out.get_node().input_value(0).get_tensor().set_names(set())
+    results = []
+    for i in range(max(reads) + 1):
+        states[i].get_tensor().set_names({f"hidden_states.{i}"})
+        results.append(ops.result(states[i]))
+    return ov.Model(results, model.get_parameters(), model.get_friendly_name())
+
+
 def _genai_adapt(ov, name: str, model, config: dict, report: dict):
-    """OpenVINO GenAI's Flux2KleinPipeline reads the text encoder's states one output per layer
-    (`hidden_states.N`, stacked on the host in config.json's hidden_states_layers order, as precast's graph stacks
-    them) and feeds the transformer batched position ids."""
-    from ..ov_io import batched_inputs, split_output
+    """OpenVINO GenAI's Flux2KleinPipeline (and optimum-intel's) read the text encoder's states one output per
+    layer and feed the transformer batched position ids."""
+    from ..ov_io import batched_inputs
     if name == "text_encoder":
-        return split_output(ov, model, "hidden_states", [f"hidden_states.{i}" for i in config["reads"]])
+        return _genai_text_states(ov, model, list(config["reads"]))
     if name == "transformer":
         return batched_inputs(ov, model, ("img_ids", "txt_ids"))
     return model

@@ -10,7 +10,7 @@ the real tokens -- the text length run (the real tokens rounded up to 32, within
 padding is masked, so it changes nothing), the transformer's timestep (1 - sigma, as the pipeline feeds it), and
 the shapes each component is called with (for selection); img2img as ZImageImg2ImgPipeline runs it
 (flow_matching.py's). guidance is the usual CFG scale (1 = off);
-diffusers' `guidance_scale` g is precast's g + 1 (ZImagePipeline: pos + g (pos - neg)).
+precast's guidance is diffusers' `guidance_scale` + 1 (ZImagePipeline: pos + g (pos - neg); precast: neg + g (pos - neg)).
 Imports numpy and the runtime's own modules; never the compiler.
 """
 from __future__ import annotations
