@@ -118,7 +118,7 @@ def convert_component(ov, onnx_path: Path, name: str, dtype: str, text_inputs: t
     changed = False
     for port in model.inputs:
         want = None
-        if port.get_any_name() in text_inputs or (name == "unet" and port.get_any_name() == "timestep"):
+        if port.get_names() & set(text_inputs) or (name == "unet" and "timestep" in port.get_names()):
             want = ov.Type.i64
         elif port.get_element_type().is_real():
             want = ov.Type.f32
@@ -131,7 +131,7 @@ def convert_component(ov, onnx_path: Path, name: str, dtype: str, text_inputs: t
             changed = True
     if changed:
         model = ppp.build()
-    names = [p.get_any_name() for p in model.inputs]
+    names = [next((n for n in text_inputs if n in p.get_names()), p.get_any_name()) for p in model.inputs]
     if name.startswith("text_encoder") and names != list(text_inputs):
         raise BadInput(f"{onnx_path}: the text encoder converts with inputs {names}; OpenVINO GenAI feeds "
                        f"{', '.join(text_inputs)} only. Export again with this precast version")
@@ -178,7 +178,8 @@ def write_tokenizer(ov, ovt, source: Path, dest: Path, chat_template: str = "") 
         if f.is_file():
             shutil.copy2(f, dest / f.name)
     if chat_template:
-        config = json.loads((dest / "tokenizer_config.json").read_text())
+        path = dest / "tokenizer_config.json"
+        config = json.loads(path.read_text()) if path.is_file() else {}
         write_json(dest / "tokenizer_config.json", {**config, "chat_template": chat_template})
     kind = CLIPTokenizer if (source / "vocab.json").is_file() else \
         T5TokenizerFast if (source / "spiece.model").is_file() else AutoTokenizer

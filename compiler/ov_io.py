@@ -25,10 +25,9 @@ def parameter(ov, name: str, element_type, shape):
 def retype(ov, model, types: dict):
     """Inputs `types` (name -> ov.Type) taken in that element type, converted inside the model."""
     ppp, changed = ov.preprocess.PrePostProcessor(model), False
-    for port in model.inputs:
-        want = types.get(port.get_any_name())
-        if want is not None and port.get_element_type() != want:
-            ppp.input(port.get_any_name()).tensor().set_element_type(want)
+    for name, want in types.items():
+        if model.input(name).get_element_type() != want:
+            ppp.input(name).tensor().set_element_type(want)
             changed = True
     return ppp.build() if changed else model
 
@@ -36,9 +35,8 @@ def retype(ov, model, types: dict):
 def computed_inputs(model, new: list, values: dict):
     """The model with the inputs named in `values` (name -> an output computed from the Parameters `new`)
     replaced by those values and `new` added as its inputs."""
-    params = {p.get_output_tensor(0).get_any_name(): p for p in model.get_parameters()}
     for name, value in values.items():
-        old = params[name]
+        old = model.input(name).get_node()      # a tensor may carry several names (a folded Convert's too)
         old.output(0).get_tensor().set_names(set())
         for target in list(old.output(0).get_target_inputs()):
             target.replace_source_output(value)
@@ -52,13 +50,12 @@ def batched_inputs(ov, model, names: tuple[str, ...]):
     """Inputs `names` ([S, k]: one set of rows for the whole batch, as precast's graphs take position ids) fed
     batched, [B, S, k], as GenAI feeds them: the first batch row is read."""
     ops, new, values = _ops(), [], {}
-    for param in model.get_parameters():
-        name = param.get_output_tensor(0).get_any_name()
-        if name in names:
-            batched = parameter(ov, name, param.get_element_type(), [-1, *param.get_partial_shape()])
-            new.append(batched)
-            values[name] = ops.gather(batched, ops.constant(0), ops.constant(0)).output(0)
-    return computed_inputs(model, new, values) if new else model
+    for name in names:
+        param = model.input(name).get_node()
+        batched = parameter(ov, name, param.get_element_type(), [-1, *param.get_partial_shape()])
+        new.append(batched)
+        values[name] = ops.gather(batched, ops.constant(0), ops.constant(0)).output(0)
+    return computed_inputs(model, new, values)
 
 
 def single_frame(ov, model):
@@ -66,9 +63,10 @@ def single_frame(ov, model):
     [B, C, 1, H, W] in and out, names kept."""
     ops = _ops()
     (old,) = model.get_parameters()
-    name, shape = old.get_output_tensor(0).get_any_name(), old.get_output_partial_shape(0)
+    names, shape = old.output(0).get_names(), old.get_output_partial_shape(0)
     old.output(0).get_tensor().set_names(set())
-    new = parameter(ov, name, old.get_element_type(), [shape[0], shape[1], 1, shape[2], shape[3]])
+    new = parameter(ov, old.get_friendly_name(), old.get_element_type(), [shape[0], shape[1], 1, shape[2], shape[3]])
+    new.output(0).get_tensor().set_names(names)
     frame = ops.squeeze(new, ops.constant([2]))
     for target in list(old.output(0).get_target_inputs()):
         target.replace_source_output(frame.output(0))

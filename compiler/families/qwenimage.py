@@ -98,8 +98,7 @@ def _genai_adapt(ov, name: str, model, config: dict, report: dict):
     elif name == "transformer":
         model = retype(ov, model, {"encoder_hidden_states_mask": ov.Type.i64})
         height, width = (parameter(ov, n, ov.Type.i64, []) for n in ("height", "width"))
-        text = next(p for p in model.get_parameters() if p.get_output_tensor(0).get_any_name() == "encoder_hidden_states")
-        img, txt = _genai_positions(ov, height.output(0), width.output(0), text.output(0))
+        img, txt = _genai_positions(ov, height.output(0), width.output(0), model.input("encoder_hidden_states"))
         model = computed_inputs(model, [height, width], {"img_ids": img, "txt_ids": txt})
     elif name in ("vae_decoder", "vae_encoder"):
         model = single_frame(ov, model)
