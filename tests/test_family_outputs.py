@@ -28,7 +28,8 @@ RECORDED = {
         "vae_encoder": "21cb044c1beb2387327eb97cb1b092ea645fb952ff6667768831f7c3a31bf964",
     },
     "qwen-image": {      # recorded when added (issue 32), at 2c7191e
-        "scheduler": "36e2f6c0b2131b5293df60a8d310f058166f9f0cc7fccbf7d6daabc32892c209",
+        # stop 42: the diffusers scheduler config keeps the released schedule's shift_terminal 0.02 (was dropped)
+        "scheduler": "4697c8e033c2dadb780d57884123376e1a46b8553437b620a5546b18ff5b6abd",
         "text_encoder": "64d9a6021876498367329cdf0658b8d091227ec22ff91f2151f0bee6270b0830",
         "tokenizer": "07ac6ce07e248a57b35e9531ddcdf27c04d978af83fed70494500e7b3cf3add1",
         "transformer": "543dee04145dbebb05a080567d4223ce9826575f36c6aad1497ac1f05b347834",
