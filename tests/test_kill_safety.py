@@ -22,8 +22,11 @@ RECIPE = ("model: {source: demo:tiny-sd15}\ncomponents: [text_encoder, unet, vae
 def start_build(tmp_path, out):
     (tmp_path / "r.yaml").write_text(RECIPE)
     env = {**os.environ, "PRECAST_CACHE": str(tmp_path / "cache")}
+    # SIGINT as a foreground process has it: a shell starts background jobs (`make test &`) with SIGINT ignored,
+    # which the build would inherit (Python then installs no KeyboardInterrupt handler)
     return subprocess.Popen([sys.executable, "-m", "precast.runtime.cli", "build", tmp_path / "r.yaml", "--out", out],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def wait_for_staging(tmp_path, proc, timeout=120):
