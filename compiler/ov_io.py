@@ -2,8 +2,8 @@
 
 Owns: the few IO rewrites `precast export-openvino-genai` needs where OpenVINO GenAI's pipelines feed a model in
 another form than precast's runtime does (compiler/families/*.py compose them per family): an input's element
-type, position ids fed batched, inputs replaced by values computed in the graph from new ones, a single-frame
-5-D image fed to a 4-D model. Each takes and returns an `ov.Model`; the `openvino` package is imported by the
+type, position ids fed batched, inputs replaced by values computed in the graph from new ones, outputs mapped by
+an op, a single-frame 5-D image fed to a 4-D model. Each takes and returns an `ov.Model`; the `openvino` package is imported by the
 caller (an optional dependency).
 """
 from __future__ import annotations
@@ -70,11 +70,17 @@ def single_frame(ov, model):
     frame = ops.squeeze(new, ops.constant([2]))
     for target in list(old.output(0).get_target_inputs()):
         target.replace_source_output(frame.output(0))
-    results = []
+    model = ov.Model([ops.result(r.input_value(0)) for r in model.get_results()], [new], model.get_friendly_name())
+    return mapped_outputs(ov, model, lambda x: ops.unsqueeze(x, ops.constant([2])))
+
+
+def mapped_outputs(ov, model, fn):
+    """The model with each output x replaced by fn(x) (an op on it), under x's names."""
+    ops, results = _ops(), []
     for port in model.outputs:
         names, source = port.get_names(), port.get_node().input_value(0)
         source.get_tensor().set_names(set())
-        out = ops.unsqueeze(source, ops.constant([2]))
+        out = fn(source)
         out.output(0).get_tensor().set_names(names)
         results.append(ops.result(out))
-    return ov.Model(results, [new], model.get_friendly_name())
+    return ov.Model(results, model.get_parameters(), model.get_friendly_name())

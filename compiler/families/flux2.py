@@ -102,7 +102,7 @@ def _genai_text_states(ov, model, reads: list[int]):
     from openvino import opset13 as ops
     (out,) = model.outputs
     node = out.get_node().input_value(0).get_node()
-    read = [p for p in node.input_values()] if len(reads) > 1 else [out.get_node().input_value(0)]
+    read = list(node.input_values()) if len(reads) > 1 else [out.get_node().input_value(0)]
     states, x = {}, read[reads.index(max(reads))]
     for i in range(max(reads), 0, -1):
         states[i] = x

@@ -37,11 +37,14 @@ DPM_SOLVER = "DPMSolverMultistepScheduler"
 FLOW_SCHEDULER = "FlowMatchEulerDiscreteScheduler"
 QWEN_TOKENIZER = ["transformers", "Qwen2TokenizerFast"]
 # The part of Qwen3's chat template the pipelines render (user turns, the assistant's turn opened; with
-# enable_thinking false an empty think block), written for OpenVINO GenAI, which templates the prompt with the
-# template its tokenizer carries
-QWEN3_CHAT = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
-              "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+# enable_thinking false an empty think block: Flux2KleinPipeline's), written for OpenVINO GenAI, which templates the
+# prompt with the template its tokenizer carries and always with thinking off. ZImagePipeline renders thinking on:
+# QWEN3_CHAT_NO_THINK never writes the think block.
+_QWEN3_TURNS = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n")
+QWEN3_CHAT = (_QWEN3_TURNS + "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+              "{% endif %}{% endif %}")
+QWEN3_CHAT_NO_THINK = _QWEN3_TURNS + "{% endif %}"
 
 
 def clip(name: str, prefixes: tuple[str, ...], use: str, tokenizer: str = "clip", config_file: str = "",

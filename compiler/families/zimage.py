@@ -19,7 +19,7 @@ from ..graphs import llm_encoder, zimage
 from ..sources.llm_tokenizer_files import llm_tokenizer_files
 from ..sources.tensor_refs import DIT, LLM, Checkpoint
 from .family import Component, Detected, Diffusers, Family, GenAI
-from .shared import FLOW_EULER, FLOW_SCHEDULER, QWEN_TOKENIZER, VAE_MODEL, VAES
+from .shared import FLOW_EULER, FLOW_SCHEDULER, QWEN3_CHAT_NO_THINK, QWEN_TOKENIZER, VAE_MODEL, VAES
 
 LOOKED_FOR = "cap_embedder.* + noise_refiner.* (Z-Image)"
 TE_HINT = ("Z-Image split files ship the Qwen3 text encoder on its own: pass it with --text-encoder "
@@ -63,10 +63,6 @@ def _transformer_fields(cfg: dict) -> dict:
                 all_patch_size=[2], all_f_patch_size=[1])
 
 
-# Qwen3's chat template as ZImagePipeline renders it (enable_thinking true: the assistant's turn opened, no think
-# block), whatever enable_thinking says: OpenVINO GenAI templates the prompt with thinking off
-CHAT = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def _genai_adapt(ov, name: str, model, config: dict, report: dict):
@@ -75,21 +71,15 @@ def _genai_adapt(ov, name: str, model, config: dict, report: dict):
     the mask itself (the same positions: accepted, not read); it negates the transformer's output on the host,
     where precast's graph outputs the velocity: negated back here."""
     from openvino import opset13 as ops
-    from ..ov_io import computed_inputs, parameter
+    from ..ov_io import computed_inputs, mapped_outputs, parameter
     if name == "text_encoder":
         model.output(0).get_tensor().set_names({"last_hidden_state"})
     elif name == "transformer":
         additive = parameter(ov, "encoder_attention_mask", ov.Type.f32, [-1, -1])
         mask = ops.convert(ops.greater(additive, ops.constant(np.float32(-1))), ov.Type.i32)
         ids = [parameter(ov, n, ov.Type.i32, [-1, -1, 3]) for n in ("txt_ids", "img_ids")]
-        model = computed_inputs(model, [additive, *ids], {"attention_mask": mask.output(0)})
-        (out,) = model.outputs
-        source = out.get_node().input_value(0)
-        names = out.get_names()
-        source.get_tensor().set_names(set())
-        negated = ops.negative(source)
-        negated.output(0).get_tensor().set_names(names)
-        model = ov.Model([ops.result(negated)], model.get_parameters(), model.get_friendly_name())
+        model = mapped_outputs(ov, computed_inputs(model, [additive, *ids], {"attention_mask": mask.output(0)}),
+                               ops.negative)
     return model
 
 
@@ -97,7 +87,7 @@ GENAI = GenAI({"_class_name": "ZImagePipeline", "scheduler": FLOW_EULER, "tokeni
                "text_encoder": ["transformers", "Qwen3Model"], "vae": VAE_MODEL,
                "transformer": ["diffusers", "ZImageTransformer2DModel"]},
               spacing="1/steps", static_shift_only=True, text_inputs=("input_ids", "attention_mask"),
-              adapt=_genai_adapt, chat_template=CHAT)
+              adapt=_genai_adapt, chat_template=QWEN3_CHAT_NO_THINK)
 
 
 FAMILIES = (
