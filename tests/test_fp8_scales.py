@@ -90,10 +90,12 @@ def test_what_comfyui_reads_unscaled_still_exports(scaled, tmp_path):
 def test_large_tensors_written_in_row_blocks_are_the_same_bytes(scaled, tmp_path, monkeypatch, dtype):
     """A stored tensor past onnx_writer.BLOCK_BYTES is read, decoded (scaled fp8 included) and written in blocks
     of rows; with the blocks made tiny (every weight past 1 KiB goes in parts: Flux's fused q | k | v, the T5
-    embedding table, Z-Image's qkv cut in three) the data files are byte for byte those written whole."""
+    embedding table, Z-Image's qkv cut in three) the data files are byte for byte those written whole, and
+    those written with ordinary I/O (no O_DIRECT: macOS, Windows, a filesystem that refuses it)."""
     from click.testing import CliRunner
     from precast.compiler.demo_weights import write_components
     from precast.compiler.demo_zimage import DEMO_AXES as Z_AXES, zimage_components
+    from precast.compiler import direct_io
     from precast.compiler.graphs import onnx_writer
     from precast.runtime.cli import main
     bare = tmp_path / "z_image_bf16.safetensors"
@@ -101,8 +103,10 @@ def test_large_tensors_written_in_row_blocks_are_the_same_bytes(scaled, tmp_path
     z_axes = "transformer.axes_dims_rope=" + json.dumps(Z_AXES).replace(" ", "")
     runs = {"flux": (scaled, ["--component", "transformer", "--component", "text_encoder_2", "--set", AXES]),
             "zimage": (bare, ["--component", "transformer", "--set", z_axes])}
-    for block in (None, 1024):
-        if block:
+    for block in (None, 1024, "plain"):
+        if block == "plain":      # ordinary reads and writes through the page cache: the same bytes
+            monkeypatch.setattr(direct_io, "DIRECT", False)
+        elif block:
             monkeypatch.setattr(onnx_writer, "BLOCK_BYTES", block)
         for name, (src, args) in runs.items():
             out = tmp_path / f"{name}-{block}"
@@ -112,5 +116,5 @@ def test_large_tensors_written_in_row_blocks_are_the_same_bytes(scaled, tmp_path
         comps = [c.name for c in (tmp_path / f"{name}-None").iterdir() if (c / "model.onnx_data").is_file()]
         assert comps
         for comp in comps:
-            whole, parts = (tmp_path / f"{name}-{b}" / comp / "model.onnx_data" for b in (None, 1024))
-            assert whole.read_bytes() == parts.read_bytes(), (name, comp)
+            whole, parts, plain = (tmp_path / f"{name}-{b}" / comp / "model.onnx_data" for b in (None, 1024, "plain"))
+            assert whole.read_bytes() == parts.read_bytes() == plain.read_bytes(), (name, comp)

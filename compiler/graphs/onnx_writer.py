@@ -3,12 +3,14 @@
 Owns: the data file's layout (fixed before anything is written, so the bytes are the same
 whatever order tensors are written in), reading (one slice of it where the graph takes one),
 transforming (a LoRA merge), casting and checking each weight (NaN/inf, the target dtype's range) as it is written on WRITERS threads; a
-large stored tensor (an LLM's embedding table: 0.4-0.7 G values) in row blocks of about BLOCK_BYTES, so
-the peak memory is a few blocks, not the tensor beside its decoded copy.
+stored tensor taken as it is in row blocks of at most about BLOCK_BYTES (an LLM's embedding table: 0.4-0.7 G
+values), each read and decoded into the thread's reused buffers and written past the page cache
+(compiler/direct_io.py), so the peak memory is a few blocks, not the tensor beside its decoded copy.
 """
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +19,7 @@ import ml_dtypes
 import numpy as np
 from onnx import TensorProto, helper
 
+from ..direct_io import OutputFile, Scratch
 from ..errors import BadInput
 from .onnx_graph import ALIGN_LARGE, ALIGN_SMALL, IR_VERSION, LARGE, NP_OF, OPSET, Graph, Weight
 
@@ -44,18 +47,21 @@ def _layout(graph: Graph) -> tuple[list[tuple[Weight, int, int]], int]:
     return placed, offset
 
 
-def _write_weights(graph: Graph, fd: int, placed: list[tuple[Weight, int, int]], transform,
+def _write_weights(graph: Graph, out: OutputFile, placed: list[tuple[Weight, int, int]], transform,
                    on_weight: Callable[[int], None] | None, exact: frozenset = frozenset()) -> None:
     """Read, transform, cast and pwrite each weight at its offset, on WRITERS threads (numpy casts
     and the kernel's page-cache copies release the GIL, so the threads share the cores); at most
     two tensors per thread are in flight, so memory stays near a handful of tensors."""
+    local = threading.local()
+
     def write_one(w: Weight, offset: int, size: int) -> int:
         ref = getattr(graph.ckpt, "refs", {}).get(w.key)
         blocks = ref.blocks(BLOCK_BYTES) if ref is not None and transform is None and w.take is None else None
-        if blocks:
+        if blocks:      # a stored tensor as it is (or decoded): read, decoded and written through reused buffers
+            scratch = local.__dict__.setdefault("scratch", Scratch())
             done = 0
             for rows in blocks:
-                done += write_block(w, ref.read_block(rows, NP_OF[w.elem_type]), offset + done)
+                done += write_block(w, ref.read_block(rows, NP_OF[w.elem_type], scratch), offset + done)
             if done != size:
                 raise RuntimeError(f"{w.key}: {done} bytes, expected {size}")
             return size
@@ -77,10 +83,7 @@ def _write_weights(graph: Graph, fd: int, placed: list[tuple[Weight, int, int]],
         if _has_non_finite(cast if cast.itemsize <= arr.itemsize else arr):
             # read in float32 to say which it is: damaged (NaN/inf) or past the export dtype's range
             _refuse_non_finite(graph, w, arr if arr.dtype != cast.dtype or w.take else graph.ckpt.read(w.key), cast)
-        view, done = memoryview(cast.reshape(-1).view(np.uint8)), 0   # ml_dtypes arrays have no buffer format
-        while done < view.nbytes:
-            done += os.pwrite(fd, view[done:], offset + done)
-        return done
+        return out.pwrite(cast, offset)
 
     def finish(future) -> None:
         size = future.result()
@@ -152,11 +155,11 @@ def save_model(graph: Graph, folder: str, on_weight: Callable[[int], None] | Non
     model_path = os.path.join(folder, "model.onnx")
     data_name = "model.onnx_data"
     placed, total = _layout(graph)
-    with open(os.path.join(folder, data_name), "wb") as data:
-        _allocate(data.fileno(), total)
-        _write_weights(graph, data.fileno(), placed, transform, on_weight, exact)
-        if os.fstat(data.fileno()).st_size != total:
-            raise RuntimeError(f"weights file is {os.fstat(data.fileno()).st_size} bytes, expected {total}")
+    with OutputFile(os.path.join(folder, data_name)) as data:
+        _allocate(data.fd, total)
+        _write_weights(graph, data, placed, transform, on_weight, exact)
+        if os.fstat(data.fd).st_size != total:
+            raise RuntimeError(f"weights file is {os.fstat(data.fd).st_size} bytes, expected {total}")
     initializers = []
     for w, offset, size in placed:
         t = TensorProto(name=w.name, data_type=w.elem_type, dims=list(w.shape), data_location=TensorProto.EXTERNAL)

@@ -13,6 +13,8 @@ from functools import lru_cache
 import ml_dtypes
 import numpy as np
 
+from ..direct_io import aligned_empty
+
 KINDS = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 _WORD = {2: np.uint16, 4: np.uint32}        # target itemsize -> the integer type of one value
 
@@ -45,14 +47,16 @@ def _cached_table(kind: str, target: str) -> np.ndarray:
     return _pair_table(_values(kind, TARGETS[target], None))
 
 
-def decode_fp8(raw: np.ndarray, kind: str, target, scale: float | None = None) -> np.ndarray:
+def decode_fp8(raw: np.ndarray, kind: str, target, scale: float | None = None,
+               out: np.ndarray | None = None) -> np.ndarray:
     """fp8 bytes (a uint8 array of any shape) -> the same shape in `target` (bfloat16, float16 or
-    float32), each value float32(fp8) [* scale] rounded to the target."""
+    float32), each value float32(fp8) [* scale] rounded to the target; into `out` (a byte buffer of
+    that size, reused by the caller) where given, else a new aligned buffer."""
     target = np.dtype(target)
     flat = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
     table = _cached_table(kind, target.name) if scale is None else _pair_table(_values(kind, target, scale))
     even = flat.size - flat.size % 2
-    out = np.empty(flat.size, dtype=target)
+    out = (aligned_empty(flat.size * target.itemsize) if out is None else out).view(target)   # aligned: a direct write takes it
     pairs, into = flat[:even].view(np.uint16), out[:even].view(table.dtype)
     for i in range(0, pairs.size, CHUNK):      # gathered in place, a cache-sized chunk at a time: no temporary
         np.take(table, pairs[i:i + CHUNK], out=into[i:i + CHUNK], mode="clip")   # uint16: always in range

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from .. import direct_io
 from ..errors import BadInput
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors spec caps the header at 100 MB
@@ -180,11 +181,13 @@ class SafetensorsFile:
         except BadInput:
             self.close()
             raise
+        self._direct_fd = direct_io.open_direct(self.path)   # large reads into a Scratch bypass the page cache
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        for name in ("_fd", "_direct_fd"):
+            if getattr(self, name, -1) >= 0:
+                os.close(getattr(self, name))
+                setattr(self, name, -1)
 
     def __del__(self):
         self.close()
@@ -192,19 +195,25 @@ class SafetensorsFile:
     def keys(self) -> list[str]:
         return list(self.tensors)
 
-    def read(self, key: str, raw: bool = False, rows: tuple[int, int] | None = None) -> np.ndarray:
+    def read(self, key: str, raw: bool = False, rows: tuple[int, int] | None = None,
+             into: direct_io.Scratch | None = None) -> np.ndarray:
         """One tensor as numpy: BF16 widened to float32 and F8 decoded to float32 through ml_dtypes,
         or (`raw`) BF16 / F8 as ml_dtypes arrays over the bytes read, with no conversion. `rows` (a, b):
-        only rows a..b-1 of its first axis are read (a large tensor written in parts)."""
+        only rows a..b-1 of its first axis are read (a large tensor written in parts). `into`: the bytes
+        land in that thread's reused buffer (past the page cache where they can), valid until its next read."""
         info = self.tensors[key]
         shape, start, end = info.shape, info.start, info.end
         if rows is not None:
             row = (end - start) // shape[0]
             shape, start, end = (rows[1] - rows[0], *shape[1:]), start + rows[0] * row, start + rows[1] * row
-        data = os.pread(self._fd, end - start, start)
-        if len(data) != end - start:
+        try:
+            data = direct_io.read_range(self._fd, self._direct_fd, start, end, into) if into is not None \
+                else np.frombuffer(os.pread(self._fd, end - start, start), np.uint8)
+        except EOFError:
+            data = np.empty(0, np.uint8)
+        if data.size != end - start:
             raise _bad(self.path, f"tensor '{key}' could not be read in full (file changed while reading?)")
-        arr = np.frombuffer(data, dtype=DTYPES[info.dtype][1]).reshape(shape)
+        arr = data.view(DTYPES[info.dtype][1]).reshape(shape)
         if info.dtype == "BF16" or info.dtype.startswith("F8"):
             kind = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn,
                     "F8_E5M2": ml_dtypes.float8_e5m2}[info.dtype]

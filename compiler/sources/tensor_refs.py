@@ -19,6 +19,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..direct_io import Scratch
 from ..errors import BadInput
 from . import fp8_decode, gguf_file
 from .gguf_file import GGUFFile
@@ -100,25 +101,27 @@ class TensorRef:
 
     def blocks(self, max_bytes: int) -> list[tuple[int, int]] | None:
         """Row ranges of the stored tensor (within `rows`) that read as at most about `max_bytes` each and,
-        written one after another, make the tensor's bytes (row-major: a reshape keeps them); None when it
-        cannot be read in parts (fused, GGUF) or needs no parts."""
+        written one after another, make the tensor's bytes (row-major: a reshape keeps them): one range for a
+        tensor under `max_bytes`; None when it cannot be read by rows (fused, GGUF, a scalar)."""
         if self.parts or not isinstance(self.file, SafetensorsFile):
             return None
         info = self.file.tensors[self.key]
-        if not info.shape or info.end - info.start <= max_bytes:
+        if not info.shape or info.end == info.start:
             return None
         a, b = self.rows or (0, info.shape[0])
         step = max(1, max_bytes * info.shape[0] // (info.end - info.start))
         return [(i, min(i + step, b)) for i in range(a, b, step)]
 
-    def read_block(self, rows: tuple[int, int], target: np.dtype) -> np.ndarray:
+    def read_block(self, rows: tuple[int, int], target: np.dtype, scratch: Scratch | None = None) -> np.ndarray:
         """Rows [a, b) of the stored tensor (one of `blocks`), as `read(raw=True, target=target)` gives
-        them: fp8 decoded into `target`, a scaled tensor times its scale, else as stored."""
+        them: fp8 decoded into `target`, a scaled tensor times its scale, else as stored. With `scratch`
+        (the calling thread's), read and decoded into its reused buffers: valid until its next block."""
         stored = self.file.tensors[self.key].dtype
-        arr = self.file.read(self.key, raw=True, rows=rows)
+        arr = self.file.read(self.key, raw=True, rows=rows, into=scratch)
         scale = float(self.file.read(self.scale).astype(np.float32).reshape(())) if self.scale else None
         if stored in fp8_decode.KINDS:
-            return fp8_decode.decode_fp8(arr, stored, target, scale)
+            out = None if scratch is None else scratch.take("decoded", arr.size * np.dtype(target).itemsize)
+            return fp8_decode.decode_fp8(arr, stored, target, scale, out=out)
         return arr if scale is None else arr.astype(np.float32) * np.float32(scale)
 
 
