@@ -363,7 +363,7 @@ def test_fp8_table_decoding_equals_float32_dequantization(kind):
 
 
 def test_openvino_keeps_the_sinusoids_in_f32(files, tmp_path):
-    """Under OpenVINO's bf16 hint (its CPU default with AMX, and OpenVINO's own default on this CPU) the
+    """Under OpenVINO's bf16 hint (its CPU default with AMX, and OpenVINO's own default on a CPU with bf16) the
     plugin rounds 1000 * t, guidance and the RoPE angles to bf16 before sin/cos. precast's OpenVINO
     target compiles the denoiser with the f32 hint on every CPU (a bf16 export's GEMMs still run in
     bf16): here a bf16 export is within bf16 error of the reference, the bf16 hint is not."""
@@ -385,7 +385,11 @@ def test_openvino_keeps_the_sinusoids_in_f32(files, tmp_path):
         session = OpenVinoSession(out / "transformer" / "model.onnx", "CPU", {"INFERENCE_PRECISION_HINT": hint},
                                   from_onnx=True)
         errors[hint] = rel_err(list(session.run(feeds).values())[0], want)
-    assert errors["f32"] <= 5e-2 and errors["bf16"] > 0.1, errors    # seen 1.1e-2 and 0.55
+    import openvino as ov
+    if "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
+        assert errors["f32"] <= 5e-2 and errors["bf16"] > 0.1, errors    # seen 1.1e-2 and 0.55 (Zen 4, AVX512-BF16)
+    else:       # an AVX2 CPU has no bf16 arithmetic: OpenVINO ignores the hint and runs f32 (seen 5.3e-3 both)
+        assert errors["f32"] <= 5e-2 and errors["bf16"] <= 5e-2, errors
 
 
 def test_openvino_fuses_a_half_exports_attention(files, tmp_path):

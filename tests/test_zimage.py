@@ -516,3 +516,23 @@ def test_damaged_or_incomplete_files_are_one_line(tmp_path):
               "layers.1.attention.qkv.weight")
     # heads that the RoPE split does not fit
     _one_line(precast("export", bare, "--out", tmp_path / "e", "--component", "transformer"), "axes_dims")
+
+
+@pytest.mark.parametrize("theta", [1e4, 1e6, 1e9, 5e5])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_llm_rope_frequencies_are_correctly_rounded(theta, head_dim):
+    """The LLM encoders' RoPE frequencies are baked into the export as constants: theta ** (2i / d) is the
+    correctly rounded float32 of the exact power (checked in 50-digit decimal arithmetic), so an export's bytes
+    do not depend on the CPU (numpy's float32 power gave other last bits on AVX-512 than on AVX2, and the
+    recorded digests of FLUX.2 dev's and Qwen-Image's text encoders failed on the other machine)."""
+    from decimal import Decimal, getcontext
+    from precast.compiler.graphs.llm_encoder import inverse_frequencies
+    getcontext().prec = 50
+    got = inverse_frequencies(theta, head_dim)
+    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    for i, e in enumerate(exponent):
+        exact = (Decimal(theta).ln() * Decimal(float(e))).exp()
+        nearest = np.float32(float(exact))
+        for other in (np.nextafter(nearest, np.float32(np.inf)), np.nextafter(nearest, np.float32(0))):
+            assert abs(Decimal(float(nearest)) - exact) <= abs(Decimal(float(other)) - exact), (i, e)
+        assert got[i] == np.float32(1.0) / nearest, (i, got[i])

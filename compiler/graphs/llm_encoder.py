@@ -106,11 +106,18 @@ def llm_config(g: Graph, config_json: dict, overrides: dict, reads: tuple[int, .
                      qkv_bias=g.has("layers.0.self_attn.q_proj.bias"))
 
 
+def inverse_frequencies(theta: float, d: int) -> np.ndarray:
+    """transformers' default RoPE frequencies in fp32, 1 / theta ** (2i / d), the power taken in float64 and
+    rounded once: numpy's float32 power differs in the last bit between its AVX2 and AVX-512 code, which made
+    the exported constants (and an export's bytes) depend on the CPU that ran the export."""
+    exponent = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
+    return np.float32(1.0) / (np.float64(theta) ** exponent.astype(np.float64)).astype(np.float32)
+
+
 def rope_tables(g: Graph, ids: str, cfg: LLMConfig) -> tuple[str, str]:
     """cos and sin [S, head_dim] fp32 for positions 0..S-1 (transformers' default RoPE: inverse frequencies
     in fp32, angles = position * frequency in fp32, each repeated for both halves)."""
-    d = cfg.head_dim
-    inv = (1.0 / (np.float32(cfg.theta) ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d))))
+    inv = inverse_frequencies(cfg.theta, cfg.head_dim)
     length = g.op("Squeeze", g.op("Shape", ids, start=1, end=2), g.ints(0))
     pos = g.op("Cast", g.op("Range", g.const(np.array(0, np.int64)), length, g.const(np.array(1, np.int64))), to=FLOAT)
     angles = g.op("Mul", g.op("Unsqueeze", pos, g.ints(1)), g.const(inv.astype(np.float32)[None, :], hint="rope_freqs"))
