@@ -316,47 +316,41 @@ print(json.dumps({"read_bytes": done_read, "written_bytes": done_write, "total_s
 """
 
 
-def direct_copy(src: Path, out_size: int, work: Path, logs: Path, tag: str) -> dict | None:
-    """The copy of `plain_copy` past the page cache (None where O_DIRECT does not exist)."""
-    if not hasattr(os, "O_DIRECT"):
-        return None
+def _copy(child: str, what: str, src: Path, out_size: int, work: Path, logs: Path, tag: str) -> dict:
+    """Run a copy child (cold cache first) from `src` into a scratch file of `out_size` bytes, deleted after;
+    its wall time and the JSON it prints."""
     dst = work / f"copy_{tag}.bin"
-    need_disk(work, out_size, f"direct copy {tag}")
-    cold_cache(src)
-    print(f"  direct copy (O_DIRECT): read {src.stat().st_size / GB:.2f} GB, write {out_size / GB:.2f} GB, "
-          "fsync ...", flush=True)
-    try:
-        res = run_child([sys.executable, "-c", DIRECT_COPY_CHILD, str(src), str(dst), str(out_size), str(COPY_CHUNK)],
-                        logs / f"copy_{tag}.log", timeout=3600)
-        if res["rc"] != 0:
-            raise RuntimeError(f"direct copy failed (rc {res['rc']}):\n{tail(res['log'])}")
-        res.update(json.loads(Path(res["log"]).read_text().strip().splitlines()[-1]))
-    finally:
-        dst.unlink(missing_ok=True)
-    print(f"    {res['wall_s']:.1f} s", flush=True)
-    del res["rss_timeline"]
-    return res
-
-
-def plain_copy(src: Path, out_size: int, work: Path, logs: Path, tag: str) -> dict:
-    dst = work / f"copy_{tag}.bin"
-    need_disk(work, out_size, f"copy {tag}")
+    need_disk(work, out_size, f"{what} {tag}")
     cache = cold_cache(src)
-    print(f"  plain copy: read {src.stat().st_size / GB:.2f} GB, write {out_size / GB:.2f} GB, fsync ...", flush=True)
+    print(f"  {what}: read {src.stat().st_size / GB:.2f} GB, write {out_size / GB:.2f} GB, fsync ...", flush=True)
     try:
-        res = run_child([sys.executable, "-c", COPY_CHILD, str(src), str(dst), str(out_size), str(COPY_CHUNK)],
+        res = run_child([sys.executable, "-c", child, str(src), str(dst), str(out_size), str(COPY_CHUNK)],
                         logs / f"copy_{tag}.log", timeout=3600)
         if res["rc"] != 0:
-            raise RuntimeError(f"copy failed (rc {res['rc']}):\n{tail(res['log'])}")
+            raise RuntimeError(f"{what} failed (rc {res['rc']}):\n{tail(res['log'])}")
         res.update(json.loads(Path(res["log"]).read_text().strip().splitlines()[-1]))
     finally:
         dst.unlink(missing_ok=True)
     res["cache"] = cache
+    del res["rss_timeline"]
+    return res
+
+
+def direct_copy(src: Path, out_size: int, work: Path, logs: Path, tag: str) -> dict | None:
+    """The copy of `plain_copy` past the page cache (None where O_DIRECT does not exist)."""
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    res = _copy(DIRECT_COPY_CHILD, "direct copy (O_DIRECT)", src, out_size, work, logs, tag)
+    print(f"    {res['wall_s']:.1f} s", flush=True)
+    return res
+
+
+def plain_copy(src: Path, out_size: int, work: Path, logs: Path, tag: str) -> dict:
+    res = _copy(COPY_CHILD, "plain copy", src, out_size, work, logs, tag)
     moved = res["read_bytes"] + res["written_bytes"]
     res["moved_gb_s"] = round(moved / GB / res["wall_s"], 3)
     print(f"    {res['wall_s']:.1f} s (read {res['read_s']:.1f} s, write {res['write_s']:.1f} s, fsync "
           f"{res['fsync_s']:.1f} s) = {res['moved_gb_s']:.2f} GB/s read+written", flush=True)
-    del res["rss_timeline"]
     return res
 
 
