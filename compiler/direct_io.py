@@ -8,8 +8,8 @@ ordinary one; `read_range`, a large read straight into a reused buffer (O_DIRECT
 Why: through the page cache, the kernel spends more CPU per byte than the disk spends time on this virtio
 machine -- a 12.6 GB `dd` took 43.4 s, 41.7 s of it system time (290 MB/s); with `oflag=direct` it took 9.3 s,
 1.8 s system (1.4 GB/s); reading 10 GB: 0.75 s of system time direct, 12 s through the cache. Fresh
-memory costs too (0.42 s of system time per GB faulted in): the buffers a thread decodes into are reused. A 41 GB export written through the cache also evicts everything else the user had
-cached. Where O_DIRECT does not exist (macOS, Windows) or a filesystem refuses it (tmpfs before Linux 6.6, some
+memory costs too (0.42 s of system time per GB faulted in): the buffers a thread decodes into are reused.
+A 41 GB export written through the cache also evicts everything else the user had cached. Where O_DIRECT does not exist (macOS, Windows) or a filesystem refuses it (tmpfs before Linux 6.6, some
 FUSE mounts: EINVAL at open or at the first write), every write is an ordinary one; the bytes are the same.
 No page is written by both handles: a direct write covers whole pages only, which no ordinary write touches.
 """
@@ -23,7 +23,9 @@ import numpy as np
 
 ALIGN = 4096                 # file offset, length and memory alignment a direct write needs (a page; >= the sector)
 BOUNCE_BYTES = 8 << 20       # an unaligned buffer goes to the disk through a reused aligned copy of this size
+DIRECT_READ_MIN = 1 << 20   # reads below this go through the page cache (norms, biases: many, small)
 DIRECT = hasattr(os, "O_DIRECT")
+HAVE_PREADV = hasattr(os, "preadv")
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
@@ -31,9 +33,6 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
     skip = (-raw.ctypes.data) % ALIGN
     return raw[skip:skip + nbytes]
-
-
-DIRECT_READ_MIN = 1 << 20   # reads below this go through the page cache (norms, biases: many, small)
 
 
 class Scratch:
@@ -88,7 +87,7 @@ def _read_full(fd: int, buf: np.ndarray, offset: int) -> int:
     """Read into all of `buf` from `offset`; the bytes read (fewer only at the end of the file)."""
     done = 0
     while done < buf.size:
-        if hasattr(os, "preadv"):
+        if HAVE_PREADV:
             n = os.preadv(fd, [memoryview(buf[done:])], offset + done)
         else:                      # no preadv (older macOS): a read and a copy
             chunk = os.pread(fd, buf.size - done, offset + done)
@@ -106,7 +105,7 @@ class OutputFile:
     def __init__(self, path: str):
         flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
         self.fd = os.open(path, flags, 0o666)
-        self._direct_fd = -1
+        self._direct_fd, self._refused = -1, False
         if DIRECT:
             try:
                 self._direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
@@ -117,7 +116,7 @@ class OutputFile:
     @property
     def direct(self) -> bool:
         """Whether whole pages still go past the page cache (False once a filesystem refused it)."""
-        return self._direct_fd >= 0 and not getattr(self, "_refused", False)
+        return self._direct_fd >= 0 and not self._refused
 
     def pwrite(self, data: np.ndarray, offset: int) -> int:
         """Write the bytes of `data` (any contiguous array) at `offset`; returns how many (all of them)."""
@@ -132,42 +131,40 @@ class OutputFile:
         return buf.size
 
     def _write_pages(self, pages: np.ndarray, offset: int) -> None:
-        """Whole pages at an aligned offset: straight from `pages` when its memory is aligned, else through
-        this thread's bounce buffer; an ordinary write if the filesystem refuses (EINVAL) and from then on."""
+        """Whole pages at an aligned offset: straight from `pages` when its memory is aligned, else a chunk at a
+        time through this thread's bounce buffer; ordinary writes from the first one the filesystem refuses
+        (EINVAL), and from then on."""
+        aligned = pages.ctypes.data % ALIGN == 0
+        step = pages.size if aligned else BOUNCE_BYTES
         done = 0
         try:
-            if pages.ctypes.data % ALIGN == 0:
-                while done < pages.size:
-                    done += self._pwrite_once(self._direct_fd, pages[done:], offset + done)
-                return
-            bounce = getattr(self._local, "bounce", None)
-            if bounce is None:
-                bounce = self._local.bounce = aligned_empty(BOUNCE_BYTES)
             while done < pages.size:
-                n = min(BOUNCE_BYTES, pages.size - done)
-                bounce[:n] = pages[done:done + n]
-                written = 0
-                while written < n:
-                    written += self._pwrite_once(self._direct_fd, bounce[written:n], offset + done + written)
-                done += n
+                chunk = pages[done:done + step]
+                self._pwrite(self._direct_fd, chunk if aligned else self._bounced(chunk), offset + done)
+                done += chunk.size
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
             self._refused = True
             self._pwrite(self.fd, pages[done:], offset + done)
 
-    @staticmethod
-    def _pwrite_once(fd: int, buf: np.ndarray, offset: int) -> int:
-        n = os.pwrite(fd, memoryview(buf), offset)
-        if n <= 0:
-            raise OSError(errno.EIO, f"write returned {n}")
-        return n
+    def _bounced(self, chunk: np.ndarray) -> np.ndarray:
+        """`chunk` (at most BOUNCE_BYTES) copied into this thread's aligned bounce buffer."""
+        bounce = getattr(self._local, "bounce", None)
+        if bounce is None:
+            bounce = self._local.bounce = aligned_empty(BOUNCE_BYTES)
+        bounce[:chunk.size] = chunk
+        return bounce[:chunk.size]
 
-    @classmethod
-    def _pwrite(cls, fd: int, buf: np.ndarray, offset: int) -> int:
+    @staticmethod
+    def _pwrite(fd: int, buf: np.ndarray, offset: int) -> int:
+        """All of `buf` at `offset` (a write may take part of it: the rest follows)."""
         done = 0
         while done < buf.size:
-            done += cls._pwrite_once(fd, buf[done:], offset + done)
+            n = os.pwrite(fd, memoryview(buf[done:]), offset + done)
+            if n <= 0:
+                raise OSError(errno.EIO, f"write returned {n}")
+            done += n
         return done
 
     def close(self) -> None:
