@@ -27,10 +27,15 @@ Parts (--parts, default all):
    compressed-weight layer on the fly (DYNAMIC_QUANTIZATION_GROUP_SIZE 32 by default) and multiplies in
    int8 (VNNI), so int8 / int4 engines are bound by that peak, not the f32 one; ONNX Runtime's
    MatMulNBits (accuracy level 0, the default kept here for its error) dequantizes to f32.
+3. unet (not in the default parts): the full-size SD 1.5 UNet (export_unet.py's random fp16 checkpoint),
+   exported fp32, built static 512x512 batch 2 for ONNX Runtime fp32 (the reference), OpenVINO f32, OpenVINO
+   int8 as precast builds it for the CPU (Linears int8, convolutions left float) and, in a child where this
+   script patches precast's KEPT_FLOAT away, int8 convolutions too (how precast built it before): artifact
+   size, the session's peak RSS and anonymous memory, median call, relative L2 error vs the reference.
 
 All files live in one work folder (default benchmarks/results/work/quantized), deleted at the end, also
 on failure or interrupt. Usage:
-  .venv/bin/python benchmarks/quantized.py [--parts gguf,slice] [--types Q8_0,Q4_K] [--steps 3]
+  .venv/bin/python benchmarks/quantized.py [--parts gguf,slice,unet] [--types Q8_0,Q4_K] [--steps 3]
       [--cap-gib 20] [--work DIR] [--json OUT] [--small]   (--small: a 1+1-block full-width Flux)
       [--builds onnxruntime-gguf,...] [--sessions LABEL,...]   (types: Q8_0, Q4_0, Q4_K)
 """
@@ -40,6 +45,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -201,15 +207,21 @@ def precast_json(args: list, env=None) -> dict:
     return json.loads(proc.stdout[proc.stdout.index("{"):])
 
 
-def compile_step(label: str, export: Path, cache: Path, target: str, options: list[str], image: int, t5: int,
-                 work: Path, cap: float) -> dict:
-    """`precast compile` in a sampled child; the artifact's cache entry and size from its --json."""
+def compile_step(label: str, export: Path, cache: Path, target: str, options: list[str], image: int, t5: int | None,
+                 work: Path, cap: float, component: str = "transformer", patch: str = "", batch: int = 1) -> dict:
+    """`precast compile` in a sampled child; the artifact's cache entry and size from its --json. `patch`: Python
+    run in the child before the CLI (a what-if: precast as it was before a change, its files unchanged)."""
     env = {**os.environ, "PRECAST_CACHE": str(cache)}
     tag = label.replace(" ", "_")
     report = work / f"{tag}.json"
-    cmd = ["bash", "-c", " ".join([str(PRECAST), "compile", str(export), "--target", target, "--component",
-                                   "transformer", "--height", str(image), "--width", str(image), "--t5-tokens",
-                                   str(t5), *sum((["--option", o] for o in options), []), "--json", ">", str(report)])]
+    args = ["compile", str(export), "--target", target, "--component", component, "--batch", str(batch),
+            "--height", str(image),
+            "--width", str(image), *(["--t5-tokens", str(t5)] if t5 else []),
+            *sum((["--option", o] for o in options), []), "--json"]
+    cli = [str(PRECAST)] if not patch else \
+        [sys.executable, "-c", f"{patch}; import sys; from precast.runtime.cli import main; sys.argv[0] = 'precast'; "
+                               "sys.exit(main())"]
+    cmd = ["bash", "-c", " ".join(shlex.quote(c) for c in [*cli, *args]) + f" > {shlex.quote(str(report))}"]
     res = run_step(label, cmd, work / f"{tag}.log", cap, env=env)
     if res["rc"] == 0:
         rep = json.loads(report.read_text())["artifacts"][0]
@@ -325,6 +337,57 @@ def part_slice(work: Path, opts) -> dict:
     return {"runs": runs, "gflop": gflop, "gemm_peak": peak, "f32_peak": f32_peak}
 
 
+# ---- part 3: the full-size SD 1.5 UNet, int8 with and without its convolutions ---------------
+UNET_BUILDS = (   # label, target, options, what-if patch (precast as it was: NNCF also compressing convolutions)
+    ("onnxruntime-fp32", "onnxruntime", [], ""),
+    ("openvino-f32", "openvino", [], ""),
+    ("openvino-int8", "openvino", ["weights=int8"], ""),
+    ("openvino-int8 convs too", "openvino", ["weights=int8"],
+     "from precast.compiler.targets import quantize_openvino as q; q.KEPT_FLOAT.clear()"),
+)
+
+
+def part_unet(work: Path, opts) -> dict:
+    """Full-size SD 1.5 UNet (export_unet.py's random fp16 checkpoint) exported fp32 and built static 512x512,
+    batch 2 (CFG): ONNX Runtime fp32 (the reference), OpenVINO f32, OpenVINO int8 as precast builds it for the
+    CPU (Linears int8, convolutions float) and as it did before (convolutions int8 too): artifact size, the
+    session's peak RSS, median call, relative L2 error against the reference."""
+    from export_unet import ensure_checkpoint
+    from memory import unet_feeds
+    ckpt = work / "sd15.safetensors"
+    ensure_checkpoint(ckpt)
+    export = work / "unet-export"
+    precast_json(["export", ckpt, "--out", export, "--dtype", "fp32", "--component", "unet"])
+    ckpt.unlink()
+    inputs = work / "unet_inputs.npz"
+    np.savez(inputs, **unet_feeds())
+    runs = {}
+    for label, target, options, patch in UNET_BUILDS:
+        cache = work / "unet-cache"
+        b = compile_step(f"unet compile {label}", export, cache, target, options, 512, None, work, opts.cap,
+                         component="unet", patch=patch)     # batch 1 image: the UNet runs 2 (CFG)
+        if b["rc"] == 0:
+            from precast.compiler.cache import parse_entry
+            b["weights"] = parse_entry(Path(b["entry"])).metadata.get("weights")
+            b["run"] = run_session(f"unet {label}", work, {"kind": "session", "entry": b["entry"],
+                                                            "inputs": str(inputs), "steps": opts.steps + 1}, opts.cap)
+            t = b["run"].get("times", [])[1:]
+            b["median_s"] = statistics.median(t) if t else None
+            out_file = work / f"child-unet_{label.replace(' ', '_')}" / "out.npy"
+            if out_file.exists():
+                shutil.copy(out_file, work / f"unet-{label.replace(' ', '_')}.npy")
+            shutil.rmtree(Path(b["entry"]), ignore_errors=True)
+        runs[label] = b
+    ref = np.load(work / "unet-onnxruntime-fp32.npy").astype(np.float64)
+    for label, b in runs.items():
+        f = work / f"unet-{label.replace(' ', '_')}.npy"
+        if f.exists():
+            y = np.load(f).astype(np.float64)
+            b["rel_l2"] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+    shutil.rmtree(export, ignore_errors=True)
+    return {"runs": runs}
+
+
 def int8_fc_peak(n: int = 4096, repeats: int = 4) -> float:
     """GFLOP/s of an n^3 OpenVINO FullyConnected whose weight is int8-compressed as NNCF writes it
     (u8 -> f32, minus zero point, times per-channel scale), f32 activations, default CPU config."""
@@ -372,6 +435,16 @@ def print_report(res: dict) -> None:
         if p:
             print(f"  peer MatMulNBitsQuantizer: rc {p['rc']} after {p['wall_s']:.0f} s, peak RSS "
                   f"{p['sampled_peak_rss_gb']:.2f} GB" + (f" [{p['watchdog_kill']}]" if p.get("watchdog_kill") else ""))
+    u = res.get("unet")
+    if u:
+        print("\nSD 1.5 UNet, full size, 512x512, batch 2 (reference: ONNX Runtime fp32)")
+        print(f"  {'artifact':<26}{'size GB':>9}{'median s':>10}{'session peak GB':>17}{'anon GB':>9}{'rel L2':>9}"
+              f"  int8 constants")
+        for label, b in u["runs"].items():
+            r = b.get("run", {})
+            print(f"  {label:<26}{b.get('size_gb', 0) or 0:>9.2f}{b.get('median_s') or 0:>10.2f}"
+                  f"{r.get('sampled_peak_rss_gb', 0):>17.2f}{r.get('sampled_peak_anon_gb', 0):>9.2f}"
+                  f"{b.get('rel_l2', 0):>9.4f}  {(b.get('weights') or {}).get('constants', '')}")
     s = res.get("slice")
     if s:
         print(f"\nFlux slice step (full width, 2+2 blocks, 1024+512 tokens, {s['gflop']} GFLOP/call; "
@@ -422,6 +495,8 @@ def main() -> None:
             res["gguf"] = [part_gguf(work, t, cfg, opts) for t in opts.types]
         if "slice" in parts:
             res["slice"] = part_slice(work, opts)
+        if "unet" in parts:
+            res["unet"] = part_unet(work, opts)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         Path(opts.json).parent.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,7 @@ from .quantize import quantized, weights_as_parts
 from .quantize_openvino import compress_openvino, transposes_into_matmuls
 
 IR_OVER = 4 << 30      # store: auto keeps exports over 4 GiB as IR (see the module docstring)
-REWRITES = "winograd-f4x4-2,attention-f32-1,fp16-weights-1"   # bump when a model rewrite changes: it is part of the cache key
+REWRITES = "winograd-f4x4-2,attention-f32-1,fp16-weights-1,cpu-convs-float-1"   # bump when a model rewrite changes: it is part of the cache key
 
 
 class OpenVinoTarget:
@@ -132,7 +132,7 @@ class OpenVinoTarget:
         if weights:        # weight-only int8 / int4 (quantize.py): NNCF on the ov.Model, before compiling
             _note(job, f"compress_weights {weights}")
             model, compression = compress_openvino(model, weights, spec.get("group_size"),
-                                                   f"{job.component} openvino")
+                                                   f"{job.component} openvino", device)
             compression["transposes_folded"] = folded
             if weights == "gguf":      # NNCF's int8 (asymmetric) writes two u8 constants per weight: values, zero points
                 compression.update(gguf_blocks=kept, requantized=compression["constants"].get("u8", 0) // 2)

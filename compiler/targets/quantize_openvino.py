@@ -1,7 +1,9 @@
 """Weight-only quantization for OpenVINO (target option `weights: int8 | int4 | gguf`): NNCF's weight compression.
 
 Owns: the ov.Model side: Linear weights made transpose_b (`transposes_into_matmuls`), and the compression
-itself with its count of the Linears it reached (`compress_openvino`). The export's ONNX rewritten for NNCF
+itself with its count of the Linears it reached (`compress_openvino`); on device CPU the convolutions are left
+float (KEPT_FLOAT): its plugin widens an int8 convolution weight back to f32 when it compiles, so compressing
+one costs fidelity and saves no memory. The export's ONNX rewritten for NNCF
 first (`weights_as_parts`), which formats a backend takes and the Linear matching all rewrites share are
 compiler/targets/quantize.py's.
 """
@@ -16,6 +18,11 @@ import numpy as np
 
 from ..errors import BadInput
 from .quantize import DEFAULT_GROUP, MIN_K, shortfall
+
+# op types NNCF leaves float, by device: OpenVINO 2026.4's CPU plugin runs weight-compressed MatMuls
+# (FullyConnected) from int8 / int4, but folds a compressed convolution's weight back to f32 at compile time
+# (measured: benchmarks/quantized.py --parts unet, docs/benchmarks.md)
+KEPT_FLOAT = {"CPU": ("Convolution", "GroupConvolution", "ConvolutionBackpropData")}
 
 
 def transposes_into_matmuls(model) -> int:
@@ -43,9 +50,10 @@ def transposes_into_matmuls(model) -> int:
     return done
 
 
-def compress_openvino(model, weights: str, group_size: int | None = None, what: str = "openvino"):
+def compress_openvino(model, weights: str, group_size: int | None = None, what: str = "openvino",
+                      device: str = "CPU"):
     """NNCF weight compression of an ov.Model (read from weights_as_parts' ONNX, its Linear weights
-    made transpose_b by transposes_into_matmuls) in place of it; returns (model, summary). Fewer
+    made transpose_b by transposes_into_matmuls) for `device`, in place of it; returns (model, summary). Fewer
     Linears compressed than the model has is said on stderr as `what` and recorded (`shortfall`)."""
     # NNCF reports usage to OpenVINO's telemetry (a forked sender process per event) unless NNCF_CI is set,
     # read when nncf is imported: a precast build sends nothing anywhere
@@ -57,20 +65,20 @@ def compress_openvino(model, weights: str, group_size: int | None = None, what: 
                        "(pip install 'precast[quantize]')") from None
     logging.getLogger("nncf").setLevel(logging.ERROR)
     with contextlib.redirect_stdout(sys.stderr):    # NNCF's progress bar: stdout is `--json`'s
-        out, summary = _nncf_compress(nncf, model, weights, group_size)
+        out, summary = _nncf_compress(nncf, model, weights, group_size, KEPT_FLOAT.get(device.split(".")[0], ()))
     linears, done = _ov_linears(out)
     return out, shortfall({**summary, "matmuls": done}, linears, f"{what} weights={weights}")
 
 
-def _nncf_compress(nncf, model, weights: str, group_size: int | None):
-    tables = nncf.IgnoredScope(names=_tables(model), validate=False)
+def _nncf_compress(nncf, model, weights: str, group_size: int | None, kept_float: tuple[str, ...]):
+    ignored = nncf.IgnoredScope(names=_tables(model), types=list(kept_float), validate=False)
     if weights in ("int8", "gguf"):       # gguf: the weights not kept as GGUF blocks (gguf_blocks.into_openvino)
-        out = nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM, ignored_scope=tables)
+        out = nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM, ignored_scope=ignored)
         summary = {"mode": "int8_asym", "granularity": "per-channel"}
     else:
         group = group_size or DEFAULT_GROUP["openvino"]
         out = nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT4_SYM, group_size=group, ratio=1.0,
-                                    ignored_scope=tables, advanced_parameters=nncf.AdvancedCompressionParameters(
+                                    ignored_scope=ignored, advanced_parameters=nncf.AdvancedCompressionParameters(
                                         group_size_fallback_mode=nncf.GroupSizeFallbackMode.ADJUST))
         summary = {"mode": "int4_sym", "group_size": group, "backup": "int8_asym"}
     counts: dict[str, int] = {}
@@ -79,6 +87,7 @@ def _nncf_compress(nncf, model, weights: str, group_size: int | None):
             t = op.get_element_type().get_type_name()
             counts[t] = counts.get(t, 0) + 1
     summary["constants"] = counts
+    summary["kept_float"] = sorted({op.get_type_name() for op in out.get_ordered_ops()} & set(kept_float))
     summary["nncf"] = nncf.__version__
     return out, summary
 
