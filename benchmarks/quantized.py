@@ -296,6 +296,27 @@ def part_gguf(work: Path, qtype: str, cfg, opts) -> dict:
     return out
 
 
+def timed_session(part: str, label: str, b: dict, inputs: Path, work: Path, opts) -> None:
+    """Build `b`'s artifact opened in a fresh child, called --steps times after a warm-up: its run, median and
+    output (kept as work/<part>-<label>.npy for relative_errors)."""
+    b["run"] = run_session(f"{part} {label}", work, {"kind": "session", "entry": b["entry"], "inputs": str(inputs),
+                                                      "steps": opts.steps + 1}, opts.cap)
+    t = b["run"].get("times", [])[1:]
+    b["median_s"] = statistics.median(t) if t else None
+    out_file = work / f"child-{part}_{label.replace(' ', '_')}" / "out.npy"
+    if out_file.exists():
+        shutil.copy(out_file, work / f"{part}-{label.replace(' ', '_')}.npy")
+
+
+def relative_errors(part: str, runs: dict, work: Path) -> None:
+    """Each run's relative L2 error against the ONNX Runtime fp32 artifact's output."""
+    ref = np.load(work / f"{part}-onnxruntime-fp32.npy").astype(np.float64)
+    for label, b in runs.items():
+        f = work / f"{part}-{label.replace(' ', '_')}.npy"
+        if f.exists():
+            b["rel_l2"] = float(np.linalg.norm(np.load(f).astype(np.float64) - ref) / np.linalg.norm(ref))
+
+
 # ---- part 2: the full-width slice step ----------------------------------------------------
 def part_slice(work: Path, opts) -> dict:
     import flux_step
@@ -317,21 +338,11 @@ def part_slice(work: Path, opts) -> dict:
         b = compile_step(f"slice compile {label}", export, cache, target, options, flux_step.IMAGE,
                          flux_step.T5_TOKENS, work, opts.cap)
         if b["rc"] == 0:
-            b["run"] = run_session(f"slice {label}", work, {"kind": "session", "entry": b["entry"],
-                                                             "inputs": str(inputs), "steps": opts.steps + 1}, opts.cap)
-            t = b["run"].get("times", [])[1:]
-            b["median_s"] = statistics.median(t) if t else None
-            out_file = work / f"child-slice_{label}" / "out.npy"
-            if out_file.exists():
-                shutil.copy(out_file, work / f"slice-{label}.npy")
+            timed_session("slice", label, b, inputs, work, opts)
         runs[label] = b
-    ref = np.load(work / "slice-onnxruntime-fp32.npy").astype(np.float64)
+    relative_errors("slice", runs, work)
     gflop = flux_step.count_flops("flux")["gflop"]
-    for label, b in runs.items():
-        f = work / f"slice-{label}.npy"
-        if f.exists():
-            y = np.load(f).astype(np.float64)
-            b["rel_l2"] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+    for b in runs.values():
         if b.get("median_s"):
             b["gflops"] = round(gflop / b["median_s"], 1)
     return {"runs": runs, "gflop": gflop, "gemm_peak": peak, "f32_peak": f32_peak}
@@ -369,21 +380,10 @@ def part_unet(work: Path, opts) -> dict:
         if b["rc"] == 0:
             from precast.compiler.cache import parse_entry
             b["weights"] = parse_entry(Path(b["entry"])).metadata.get("weights")
-            b["run"] = run_session(f"unet {label}", work, {"kind": "session", "entry": b["entry"],
-                                                            "inputs": str(inputs), "steps": opts.steps + 1}, opts.cap)
-            t = b["run"].get("times", [])[1:]
-            b["median_s"] = statistics.median(t) if t else None
-            out_file = work / f"child-unet_{label.replace(' ', '_')}" / "out.npy"
-            if out_file.exists():
-                shutil.copy(out_file, work / f"unet-{label.replace(' ', '_')}.npy")
+            timed_session("unet", label, b, inputs, work, opts)
             shutil.rmtree(Path(b["entry"]), ignore_errors=True)
         runs[label] = b
-    ref = np.load(work / "unet-onnxruntime-fp32.npy").astype(np.float64)
-    for label, b in runs.items():
-        f = work / f"unet-{label.replace(' ', '_')}.npy"
-        if f.exists():
-            y = np.load(f).astype(np.float64)
-            b["rel_l2"] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+    relative_errors("unet", runs, work)
     shutil.rmtree(export, ignore_errors=True)
     return {"runs": runs}
 
