@@ -18,7 +18,7 @@ from pathlib import Path
 from ..runtime.progress import heartbeat
 from .cache import Cache, Entry, cache_key, input_digest, outcome
 from .errors import BadInput
-from .exported import ExportedComponent
+from .exported import ExportedComponent, beside, within
 from .foreign_onnx import is_foreign_folder, read_foreign
 from .profiles import ShapeProfile
 from .targets import BuildJob, TargetSpec, check_buildable, get_target
@@ -40,11 +40,12 @@ def read_export(folder: str | Path) -> dict[str, ExportedComponent]:
     try:
         report = json.loads(index.read_text())
         gguf = bool(report.get("source_quantization"))
-        comps = {c["name"]: ExportedComponent(c["name"], folder / c["path"], c["inputs"], c["outputs"],
-                                              dict(c.get("files") or {}), c.get("dtype"),
-                                              _positive_int((c.get("config") or {}).get("max_positions")),
-                                              _gguf_blocks(folder / c["path"], c.get("gguf_blocks")), gguf)
-                 for c in report["components"]}
+        comps = {}
+        for c in report["components"]:
+            path = within(folder, c["path"], f"{index}: component {c['name']}")
+            comps[c["name"]] = ExportedComponent(c["name"], path, c["inputs"], c["outputs"], dict(c.get("files") or {}),
+                                                 c.get("dtype"), _positive_int((c.get("config") or {}).get("max_positions")),
+                                                 _gguf_blocks(path, c.get("gguf_blocks")), gguf)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise BadInput(f"{index}: damaged ({e}); export again") from None
     return comps
@@ -104,7 +105,6 @@ def check_exported_graph(comp: ExportedComponent) -> None:
     """Before a build: the graph parses and every external tensor lies inside its data file
     (a garbage model.onnx would otherwise be an onnx/protobuf traceback inside a target). A cache
     hit needs no parse: its key already covers the files' digests."""
-    folder = comp.onnx_path.parent
     import onnx
     try:
         model = onnx.load(str(comp.onnx_path), load_external_data=False)
@@ -113,7 +113,7 @@ def check_exported_graph(comp: ExportedComponent) -> None:
     for tensor in model.graph.initializer:
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             where = {e.key: e.value for e in tensor.external_data}
-            data = folder / where.get("location", "")
+            data = beside(comp.onnx_path, where.get("location"), tensor.name)
             end = sum(int(v) if v.isascii() and v.isdigit() else -1 for k, v in where.items() if k in ("offset", "length"))
             if not data.is_file() or end < 0 or data.stat().st_size < end:
                 raise BadInput(f"{data}: missing or shorter than {comp.onnx_path.name} says "

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from .errors import BadInput
-from .exported import ExportedComponent
+from .exported import ExportedComponent, beside
 from .families import detect_onnx_family
 
 COMPONENTS = ("text_encoder", "text_encoder_2", "unet", "vae_encoder", "vae_decoder")
@@ -150,8 +150,8 @@ def read_component(folder: Path, comp: str, vae_cfg: dict):
     for tensor in model.graph.initializer:
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             loc = {e.key: e.value for e in tensor.external_data}.get("location", "")
-            data = path.parent / loc
-            if not loc or not data.is_file():
+            data = beside(path, loc, tensor.name)
+            if not data.is_file():
                 raise BadInput(f"{data}: missing (tensor {tensor.name} of {path} lies there)")
             files[loc] = data.stat().st_size
     floats = {t["dtype"] for t in inputs + outputs} & {"float32", "float16", "bfloat16"}

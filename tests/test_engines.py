@@ -297,3 +297,37 @@ def test_target_options_are_checked_before_building(export_dir, cache_env, targe
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert all(w in line for w in words), line
+
+
+@pytest.mark.parametrize("escape", ["location", "component path"])
+def test_a_hostile_export_cannot_reach_files_outside_its_folder(export_dir, cache_env, tmp_path, escape):
+    """An export folder whose graph names its weights `../../victim` (or whose record puts a component's graph
+    outside the folder): refused in one line before anything is read or copied -- a text encoder's build copies
+    its weight files, so such a name once let `compile` overwrite a file of the attacker's choosing."""
+    import onnx
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's file\n")
+    bad = _copy_export(export_dir, tmp_path / "exp", "text_encoder")
+    graph = bad / "text_encoder" / "model.onnx"
+    if escape == "location":
+        model = onnx.load(str(graph), load_external_data=False)
+        for t in model.graph.initializer:
+            for e in t.external_data:
+                if e.key == "location":
+                    e.value = "../../victim.txt"
+        graph.write_bytes(model.SerializeToString())
+        index = json.loads((bad / "precast_export.json").read_text())
+        for c in index["components"]:
+            c.pop("files", None)        # the record's sizes would refuse the changed graph first
+        words = ["text_encoder/model.onnx: tensor", "'../../victim.txt' is not a file name beside the graph"]
+    else:
+        index = json.loads((bad / "precast_export.json").read_text())
+        for c in index["components"]:
+            c["path"] = "../exp/" + c["path"]
+        words = ["precast_export.json: component", "'../exp/", "leaves the export's folder"]
+    (bad / "precast_export.json").write_text(json.dumps(index))
+    proc = precast("compile", bad, "--target", "onnxruntime", "--component", "text_encoder", env=cache_env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert all(w in line for w in words), line
+    assert victim.read_text() == "the user's file\n"

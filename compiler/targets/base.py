@@ -88,9 +88,11 @@ def required_inputs(job: BuildJob, folder: Path) -> Iterator[BuildJob]:
     for t in defaults:
         model.graph.initializer.remove(t)
     with tempfile.TemporaryDirectory(dir=folder, prefix=".required-") as tmp:
-        for name in {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}:
+        from ..exported import beside
+        for name, tensor in {e.value: t.name for t in model.graph.initializer for e in t.external_data
+                             if e.key == "location"}.items():
             # copied: onnx (hence onnxsim) refuses hard-linked weights, OpenVINO and onnx symlinks out of the folder
-            shutil.copyfile(job.onnx_path.parent / name, Path(tmp) / name)
+            shutil.copyfile(beside(job.onnx_path, name, tensor), Path(tmp) / name)
         path = Path(tmp) / job.onnx_path.name
         path.write_bytes(model.SerializeToString(deterministic=True))
         yield dataclasses.replace(job, onnx_path=path)

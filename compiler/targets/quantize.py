@@ -89,8 +89,9 @@ def weights_as_parts(source: Path, out_dir: Path, parts: dict | None = None) -> 
     model = onnx.load(str(source), load_external_data=False)
     reader = Initializers(model, Path(source).parent)
     inits = {t.name: t for t in model.graph.initializer}
-    for name in {e.value for t in inits.values() for e in t.external_data if e.key == "location"}:
-        link(Path(source).parent / name, out_dir / name)
+    from ..exported import beside
+    for name, tensor in {e.value: t.name for t in inits.values() for e in t.external_data if e.key == "location"}.items():
+        link(beside(Path(source), name, tensor), out_dir / name)
     half = (onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16)
     widen = {t: onnx.TensorProto.FLOAT for t in half if reader.had(t)}
     made = []
