@@ -122,16 +122,30 @@ def png_text(data: bytes) -> dict[str, str]:
             if kind == b"tEXt":
                 text = rest.decode("latin-1")
             elif kind == b"zTXt":
-                text = zlib.decompress(rest[1:]).decode("latin-1")
+                text = _inflate(rest[1:]).decode("latin-1")
             else:
                 compressed, tail = rest[0], rest[2:]          # then the method (0: zlib), language, keyword
                 _lang, _, tail = tail.partition(b"\0")
                 _translated, _, tail = tail.partition(b"\0")
-                text = (zlib.decompress(tail) if compressed else tail).decode("utf-8")
+                text = (_inflate(tail) if compressed else tail).decode("utf-8")
         except (ValueError, IndexError, zlib.error) as e:
             raise PngError(f"{what}: {e}") from None
         out.setdefault(key.decode("latin-1"), text)
     return out
+
+
+MAX_TEXT = 32 << 20    # bytes a compressed text chunk may inflate to (ComfyUI's workflows: ~1 MB)
+
+
+def _inflate(compressed: bytes) -> bytes:
+    """A zTXt / iTXt chunk's text, refused past MAX_TEXT bytes (a 1 MB chunk can inflate to 1 GB)."""
+    inflater = zlib.decompressobj()
+    text = inflater.decompress(compressed, MAX_TEXT)
+    if inflater.unconsumed_tail:
+        raise ValueError(f"its text inflates past {MAX_TEXT >> 20} MiB")
+    if not inflater.eof:
+        raise ValueError("its compressed text is cut short")
+    return text
 
 
 def _chunks(data: bytes):

@@ -185,6 +185,32 @@ def test_from_png_without_precast_record_is_one_error(tmp_path):
         assert not (tmp_path / "x.png").exists()
 
 
+def test_a_text_chunk_that_inflates_to_a_gigabyte_is_one_error(tmp_path):
+    """A 1 MB zTXt chunk that inflates to 1 GiB (a PNG decompression bomb) beside a precast record: refused in one
+    line without inflating it (the reader stops at runtime/png.py's MAX_TEXT); a truncated stream too."""
+    import struct
+    import zlib
+
+    from precast.runtime.png import png_bytes, png_text
+    data = png_bytes(np.zeros((8, 8, 3), np.uint8), {"precast": "{}"})
+
+    def with_ztxt(stream: bytes) -> bytes:
+        body = b"junk\0\0" + stream
+        chunk = struct.pack(">I", len(body)) + b"zTXt" + body + struct.pack(">I", zlib.crc32(b"zTXt" + body))
+        return data[:-12] + chunk + data[-12:]          # before IEND
+    inflater = zlib.compressobj(9)
+    bomb = b"".join(inflater.compress(bytes(1 << 24)) for _ in range(64)) + inflater.flush()
+    assert len(bomb) < 2 << 20
+    (tmp_path / "bomb.png").write_bytes(with_ztxt(bomb))
+    proc = precast("generate", "--from-png", tmp_path / "bomb.png", "--out", tmp_path / "x.png")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "damaged PNG (zTXt chunk 'junk'): its text inflates past 32 MiB" in lines[0], lines[0]
+    assert not (tmp_path / "x.png").exists()
+    with pytest.raises(Exception, match="cut short"):
+        png_text(with_ztxt(zlib.compress(b"a workflow")[:-3]))
+
+
 def test_batch_and_count_are_checked_first(bundles, tmp_path):
     from precast.runtime.api import UserError, open_bundle
     proc = generate(bundles["sd"], tmp_path / "x.png", "--prompt", "a", "--batch", "0", check=False)
