@@ -5,6 +5,8 @@ with `comfy.gguf.orig_shape.*`), exported with `precast export` and compared bit
 `gguf` package's own dequantization (float32, then the export dtype's cast)."""
 import json
 import struct
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -528,3 +530,25 @@ def test_flux2_dev_mistral_encoder_as_llama_gguf_exports_its_dequantization(tmp_
 def _llama_unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
 
+
+
+def _kv_gguf(value: bytes) -> bytes:
+    """A GGUF v3 file with no tensors and one metadata key `x` whose typed value is `value`."""
+    return b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"x" + value
+
+
+@pytest.mark.parametrize("value, says", [
+    (struct.pack("<IIQ", 9, 0, 1 << 62) + b"\x01", "claims 4611686018427387904 entries"),     # u8 array: a hang
+    (struct.pack("<I", 9) + b"".join(struct.pack("<IQ", 9, 1) for _ in range(5000)) + struct.pack("<IQ", 0, 1) + b"\x01",
+     "nested more than 4 deep"),                                                            # a RecursionError
+])
+def test_hostile_gguf_metadata_is_one_line_at_once(tmp_path, value, says):
+    """Metadata arrays that would make gguf's reader loop over 2^62 entries or recurse 5,000 deep: refused
+    before it walks them."""
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(_kv_gguf(value))
+    proc = subprocess.run([sys.executable, "-m", "precast.runtime.cli", "export", str(bad), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and says in lines[0] and str(bad) in lines[0], proc.stderr
+    assert not (tmp_path / "out").exists()

@@ -141,6 +141,7 @@ def _check_tensor_table(gguf, path: str, size: int, data_start: int, fields) -> 
 
 
 _READER = None
+MAX_NESTING = 4       # arrays of arrays in GGUF metadata: llama.cpp writes none nested (tokenizer merges are strings)
 
 
 def _reader_class(gguf):
@@ -151,6 +152,27 @@ def _reader_class(gguf):
             def _build_tensors(self, start_offs, fields):
                 _check_tensor_table(gguf, self._path, int(self.data.size), start_offs, fields)
                 super()._build_tensors(start_offs, fields)
+
+            def _get_field_parts(self, orig_offs, raw_type):
+                # a metadata value, checked before gguf walks it: an array cannot hold more entries than the
+                # file has bytes left (gguf would loop over 2^62 empty views), nor nest past MAX_NESTING
+                # (gguf recurses: a 60 kB file of nested arrays is a RecursionError)
+                size = int(self.data.size)
+                if orig_offs >= size:
+                    raise ValueError(f"a metadata value at byte {orig_offs} lies past the end of the {size}-byte file")
+                if raw_type == gguf.GGUFValueType.ARRAY and orig_offs + 12 <= size:
+                    count = int(self._get(orig_offs + 4, np.uint64)[0])
+                    if count > size - orig_offs - 12:
+                        raise ValueError(f"a metadata array at byte {orig_offs} claims {count} entries, more than "
+                                         "the file has bytes left")
+                    self._nesting = getattr(self, "_nesting", 0) + 1
+                    try:
+                        if self._nesting > MAX_NESTING:
+                            raise ValueError(f"metadata arrays nested more than {MAX_NESTING} deep")
+                        return super()._get_field_parts(orig_offs, raw_type)
+                    finally:
+                        self._nesting -= 1
+                return super()._get_field_parts(orig_offs, raw_type)
 
             def __init__(self, path):
                 self._path = path
