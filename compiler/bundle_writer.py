@@ -93,7 +93,7 @@ def _model_of(folder: Path) -> tuple[str, str] | None:
         data = json.loads((folder / MANIFEST).read_bytes())
         model = data["model"]
         return str(model.get("source_sha256")), f"{data.get('name')} ({model.get('family')}, {model.get('source')})"
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None
 
 

@@ -46,7 +46,7 @@ def read_export(folder: str | Path) -> dict[str, ExportedComponent]:
             comps[c["name"]] = ExportedComponent(c["name"], path, c["inputs"], c["outputs"], dict(c.get("files") or {}),
                                                  c.get("dtype"), _positive_int((c.get("config") or {}).get("max_positions")),
                                                  _gguf_blocks(path, c.get("gguf_blocks")), gguf)
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise BadInput(f"{index}: damaged ({e}); export again") from None
     return comps
 
@@ -63,7 +63,7 @@ def _positive_int(value) -> int | None:
 def _export_report(folder: str | Path) -> dict:
     try:
         report = json.loads((Path(folder) / "precast_export.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     return report if isinstance(report, dict) else {}
 

@@ -344,7 +344,7 @@ def _earlier(out: Path) -> dict:
     try:
         report = json.loads((out / "precast_export.json").read_text())
         return report if isinstance(report, dict) and isinstance(report.get("components"), list) else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
 
 

@@ -39,7 +39,7 @@ def is_foreign_folder(folder: str | Path) -> bool:
 def _json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
 

@@ -156,7 +156,7 @@ class RemoteCache:
         from ..runtime.oci.artifact import TITLE
         try:
             m = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise Unusable("its manifest is not JSON") from None
         config = m.get("config") if isinstance(m, dict) else None
         if not isinstance(config, dict) or m.get("artifactType") != ARTIFACT_TYPE or \
@@ -167,7 +167,7 @@ class RemoteCache:
         raw = reg.blob_bytes(self.ref.repository, config["digest"], config["size"], f"{ENTRY_FILE} of {key[:12]}")
         try:
             files, _ = check_entry_info(json.loads(raw), key)
-        except (ValueError, DamagedEntry) as e:
+        except (ValueError, DamagedEntry, RecursionError) as e:
             raise Unusable(f"its {ENTRY_FILE}: {e}") from None
         have = {(d.get("annotations") or {}).get(TITLE): (d.get("digest"), d.get("size"))
                 for d in m.get("layers") or [] if isinstance(d, dict)}

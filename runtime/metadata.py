@@ -125,7 +125,7 @@ def png_record(path, what: str = "--from-png") -> dict:
                         "precast generate or the Python API's Image.save / png() wrote can be rerun")
     try:
         record = json.loads(text[RECORD])
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise UserError(f"{what} {path}: its precast record is not JSON ({e}); the file was edited or damaged") \
             from None
     settings = record.get("settings") if isinstance(record, dict) else None

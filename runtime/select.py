@@ -89,7 +89,7 @@ def _recorded_backends(path: str) -> dict[str, str] | None:
     try:
         with open(path) as f:
             data = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
         raise UserError(f"{path}: expected a JSON object of backend -> version strings")

@@ -152,7 +152,7 @@ def gc_registry(registry: Path) -> list[str]:
         try:
             info = json.loads(record.read_text())
             staging, out, pid = Path(info["staging"]), Path(info["out"]), int(info["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
             record.unlink(missing_ok=True)          # damaged: nothing to follow
             continue
         if path_held(staging, pid):

@@ -367,7 +367,7 @@ def _folder_pad_id(folder: Path, tok: ClipTokenizer) -> int:
             continue
         try:
             pad = json.loads(path.read_text(encoding="utf-8")).get("pad_token")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             continue
         if isinstance(pad, dict):
             pad = pad.get("content")

@@ -177,11 +177,13 @@ def test_from_png_without_precast_record_is_one_error(tmp_path):
     pixels = np.zeros((8, 8, 3), np.uint8)
     write_png(tmp_path / "plain.png", pixels)
     write_png(tmp_path / "a1111.png", pixels, {"parameters": "a cat\nSteps: 20, Sampler: Euler, Seed: 1"})
-    for name, extra in (("plain.png", ""), ("a1111.png", "it has A1111 parameters")):
+    write_png(tmp_path / "deep.png", pixels, {"precast": "[" * 100_000 + "]" * 100_000})   # json recurses
+    for name, extra in (("plain.png", ""), ("a1111.png", "it has A1111 parameters"), ("deep.png", "")):
         proc = precast("generate", "--from-png", tmp_path / name, "--out", tmp_path / "x.png")
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-        assert lines[0].startswith(f"error: --from-png {tmp_path / name}: has no precast record") and extra in lines[0]
+        says = "its precast record is not JSON" if name == "deep.png" else "has no precast record"
+        assert lines[0].startswith(f"error: --from-png {tmp_path / name}: {says}") and extra in lines[0], lines[0]
         assert not (tmp_path / "x.png").exists()
 
 

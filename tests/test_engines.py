@@ -331,3 +331,13 @@ def test_a_hostile_export_cannot_reach_files_outside_its_folder(export_dir, cach
     (line,) = proc.stderr.strip().splitlines()
     assert all(w in line for w in words), line
     assert victim.read_text() == "the user's file\n"
+
+
+def test_a_record_nested_100000_deep_is_one_line(export_dir, cache_env, tmp_path):
+    """precast_export.json as 100,000 nested arrays (json's parser recurses): one line naming it, no traceback."""
+    bad = _copy_export(export_dir, tmp_path / "exp")
+    (bad / "precast_export.json").write_text("[" * 100_000 + "]" * 100_000)
+    proc = precast("compile", bad, "--target", "onnxruntime", "--component", "unet", env=cache_env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert "precast_export.json: damaged" in line and "export again" in line, line

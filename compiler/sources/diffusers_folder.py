@@ -106,7 +106,7 @@ def _read_json(p: Path) -> dict:
         return {}
     try:
         cfg = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise BadInput(f"{p}: not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise BadInput(f"{p}: expected a JSON object")

@@ -96,7 +96,7 @@ def _json(path: Path) -> dict:
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise BadInput(f"{path}: not valid JSON ({e}); download it again") from None
     if not isinstance(data, dict):
         raise BadInput(f"{path}: holds {type(data).__name__}, not a JSON object; download it again")

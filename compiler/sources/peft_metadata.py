@@ -114,7 +114,7 @@ def peft_config(p: Path, raw: str | None) -> dict:
         return {}
     try:
         cfg = json.loads(raw)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, RecursionError) as e:
         raise BadInput(f"--lora {p}: metadata lora_adapter_metadata is not JSON ({e})") from None
     except RecursionError:
         raise BadInput(f"--lora {p}: metadata lora_adapter_metadata is nested too deeply to be a LoRA config; "

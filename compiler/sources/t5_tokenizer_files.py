@@ -106,7 +106,7 @@ def _convert(json_bytes: bytes, source: str) -> tuple[bytes, T5Tokenizer]:
 
     try:
         doc = json.loads(json_bytes)
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise bad(f"not a readable tokenizer.json ({e})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("model"), dict):
         raise bad("not a tokenizer.json (no model section)")
@@ -254,7 +254,7 @@ def write_t5_tokenizer_folder(out_folder: str | os.PathLike,
             try:
                 if not isinstance(json.loads(data), dict):
                     raise ValueError("not a JSON object")
-            except (UnicodeDecodeError, ValueError) as e:
+            except (UnicodeDecodeError, ValueError, RecursionError) as e:
                 raise BadInput(f"{theirs}: not a readable JSON object ({e}); fix or delete it "
                                "(precast then writes a default one)") from None
             files[name] = data

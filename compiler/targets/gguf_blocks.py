@@ -41,7 +41,7 @@ class GgufBlocks:
             record = json.loads(self.path.read_text())
             self.files = {str(f): int(n) for f, n in record["files"].items()}
             self.tensors = {str(k): _checked(v) for k, v in record["tensors"].items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as e:
             raise BadInput(f"{self.path}: unreadable or damaged ({type(e).__name__}: {e}); export again") from None
         moved = {}
         for f, size in self.files.items():

@@ -65,7 +65,7 @@ def recorded(root: str) -> tuple[dict, dict, str] | None:
     try:
         with open(os.path.join(folder, "SPDisplaysDataType.json")) as f:
             displays = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         displays = {}
     try:
         with open(os.path.join(folder, "sw_vers.txt")) as f:
@@ -84,6 +84,6 @@ def macos_answers() -> tuple[dict, dict, str]:   # macOS only: not run here
     try:
         displays = json.loads(subprocess.run(["system_profiler", "SPDisplaysDataType", "-json"],
                                              capture_output=True, text=True, timeout=30).stdout)
-    except (ValueError, OSError, subprocess.SubprocessError):
+    except (ValueError, OSError, subprocess.SubprocessError, RecursionError):
         displays = {}
     return parse_sysctl(out), displays, platform.mac_ver()[0]

@@ -83,7 +83,7 @@ def read_oci_manifest(ref: Ref, body: bytes, media_type: str) -> dict[str, Layer
     anything else (an image, an index, another artifact type)."""
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise RegistryError(f"{ref}: the manifest is not JSON; not a precast bundle") from None
     kind = data.get("artifactType") or (data.get("config") or {}).get("mediaType") if isinstance(data, dict) else None
     if media_type not in (OCI_MANIFEST, "") or not isinstance(data, dict) or data.get("mediaType", OCI_MANIFEST) != \

@@ -67,7 +67,7 @@ def _read_json(path: Path) -> dict | None:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise UserError(f"{path}: unreadable credentials file ({e}); fix it or point DOCKER_CONFIG / "
                         "REGISTRY_AUTH_FILE elsewhere") from None
     if not isinstance(data, dict):
@@ -115,7 +115,7 @@ def _from_helper(name: str, registry: str, tried: list[str]) -> Credentials | No
     try:
         answer = json.loads(proc.stdout)
         return Credentials(str(answer["Username"]), str(answer["Secret"]), f"credential helper docker-credential-{name}")
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         raise UserError(f"credential helper docker-credential-{name} answered something other than "
                         "{\"Username\", \"Secret\"} JSON") from None
 

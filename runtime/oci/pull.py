@@ -162,7 +162,7 @@ def read_remote(ref: Ref, registry: Registry, store: Path | None = None) -> Remo
             os.replace(temp, kept)
     try:
         data = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise RegistryError(f"{ref}: its {MANIFEST} is not JSON; not a bundle precast pushed") from None
     return Remote(ref, digest, layers, check_manifest(data, f"{ref} {MANIFEST}"))
 

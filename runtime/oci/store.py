@@ -124,7 +124,7 @@ def _open(ref: Ref, root: Path, folder: Path, blobs: Path, registry: Registry, m
 def _offline(ref: Ref, root: Path, folder: Path, e: Unreachable) -> Opened:
     try:
         data = json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         raise UserError(f"{ref.registry} is unreachable ({e.reason}) and {ref} was never pulled into the store "
                         f"({root}): nothing to open offline; check the reference and the network") from None
     digest = (data.get("pulled") or {}).get("digest")
