@@ -110,6 +110,8 @@ def delta_shape(lf: LoraFile, m: LoraModule) -> tuple[int, ...]:
         if missing:
             raise BadInput(f"{where}: LoHa module lacks {', '.join(missing)}")
         a1, b1, a2, b2 = (s(r) for r in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"))
+        if min(len(a1), len(b1), len(a2), len(b2)) < 2:
+            raise BadInput(f"{where}: LoHa factors {list(a1)}, {list(b1)}, {list(a2)}, {list(b2)} are not all matrices")
         if a1[1] != b1[0] or a2[1] != b2[0] or (a1[0], _numel(b1[1:])) != (a2[0], _numel(b2[1:])):
             raise BadInput(f"{where}: LoHa factors {list(a1)}, {list(b1)}, {list(a2)}, {list(b2)} do not fit")
         return (a1[0], *b1[1:])
@@ -122,6 +124,8 @@ def delta_shape(lf: LoraFile, m: LoraModule) -> tuple[int, ...]:
                 sides.append(s(f"lokr_{w}"))
             elif f"lokr_{w}_a" in have and f"lokr_{w}_b" in have:
                 a, b = s(f"lokr_{w}_a"), s(f"lokr_{w}_b")
+                if len(a) < 2 or len(b) < 2:
+                    raise BadInput(f"{where}: lokr_{w}_a {list(a)} / lokr_{w}_b {list(b)} are not matrices")
                 if a[1] != b[0]:
                     raise BadInput(f"{where}: lokr_{w}_a {list(a)} and lokr_{w}_b {list(b)} disagree on the rank")
                 sides.append((a[0], *b[1:]))
@@ -130,6 +134,8 @@ def delta_shape(lf: LoraFile, m: LoraModule) -> tuple[int, ...]:
         w1, w2 = sides
         if len(w1) != 2:
             raise BadInput(f"{where}: lokr_w1 {list(w1)} is not a matrix")
+        if len(w2) < 2:
+            raise BadInput(f"{where}: lokr_w2 {list(w2)} is not a matrix")
         return (w1[0] * w2[0], w1[1] * w2[1], *w2[2:])
     if kind == "full":
         if "diff" not in have:
