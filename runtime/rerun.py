@@ -18,6 +18,13 @@ HIRES_OPTIONS = {"hires_scale", "hires_size", "hires_steps", "hires_denoise", "h
 CONTROL_OPTIONS = {"controls", "controlnet_names", "control_starts", "control_ends", "guess_mode"}
 
 
+def _size(value):
+    """A recorded size: "WxH" as the record writes it, or none; anything else is a damaged record."""
+    if value is None or isinstance(value, str):
+        return value
+    raise TypeError(f"size {value!r} is not \"WIDTHxHEIGHT\"")
+
+
 def rerun_options(record: dict, given: set[str], png: str) -> dict:
     """The options a --from-png record sets (runtime/metadata.py png_record): its settings, its bundle's path
     and where each module ran (--backend MODULE=DEVICE:BACKEND), each unless given on the command line (a hires
@@ -31,14 +38,14 @@ def rerun_options(record: dict, given: set[str], png: str) -> dict:
             if w.get("device") and w.get("backend"):
                 where.setdefault(module_of(comp), f"{w['device']}:{w['backend']}")
         out = {"bundle": record["bundle"].get("path"), "prompt": s["prompt"], "negative": s.get("negative", ""),
-               "steps": s.get("steps"), "seed": s.get("seed", 0), "size": s.get("size"),
+               "steps": s.get("steps"), "seed": s.get("seed", 0), "size": _size(s.get("size")),
                "guidance": s.get("guidance"), "scheduler": s.get("scheduler"), "schedule": s.get("schedule"),
                "strength": s.get("strength"), "controlnet_names": tuple(c["controlnet"] for c in nets),
                "control_starts": tuple(c["start"] for c in nets), "control_ends": tuple(c["end"] for c in nets),
                "guess_mode": bool(s.get("guess_mode")),
                "backend": ",".join(f"{m}={v}" for m, v in where.items()) or None}
         hires, tiling = s.get("hires") or {}, s.get("vae_tiling") or {}
-        out.update(hires_scale=hires.get("scale"), hires_size=None if hires.get("scale") else hires.get("size"),
+        out.update(hires_scale=hires.get("scale"), hires_size=None if hires.get("scale") else _size(hires.get("size")),
                    hires_steps=hires.get("steps"), hires_denoise=hires.get("denoise"),
                    hires_upscaler=hires.get("upscaler"), vae_tiling=tiling.get("forced"), vae_tile=tiling.get("tile"))
         scales = ", ".join(f"{c['controlnet']} at scale {c['scale']:g}" for c in nets)

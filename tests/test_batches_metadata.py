@@ -222,3 +222,14 @@ def test_batch_and_count_are_checked_first(bundles, tmp_path):
     pipe = open_bundle(str(bundles["sd"])).pipeline(BACKEND)
     with pytest.raises(UserError, match=r"batch='2': must be a whole number"):
         pipe.images("a", batch="2")
+
+
+@pytest.mark.parametrize("settings", [{"size": 64}, {"size": [64, 64]}, {"hires": {"size": 5}}, {"hires": [1]}])
+def test_a_record_with_fields_of_the_wrong_type_is_one_error(settings):
+    """A --from-png record edited by hand (a size as a number or a list, hires as a list): one UserError naming the
+    PNG, not a TypeError deep in the size parser."""
+    from precast.runtime.api import UserError
+    from precast.runtime.rerun import rerun_options
+    record = {"bundle": {"path": "b"}, "settings": {"prompt": "a cat", **settings}}
+    with pytest.raises(UserError, match=r"--from-png x\.png: its precast record is damaged"):
+        rerun_options(record, set(), "x.png")
