@@ -43,6 +43,10 @@ def read_export(folder: str | Path) -> dict[str, ExportedComponent]:
         comps = {}
         for c in report["components"]:
             path = within(folder, c["path"], f"{index}: component {c['name']}")
+            for io in (c["inputs"], c["outputs"]):
+                if not isinstance(io, list) or not all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                                       and isinstance(t.get("shape"), list) for t in io):
+                    raise ValueError(f"component {c['name']}'s inputs / outputs are not a list of name + shape records")
             comps[c["name"]] = ExportedComponent(c["name"], path, c["inputs"], c["outputs"], dict(c.get("files") or {}),
                                                  c.get("dtype"), _positive_int((c.get("config") or {}).get("max_positions")),
                                                  _gguf_blocks(path, c.get("gguf_blocks")), gguf)
@@ -110,7 +114,11 @@ def check_exported_graph(comp: ExportedComponent) -> None:
         model = onnx.load(str(comp.onnx_path), load_external_data=False)
     except Exception as e:  # protobuf's DecodeError and friends: the file is not an ONNX model
         raise BadInput(f"{comp.onnx_path}: not a readable ONNX model ({type(e).__name__}); export again") from None
+    if model.ir_version <= 0 or not model.graph.node:
+        raise BadInput(f"{comp.onnx_path}: not an ONNX model (no IR version or no nodes); export again")
     for tensor in model.graph.initializer:
+        if tensor.data_location != onnx.TensorProto.EXTERNAL and tensor.raw_data:
+            _check_raw_size(comp.onnx_path, tensor)
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             where = {e.key: e.value for e in tensor.external_data}
             data = beside(comp.onnx_path, where.get("location"), tensor.name)
@@ -118,6 +126,27 @@ def check_exported_graph(comp: ExportedComponent) -> None:
             if not data.is_file() or end < 0 or data.stat().st_size < end:
                 raise BadInput(f"{data}: missing or shorter than {comp.onnx_path.name} says "
                                f"(tensor {tensor.name}); export again")
+
+
+def _check_raw_size(graph: Path, tensor) -> None:
+    """An inline tensor's bytes are what its dims and type say (a graph claiming 2^40 values in 8 bytes would
+    otherwise be an onnxsim / OpenVINO RuntimeError inside a target)."""
+    import math
+
+    import onnx
+    try:
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    except (KeyError, ValueError, TypeError):
+        raise BadInput(f"{graph}: tensor {tensor.name} has element type {tensor.data_type}, which ONNX does not "
+                       "define; export again") from None
+    if tensor.data_type == onnx.TensorProto.STRING:
+        return
+    four_bit = {getattr(onnx.TensorProto, n, None) for n in ("INT4", "UINT4", "FLOAT4E2M1")}
+    bits = 4 if tensor.data_type in four_bit else 8 * itemsize
+    want = (math.prod(tensor.dims) * bits + 7) // 8
+    if want != len(tensor.raw_data):
+        raise BadInput(f"{graph}: tensor {tensor.name} holds {len(tensor.raw_data)} bytes, its shape "
+                       f"{list(tensor.dims)} says {want}; export again")
 
 
 def artifact_key(comp: ExportedComponent, spec: TargetSpec, shapes: dict, toolchain: dict, fingerprint: str,

@@ -44,14 +44,19 @@ def _json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _io(values) -> list[dict]:
+def _io(values, path: Path) -> list[dict]:
     import onnx
     out = []
     for v in values:
         t = v.type.tensor_type
         dims = [d.dim_param if d.dim_param else (d.dim_value if d.HasField("dim_value") else "?")
                 for d in t.shape.dim]
-        out.append({"name": v.name, "dtype": onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name, "shape": dims})
+        try:
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name
+        except (KeyError, ValueError, TypeError):
+            raise BadInput(f"{path}: {v.name} has element type {t.elem_type}, which ONNX does not define; "
+                           "re-export the model") from None
+        out.append({"name": v.name, "dtype": dtype, "shape": dims})
     return out
 
 
@@ -135,7 +140,7 @@ def read_component(folder: Path, comp: str, vae_cfg: dict):
     except Exception as e:
         raise BadInput(f"{path}: not a readable ONNX model ({type(e).__name__})") from None
     cfg = _json(folder / comp / "config.json")
-    inputs, outputs = _io(model.graph.input), _io(model.graph.output)
+    inputs, outputs = _io(model.graph.input, path), _io(model.graph.output, path)
     inits = {t.name for t in model.graph.initializer}
     inputs = [i for i in inputs if i["name"] not in inits]       # IR < 4 lists initializers as inputs
     for t in inputs:

@@ -341,3 +341,34 @@ def test_a_record_nested_100000_deep_is_one_line(export_dir, cache_env, tmp_path
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert "precast_export.json: damaged" in line and "export again" in line, line
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("inputs a string", ["precast_export.json: damaged", "not a list of name + shape records"]),
+    ("tensor bytes disagree", ["unet/model.onnx: tensor", "holds 8 bytes, its shape [1099511627776] says"]),
+    ("protobuf but no model", ["unet/model.onnx: not an ONNX model (no IR version or no nodes)"]),
+])
+def test_an_export_damaged_past_its_size_checks_is_one_line(export_dir, cache_env, tmp_path, damage, words):
+    """Damage that keeps the files parseable (found by a probe; each was an onnxsim / OpenVINO / TypeError
+    traceback): a record whose inputs are a string, an inline tensor whose dims claim 2^40 values in 8 bytes,
+    a protobuf that is no model."""
+    import onnx
+    bad = _copy_export(export_dir, tmp_path / "exp")
+    graph = bad / "unet" / "model.onnx"
+    index = json.loads((bad / "precast_export.json").read_text())
+    for c in index["components"]:
+        c.pop("files", None)                  # the sizes the export wrote would refuse a changed graph first
+        if damage == "inputs a string":
+            c["inputs"] = "x"
+    (bad / "precast_export.json").write_text(json.dumps(index))
+    if damage == "tensor bytes disagree":
+        model = onnx.load(str(graph), load_external_data=False)
+        t = next(t for t in model.graph.initializer if len(t.raw_data) == 8 and len(t.dims) == 1)
+        t.dims[0] = 2 ** 40
+        graph.write_bytes(model.SerializeToString())
+    elif damage == "protobuf but no model":
+        graph.write_bytes(b"\x3a\x00")
+    proc = precast("compile", bad, "--target", "onnxruntime", "--component", "unet", env=cache_env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert all(w in line for w in words), line

@@ -276,18 +276,33 @@ def test_weights_change_changes_the_key(folders, tmp_path):
     assert second["cache"] == "miss" and second["key"] != first["key"]
 
 
-def test_unmappable_axis_is_one_line(folders, tmp_path):
+@pytest.mark.parametrize("damage, says", [
+    ("axis", "vae_decoder input latent_sample: axis 0 is named 'frames'"),
+    ("elem_type", "vae_decoder/model.onnx: latent_sample has element type 999, which ONNX does not define"),
+    ("location", "is not a file name beside the graph"),
+])
+def test_unmappable_or_hostile_graph_is_one_line(folders, tmp_path, damage, says):
     import shutil
     folder = tmp_path / "odd"
     shutil.copytree(folders["optimum"], folder)
     path = folder / "vae_decoder" / "model.onnx"
-    model = onnx.load(str(path))
-    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "frames"
-    onnx.save(model, str(path))
+    model = onnx.load(str(path), load_external_data=False)
+    if damage == "axis":
+        model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "frames"
+    elif damage == "elem_type":
+        model.graph.input[0].type.tensor_type.elem_type = 999
+    else:                                       # weights moved out to a file, then one pointed outside the folder
+        onnx.save_model(onnx.load(str(path)), str(path), save_as_external_data=True, location="model.onnx_data",
+                        size_threshold=0)
+        model = onnx.load(str(path), load_external_data=False)
+        external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+        for e in external[0].external_data:
+            if e.key == "location":
+                e.value = "../../../etc/passwd"
+    path.write_bytes(model.SerializeToString())
     proc = precast("compile", folder, "--target", "onnxruntime", "--component", "vae_decoder")
-    assert proc.returncode != 0
-    assert "vae_decoder input latent_sample: axis 0 is named 'frames'" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 def _recipe(tmp_path: Path, folder: Path, extra: str = "") -> Path:
