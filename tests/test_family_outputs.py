@@ -159,7 +159,7 @@ RECORDED = {
         "scheduler": "dd96639f9c0edc340801545fbdb48fc9e5874032b23dad3c3182f0d989a72684",
         "text_encoder": "8c90e0d62a38a38c8dde1127b1774d9b77ab87ef208237bed8f8e46eb2b7e3e5",
         "tokenizer": "07ac6ce07e248a57b35e9531ddcdf27c04d978af83fed70494500e7b3cf3add1",
-        "transformer": "1fa6c1e71bd623d76ef1c4444fe1fa2a42918c947b9fbd525d0373775f4ac9f0",
+        "transformer": "bda39dfb205cd65a513fe0657a0dcfc394741902d0d4223a8aa64393979372ff",   # stop 44: text positions clamped to the table
         "vae_decoder": "01d5aa745d8556dfb2fb03623d71d4d509a224e414208c7dcb2b732649f4d43d",
         "vae_encoder": "dd8b89494214014d30c57cb2b4c24c2679fc15376e2cea1656f95e6a629c496f",
     },

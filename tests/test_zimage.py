@@ -74,11 +74,14 @@ def _randomized(model):
     return model.eval()
 
 
-@pytest.mark.parametrize("kind, reads", [("qwen3", (-2,)), ("qwen3", (-1, 1, 0)), ("qwen2.5", (-1,))])
+@pytest.mark.parametrize("kind, reads", [("qwen3", (-2,)), ("qwen3", (-1, 1, 0)), ("qwen2.5", (-1,)),
+                                         ("qwen2.5 --set head_dim", (-1,)), ("qwen2.5 --set num_heads", (-1,))])
 def test_llm_encoder_matches_transformers(tmp_path, kind, reads):
     """Qwen3 (QK norms, GQA; ComfyUI's `model.*` names with an lm_head) and Qwen2.5 (q/k/v biases, no QK norm;
-    the head width from config.json): the hidden states read, right-padded batches with their masks, fp32 on ONNX
-    Runtime and OpenVINO <= 1e-4 of transformers'."""
+    the head width from config.json, or for a split file without one from `--set text_encoder.head_dim` /
+    `num_heads`): the hidden states read, right-padded batches with their masks, fp32 on ONNX Runtime and
+    OpenVINO <= 1e-4 of transformers'."""
+    kind, _, given = kind.partition(" --set ")
     from transformers import Qwen2Config, Qwen2Model, Qwen3Config, Qwen3Model
     torch.manual_seed(0)
     common = dict(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=4, num_attention_heads=6,
@@ -91,8 +94,11 @@ def test_llm_encoder_matches_transformers(tmp_path, kind, reads):
     ckpt = open_checkpoint(tmp_path / "te.safetensors")
     assert f"{LLM}layers.0.mlp.gate_proj.weight" in ckpt.refs and not any("lm_head" in k for k in ckpt.refs)
     g = Graph("text_encoder", ckpt, LLM, "fp32")
-    config_json = {} if kind == "qwen3" else {"num_attention_heads": 6}
-    cfg = llm_config(g, config_json, {}, reads=reads, theta=common["rope_theta"])
+    config_json = {} if kind == "qwen3" or given else {"num_attention_heads": 6}
+    overrides = {"head_dim": 8, "theta": common["rope_theta"]} if given == "head_dim" else \
+        {"num_heads": 6} if given else {}
+    default_theta = 5e5 if given == "head_dim" else common["rope_theta"]      # --set theta must win over it
+    cfg = llm_config(g, config_json, overrides, reads=reads, theta=default_theta)
     assert (cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.qk_norm, cfg.qkv_bias) == \
         ((6, 2, 8, True, False) if kind == "qwen3" else (6, 2, 8, False, True))
     build_llm_encoder(g, cfg)
@@ -194,6 +200,31 @@ def test_transformer_matches_diffusers(demo, tmp_path):
         if h == 8 and w == 12:
             assert rel_err(_run_ov(tmp_path / "x" / "transformer", feeds)[0][0], want) <= 1e-4
 
+
+
+def test_a_text_buffer_past_the_position_table_matches_diffusers(tmp_path):
+    """A diffusers folder whose RoPE table has 64 text rows (axes_lens [64, 48, 48]) fed 13 real tokens in a
+    40-token buffer: the buffer's masked rows, rounded up to 64, once indexed row 64 (an ONNX Runtime Gather
+    error); diffusers positions only the real text. <= 1e-4 of diffusers', 30- and 40-token buffers."""
+    from diffusers import ZImageTransformer2DModel
+    torch.manual_seed(0)
+    model = ZImageTransformer2DModel(in_channels=16, dim=64, n_layers=1, n_refiner_layers=1, n_heads=4, n_kv_heads=4,
+                                     cap_feat_dim=32, axes_dims=[4, 6, 6], axes_lens=[64, 48, 48]).eval()
+    model.save_pretrained(tmp_path / "src" / "transformer")
+    (tmp_path / "src" / "model_index.json").write_text(json.dumps(
+        {"_class_name": "ZImagePipeline", "transformer": ["diffusers", "ZImageTransformer2DModel"]}))
+    precast("export", tmp_path / "src", "--out", tmp_path / "x", "--component", "transformer", check=True)
+    sess, rng = _session(tmp_path / "x" / "transformer"), np.random.default_rng(0)
+    lat = rng.standard_normal((1, 16, 8, 12)).astype(np.float32)
+    for length in (30, 40):
+        cap = rng.standard_normal((1, length, 32)).astype(np.float32)
+        mask = (np.arange(length) < 13)[None].astype(np.int32)
+        t = np.array([0.37], np.float32)
+        with torch.no_grad():
+            want = -model([torch.from_numpy(lat[0])[:, None]], torch.from_numpy(t), [torch.from_numpy(cap[0, :13])],
+                          return_dict=False)[0][0][:, 0].numpy()
+        feeds = {"hidden_states": lat, "encoder_hidden_states": cap, "attention_mask": mask, "timestep": t}
+        assert rel_err(sess.run(None, feeds)[0][0], want) <= 1e-4, length
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])

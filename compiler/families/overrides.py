@@ -17,8 +17,10 @@ def _choice(*names):
 
 POSITIVE = ("a positive integer", lambda v: _is_int(v, 1))
 NON_NEGATIVE = ("an integer >= 0", lambda v: _is_int(v, 0))
+_THETA = ("a number above 0", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf"))
 _TEXT_FIELDS = {"num_heads": POSITIVE, "clip_skip": POSITIVE, "eos_token_id": NON_NEGATIVE,
-                "activation": _choice("quick_gelu", "gelu")}
+                "activation": _choice("quick_gelu", "gelu"),
+                "head_dim": POSITIVE, "theta": _THETA}      # LLM text encoders (Qwen, Mistral) without a config
 # Override namespace (Component.config_name, plus `model`) -> field -> (what it takes, check).
 SET_FIELDS: dict[str, dict[str, tuple[str, Callable]]] = {
     "model": {"prediction": _choice("epsilon", "v_prediction")},
@@ -31,8 +33,7 @@ SET_FIELDS: dict[str, dict[str, tuple[str, Callable]]] = {
     "transformer": {"axes_dims_rope": ("a list of even integers summing to the head width, e.g. [16, 56, 56]",
                                        lambda v: isinstance(v, list) and bool(v) and all(_is_int(a, 2) and a % 2 == 0
                                                                                         for a in v)),
-                    "theta": ("a number above 0", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-                              and 0 < v < float("inf")),
+                    "theta": _THETA,
                     "num_heads": POSITIVE,      # SD3 without QK norm: heads are not in the weights (SAI: 64 wide)
                     "fp32_blocks": ("a list of joint-block indices computed in fp32 in half exports, e.g. [35]",
                                     lambda v: isinstance(v, list) and all(_is_int(b, 0) for b in v))},

@@ -83,13 +83,15 @@ def llm_config(g: Graph, config_json: dict, overrides: dict, reads: tuple[int, .
     qk_norm = g.has("layers.0.self_attn.q_norm.weight")
     if qk_norm:
         head_dim = g.shape("layers.0.self_attn.q_norm.weight")[0]
+    elif overrides.get("head_dim") or overrides.get("num_heads"):     # --set: what a split file cannot say
+        head_dim = int(overrides.get("head_dim") or q_rows // overrides["num_heads"])
     elif field(config_json, "head_dim", "count", None, where):
         head_dim = config_json["head_dim"]
     elif field(config_json, "num_attention_heads", "count", None, where):
         head_dim = hidden // config_json["num_attention_heads"]
     else:
-        head_dim = int(overrides.get("head_dim") or DEFAULT_HEAD_DIM)
-    if q_rows % head_dim or k_rows % head_dim or (q_rows // head_dim) % max(k_rows // head_dim, 1):
+        head_dim = DEFAULT_HEAD_DIM
+    if head_dim < 1 or q_rows % head_dim or k_rows % head_dim or (q_rows // head_dim) % max(k_rows // head_dim, 1):
         raise BadInput(f"{g.ckpt.path}: {g.prefix}layers.0.self_attn q_proj / k_proj have {q_rows} / {k_rows} rows, "
                        f"which do not split into {head_dim}-wide query heads sharing key heads; the file is damaged "
                        f"or its heads are not {head_dim} wide (pass --set {g.name}.head_dim=N)")
@@ -101,7 +103,7 @@ def llm_config(g: Graph, config_json: dict, overrides: dict, reads: tuple[int, .
                        f"its {layers + 1} (0..{layers}, or negative from the end)")
     return LLMConfig(vocab=vocab, hidden=hidden, heads=q_rows // head_dim, kv_heads=k_rows // head_dim,
                      head_dim=head_dim, intermediate=g.shape("layers.0.mlp.gate_proj.weight")[0], layers=layers,
-                     reads=resolved, theta=_theta(config_json, theta, where),
+                     reads=resolved, theta=float(overrides.get("theta") or _theta(config_json, theta, where)),
                      eps=float(field(config_json, "rms_norm_eps", "positive", eps, where)), qk_norm=qk_norm,
                      qkv_bias=g.has("layers.0.self_attn.q_proj.bias"))
 

@@ -255,7 +255,10 @@ def build_zimage(g: Graph, cfg: ZImageConfig) -> None:
     keep = g.op("Less", g.op("Unsqueeze", pos, g.ints(0)), l_pad)                                      # [B, T']
     # positions
     zero_t = g.op("Mul", pos, _i64(g, 0))
-    cap_rot = rope(g, [g.op("Add", pos, _i64(g, 1)), zero_t, zero_t], g.op("Concat", batch, t_pad, axis=0), cfg)
+    # masked rows past the real text may reach past the table (a profile longer than axes_lens[0] - 32): their
+    # position is clamped to its last row, what they compute is never read
+    text_pos = g.op("Min", g.op("Add", pos, _i64(g, 1)), _i64(g, cfg.axes_lens[0] - 1))
+    cap_rot = rope(g, [text_pos, zero_t, zero_t], g.op("Concat", batch, t_pad, axis=0), cfg)
     tok = g.op("Range", _i64(g, 0), g.op("Squeeze", n_pad, g.ints(0)), _i64(g, 1))                   # [N']
     is_img = g.op("Less", tok, n)
     zero_n = g.op("Mul", tok, _i64(g, 0))
