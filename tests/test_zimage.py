@@ -547,6 +547,11 @@ def test_damaged_or_incomplete_files_are_one_line(tmp_path):
               "layers.1.attention.qkv.weight")
     # heads that the RoPE split does not fit
     _one_line(precast("export", bare, "--out", tmp_path / "e", "--component", "transformer"), "axes_dims")
+    # no QK norms (qk_norm=False): said as that, not as an unsupported patching
+    save_file({k: v for k, v in load_file(bare).items() if not any(n in k for n in ("norm_q", "norm_k", "q_norm", "k_norm"))},
+              tmp_path / "noqk.safetensors")
+    _one_line(precast("export", tmp_path / "noqk.safetensors", "--out", tmp_path / "f", "--set", AXES),
+              "without QK norms")
 
 
 @pytest.mark.parametrize("theta", [1e4, 1e6, 1e9, 5e5])

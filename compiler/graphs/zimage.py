@@ -72,6 +72,9 @@ def _ints(value, name: str, n: int, where: str) -> tuple[int, ...]:
 
 
 def zimage_config(g: Graph, config_json: dict, overrides: dict) -> ZImageConfig:
+    if g.has(f"{EMBEDDER}.weight") and not g.has("layers.0.attention.norm_q.weight"):
+        raise BadInput(f"{g.ckpt.path}: a Z-Image transformer without QK norms (no {g.prefix}layers.0.attention."
+                       "norm_q.weight): not supported (every released Z-Image has them; its head width is read there)")
     if not g.has(f"{EMBEDDER}.weight") or not g.has("layers.0.attention.norm_q.weight"):
         others = sorted({k[len(g.prefix):].split(".")[0] + "." + k[len(g.prefix):].split(".")[1]
                          for k in g.ckpt.with_prefix(g.prefix + "all_x_embedder.")})
