@@ -562,3 +562,10 @@ def test_alpha_pattern_follows_peft_module_matching(tmp_path, meta, scale):
     base = np.zeros((32, 32), np.float32)
     want = scale * tensors[P + ".lora_B.weight"] @ tensors[P + ".lora_A.weight"]
     np.testing.assert_allclose(plan.apply(key, base), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_lora_folder_is_named_as_a_folder(demo_ckpt, tmp_path):
+    (tmp_path / "lora").mkdir()
+    proc = precast("export", demo_ckpt, "--out", tmp_path / "out", "--component", "unet", "--lora", tmp_path / "lora")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "a folder; give the LoRA's .safetensors file" in lines[0], lines

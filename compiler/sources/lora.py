@@ -135,6 +135,8 @@ def _check_dtype(p: Path, f: SafetensorsFile, key: str, role: str) -> None:
 def read_lora(path: str | Path, sha256: str | None = None) -> LoraFile:
     """Open a LoRA file (headers only) and group its tensors by module."""
     p = Path(path)
+    if p.is_dir():
+        raise BadInput(f"--lora {p}: a folder; give the LoRA's .safetensors file inside it")
     if not p.is_file():
         raise BadInput(f"--lora {p}: no such file")
     f = open_weights_file(p, lambda path: BadInput(f"--lora {path}: pickled LoRA refused. {CONVERT_HINT}"))
