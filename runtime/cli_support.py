@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import traceback
 
 import click
@@ -26,11 +27,18 @@ EXTRA_OF = {"onnx": "compiler", "safetensors": "compiler", "yaml": "compiler", "
             "filelock": "compiler", "ml_dtypes": "compiler", "onnxsim": "compiler", "onnxruntime": "onnxruntime",
             "openvino": "openvino", "tensorrt_rtx": "tensorrt-rtx", "zstandard": "zstd",
             "openvino_tokenizers": "openvino-genai", "gguf": "gguf"}
-def fail(message: str, code: int = 2, as_json: bool = False):
-    """Report an error and exit: one line on stderr; with `as_json` also {"error", "exit"} on stdout."""
+def fail(message: str, code: int = 2, as_json: bool = False, stopped: bool = False):
+    """Report an error and exit: one line on stderr; with `as_json` also {"error", "exit"} on stdout. `stopped`
+    (Ctrl+C, SIGTERM): threads still blocked in I/O -- a stalled download's readers, told to stop but waiting for
+    their next byte -- are not waited for (the command's own clean-up has run on the way here)."""
     click.echo(f"error: {message}", err=True)
     if as_json:
         click.echo(json.dumps({"error": message, "exit": code}))
+    if stopped and any(t is not threading.main_thread() and t.is_alive() and not t.daemon
+                       for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)
 
 
@@ -69,9 +77,9 @@ def run_cli(fn, as_json=False):
     except UserError as e:
         fail(str(e), 2, as_json)
     except Terminated as e:
-        fail(f"terminated by {signal.Signals(e.signum).name}", 128 + e.signum, as_json)
+        fail(f"terminated by {signal.Signals(e.signum).name}", 128 + e.signum, as_json, stopped=True)
     except KeyboardInterrupt:
-        fail("interrupted", 130, as_json)
+        fail("interrupted", 130, as_json, stopped=True)
     except BrokenPipeError:  # the reader went away (`precast cache ls | head -1`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
         sys.exit(141)  # 128 + SIGPIPE, as other tools in a pipe report it

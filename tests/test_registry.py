@@ -223,6 +223,34 @@ def test_a_killed_pull_resumes_and_ends_verified(registry, pushed, tmp_path, env
     assert not work.exists() and {p.name for p in tmp_path.iterdir()} == {"docker", "resumed"}
 
 
+def test_sigterm_ends_a_pull_whose_blobs_stall(registry, pushed, tmp_path, env):
+    """A registry dripping bytes (4 KB/s: a reader waits on a full buffer for minutes): SIGTERM, as `timeout`,
+    systemd and `docker stop` send it, ends the pull at once in one line (exit 143); it once waited for the stalled
+    transfer threads for ever. The partial files stay for a resume."""
+    relay = Relay(("127.0.0.1", registry.port), rate=4096)
+    ref, out, work = pushed.replace(registry.host, relay.host), tmp_path / "slow", tmp_path / ".slow.pull"
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "precast.runtime.cli", "pull", ref, "--out", out],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **env})
+        deadline = time.time() + 60
+        while p.poll() is None and not list(work.glob("*.partial")) and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)
+        assert p.poll() is None, p.stderr.read()
+        p.send_signal(signal.SIGTERM)
+        try:
+            _, err = p.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            raise AssertionError("the pull was still running 20 s after SIGTERM") from None
+    finally:
+        relay.close()
+    assert p.returncode == 128 + signal.SIGTERM
+    assert err.decode().strip().splitlines()[-1] == "error: terminated by SIGTERM"
+    assert not out.exists() and list(work.glob("*.partial"))
+
+
 def test_a_blob_damaged_in_the_registry_is_refused(registry, pushed, bundle, tmp_path, env):
     m = json.loads((bundle / "manifest.json").read_text())
     rel = next(r for r in m["files"] if r.startswith("artifacts/unet/openvino"))
@@ -687,3 +715,77 @@ def test_a_ref_without_the_remote_extra_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "x.png")], capture_output=True, text=True)
     line = one_line_error(proc)
     assert "remote extra (no module 'filelock')" in line and "precast[remote]" in line
+
+
+class _Hostile:
+    """A registry on 127.0.0.1 that answers what a broken or hostile one might (found by a probe; each was a
+    traceback or a misleading line): the first repository name picks the answer."""
+
+    def __init__(self):
+        import http.server
+        import threading
+        port_box = {}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def _send(self, code, body=b"", headers=None, length=None):
+                self.send_response(code)
+                for k, v in {"Content-Type": "application/json", **(headers or {})}.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body) if length is None else length))
+                self.end_headers()
+                self.wfile.write(body)
+                self.wfile.flush()
+
+            def do_GET(self):
+                path, port = self.path.split("?")[0], port_box["port"]
+                parts = path.split("/")           # /v2/MODE/x/manifests/v1, /token/MODE
+                mode = parts[2] if len(parts) > 2 and parts[1] in ("v2", "token") else ""
+                if path.startswith("/token/"):
+                    return self._send(200, {"tokjunk": b"<html>", "toklist": b"[1, 2, 3]",
+                                            "tokdeep": b"[" * 100000 + b"]" * 100000}[mode])
+                if mode.startswith("tok") and not self.headers.get("Authorization"):
+                    return self._send(401, b"{}", {"WWW-Authenticate": f'Bearer realm="http://127.0.0.1:{port}/token/'
+                                                                       f'{mode}",service="x"'})
+                if mode == "redirect":
+                    return self._send(302, b"", {"Location": self.path})
+                if mode == "hugelen":
+                    self._send(200, b'{"schemaVersion": 2', length=10 ** 15)
+                    self.close_connection = True
+                    return
+                if mode == "cfglist":
+                    return self._send(200, json.dumps({"schemaVersion": 2, "config": [1], "layers": []}).encode(),
+                                      {"Content-Type": "application/vnd.oci.image.manifest.v1+json"})
+                return self._send(404, b"{}")
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        port_box["port"] = self.server.server_address[1]
+        self.host = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("mode, words", [
+    ("redirect", "TooManyRedirects"), ("hugelen", "the connection broke while it was read"),
+    ("cfglist", "not a precast bundle"), ("tokjunk", "without a token"), ("toklist", "without a token"),
+    ("tokdeep", "without a token")])
+def test_a_hostile_registry_is_one_line(tmp_path, env, mode, words):
+    """Through the CLI and the Python API: one line naming the registry or the reference, exit 2 / UserError."""
+    from precast.runtime.api import UserError, open_bundle
+    server = _Hostile()
+    try:
+        ref = f"oci://{server.host}/{mode}/x:v1"
+        line = one_line_error(precast("pull", ref, "--out", tmp_path / "x", env=env))
+        assert words in line, line
+        with pytest.raises(UserError, match=words):
+            open_bundle(ref)
+    finally:
+        server.close()
+    assert not (tmp_path / "x").exists()

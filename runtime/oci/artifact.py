@@ -85,7 +85,9 @@ def read_oci_manifest(ref: Ref, body: bytes, media_type: str) -> dict[str, Layer
         data = json.loads(body)
     except (ValueError, RecursionError):
         raise RegistryError(f"{ref}: the manifest is not JSON; not a precast bundle") from None
-    kind = data.get("artifactType") or (data.get("config") or {}).get("mediaType") if isinstance(data, dict) else None
+    config = data.get("config") if isinstance(data, dict) else None
+    kind = data.get("artifactType") or (config.get("mediaType") if isinstance(config, dict) else None) \
+        if isinstance(data, dict) else None
     if media_type not in (OCI_MANIFEST, "") or not isinstance(data, dict) or data.get("mediaType", OCI_MANIFEST) != \
             OCI_MANIFEST or kind != ARTIFACT_TYPE:
         what = f"artifactType {kind}" if kind else f"a {data.get('mediaType') or media_type or 'manifest'}" \
@@ -93,8 +95,10 @@ def read_oci_manifest(ref: Ref, body: bytes, media_type: str) -> dict[str, Layer
         raise RegistryError(f"{ref}: not a precast bundle ({what}; a bundle pushed by `precast push` has artifactType "
                             f"{ARTIFACT_TYPE}); check the reference")
     layers: dict[str, Layer] = {}
-    for i, d in enumerate(data.get("layers") or []):
+    layers_listed = data.get("layers") or []
+    for i, d in enumerate(layers_listed if isinstance(layers_listed, list) else [None]):
         notes = d.get("annotations") or {} if isinstance(d, dict) else {}
+        notes = notes if isinstance(notes, dict) else {}
         path, digest, size = notes.get(TITLE), d.get("digest") if isinstance(d, dict) else None, \
             d.get("size") if isinstance(d, dict) else None
         if not isinstance(path, str) or not isinstance(digest, str) or not digest.startswith("sha256:") or \

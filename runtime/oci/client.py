@@ -27,7 +27,7 @@ import requests
 
 from .ref import Ref
 from .stream import Download, parallel
-from .transport import (_TRANSIENT, Interrupted, RegistryError, Transport, Unreachable, _asked, _error_text,
+from .transport import (_TRANSIENT, Interrupted, RegistryError, Transport, Unreachable, _asked, _error_text, read_body,
                         _transient_status)
 
 __all__ = ["Registry", "RegistryError", "Interrupted", "Unreachable", "OCI_MANIFEST", "MANIFEST_TYPES", "MAX_MANIFEST",
@@ -58,7 +58,7 @@ class Registry(Transport):
                                  f"repository {ref.repository}); check the reference (`precast push` creates it)",
                          what=f"the manifest of {ref}")
         with r:
-            body = r.raw.read(MAX_MANIFEST + 1, decode_content=True)
+            body = read_body(r, MAX_MANIFEST + 1, f"the manifest of {ref}")
         if len(body) > MAX_MANIFEST:
             raise RegistryError(f"{ref}: the manifest is over {MAX_MANIFEST >> 20} MiB; not a precast bundle")
         digest = "sha256:" + hashlib.sha256(body).hexdigest()
@@ -105,7 +105,7 @@ class Registry(Transport):
         r = self.request("GET", f"/v2/{repo}/blobs/{digest}", repo, stream=True, what=name,
                          missing=f"{self.registry}/{repo}: blob {digest} ({name}) is missing; push the bundle again")
         with r:
-            body = r.raw.read(size + 1, decode_content=True)
+            body = read_body(r, size + 1, name)
         if "sha256:" + hashlib.sha256(body).hexdigest() != digest:
             raise RegistryError(f"{name}: the registry sent bytes whose sha256 is not the manifest's {digest}: "
                                 "refused (the blob in the registry is damaged or was replaced)")

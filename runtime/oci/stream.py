@@ -119,15 +119,23 @@ def parallel(fn, items, workers: int, stop: threading.Event) -> list:
     items = list(items)
     if workers <= 1 or len(items) <= 1:
         return [fn(i) for i in items]
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(fn, i) for i in items]
+    pool = ThreadPoolExecutor(max_workers=workers)
+    futures = [pool.submit(fn, i) for i in items]
+    try:
         wait(futures, return_when=FIRST_EXCEPTION)
+    except BaseException:       # Ctrl+C or SIGTERM (Terminated) in this thread: the transfers are told to stop
+        stop.set()              # and not waited for (a stalled one's read could block for ever; the CLI exits
+        pool.shutdown(wait=False, cancel_futures=True)      # without joining it)
+        raise
+    try:
         failed = next((f for f in futures if f.done() and not f.cancelled() and f.exception() is not None), None)
         if failed is not None:
             stop.set()
             for f in futures:
                 f.cancel()
             wait(futures)
-            stop.clear()
             raise failed.exception()
         return [f.result() for f in futures]
+    finally:
+        pool.shutdown(wait=True)
+        stop.clear()

@@ -37,6 +37,20 @@ _TRANSIENT = (requests.ConnectionError, requests.Timeout, requests.exceptions.Ch
               urllib3.exceptions.HTTPError, ConnectionError, TimeoutError)
 
 
+def _short(e: BaseException, limit: int = 160) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def read_body(r: requests.Response, limit: int, what: str) -> bytes:
+    """Up to `limit` bytes of a streamed answer; a connection that breaks or stalls on the way is one line."""
+    try:
+        return r.raw.read(limit, decode_content=True)
+    except (*_TRANSIENT, requests.RequestException) as e:
+        raise RegistryError(f"{what}: the connection broke while it was read ({type(e).__name__}); try again") \
+            from None
+
+
 class RegistryError(UserError):
     """A registry refused, lost or damaged something: one line naming it and the fix."""
 
@@ -158,6 +172,9 @@ class Transport:
                     raise self._connection_error(e) from None
                 self._wait(attempt, what or path_or_url, e)
                 continue
+            except requests.RequestException as e:    # a redirect loop, a redirect to file://, a malformed URL
+                raise RegistryError(f"{self.registry}: {what or path_or_url}: {type(e).__name__} ({_short(e)}); "
+                                    "the registry's answer cannot be followed") from None
             self._reached = True
             if r.status_code == 401 and r.headers.get("WWW-Authenticate"):
                 challenge = r.headers["WWW-Authenticate"]
@@ -232,8 +249,13 @@ class Transport:
                                 f"({type(e).__name__})") from None
         if r.status_code in (401, 403):
             raise self._denied(r, repo, token_service=params["realm"])
-        token = (r.json() if r.ok and r.headers.get("Content-Type", "").startswith("application/json") else {})
-        token = token.get("token") or token.get("access_token")
+        try:
+            token = (r.json() if r.ok and r.headers.get("Content-Type", "").startswith("application/json") else {})
+        except (ValueError, RecursionError):
+            token = {}
+        token = (token.get("token") or token.get("access_token")) if isinstance(token, dict) else None
+        if not isinstance(token, str):
+            token = None
         if not token:
             raise RegistryError(f"{self.registry}: the token service {params['realm']} answered HTTP {r.status_code} "
                                 "without a token")
