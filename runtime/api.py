@@ -329,6 +329,9 @@ def open_bundle(path: str | os.PathLike, *, verify: Verify = "auto", sysroot: st
     mode = str(verify).lower()
     if mode not in ("auto", "full"):
         raise UserError(f"verify={verify!r}: expected 'auto' or 'full'")
+    if not isinstance(sysroot, (str, os.PathLike)):
+        raise UserError(f"sysroot={sysroot!r}: expected a folder (a str or os.PathLike) holding a recorded machine's "
+                        "/proc and /sys, or '/' for this one")
     if isinstance(path, str) and path.startswith("oci://"):
         from .oci import need_remote
         need_remote()

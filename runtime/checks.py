@@ -22,12 +22,16 @@ from .png import write_png
 MAX_STEPS = 1000   # the schedules' training timesteps: more steps than that repeat timesteps
 
 
+SHOWN = 120      # characters of a value an error line shows (a 1 MB prompt is not echoed back)
+
+
 def shown(name: str, value, quote: bool = False) -> str:
     """A setting and its value as an error names them: `--steps 0` (an option; `quote`: its value
-    repr'd) or `steps='10'` (a keyword, ending in "=": always repr'd)."""
-    if name.endswith("="):
-        return f"{name}{value!r}"
-    return f"{name} {value!r}" if quote else f"{name} {value}"
+    repr'd) or `steps='10'` (a keyword, ending in "=": always repr'd); a long value cut to SHOWN characters."""
+    text = repr(value) if quote or name.endswith("=") else str(value)
+    if len(text) > SHOWN:
+        text = f"{text[:SHOWN]}... ({len(text)} characters)"
+    return f"{name}{text}" if name.endswith("=") else f"{name} {text}"
 
 
 def is_int(value) -> bool:
@@ -73,8 +77,14 @@ def check_count(count, name: str = "--count") -> int:
     return int(count)
 
 
+MAX_GUIDANCE = 1000.0     # |guidance| past this is no setting a UI offers (A1111 30, ComfyUI 100); 1e39 overflows fp32
+
+
 def check_guidance(guidance, name: str = "--guidance") -> float:
-    return check_number(guidance, name, "e.g. 7.5")
+    value = check_number(guidance, name, "e.g. 7.5")
+    if abs(value) > MAX_GUIDANCE:
+        raise UserError(f"{shown(name, guidance)}: must be from -{MAX_GUIDANCE:g} to {MAX_GUIDANCE:g}, e.g. 7.5")
+    return value
 
 
 def check_strength(strength, name: str = "--strength") -> float:

@@ -38,6 +38,11 @@ CASES = {
     "guidance str": (lambda b, i, v, w: b.txt2img("a", steps=1, guidance="7"), "guidance='7'", "finite number, e.g. 7.5"),
     "guidance bool": (lambda b, i, v, w: b.txt2img("a", steps=1, guidance=True), "guidance=True", "finite number"),
     "guidance inf": (lambda b, i, v, w: b.txt2img("a", steps=1, guidance=math.inf), "guidance=inf", "finite number"),
+    "guidance huge": (lambda b, i, v, w: b.txt2img("a", steps=1, guidance=-1e308), "guidance=-1e+308",
+                      "from -1000 to 1000"),       # was an all-NaN image (fp32 overflow), silently
+    "sysroot int": (lambda b, i, v, w: open_bundle(b.path, sysroot=5), "sysroot=5", "expected a folder"),
+    "negative 1 MB": (lambda b, i, v, w: b.txt2img("a", steps=1, negative=b"x" * 10 ** 6), "negative=b'xxx",
+                      "(1000003 characters)"),     # the value cut, not echoed back whole
     "scheduler int": (lambda b, i, v, w: b.txt2img("a", steps=1, scheduler=3), "scheduler=3", "euler, euler-a, heun"),
     "scheduler unknown": (lambda b, i, v, w: b.txt2img("a", steps=1, scheduler="ddim9"), "scheduler='ddim9'",
                           "choose one of"),
