@@ -757,6 +757,19 @@ class _Hostile:
                     self._send(200, b'{"schemaVersion": 2', length=10 ** 15)
                     self.close_connection = True
                     return
+                if mode == "drip":                 # a manifest a byte at a time, for ever
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/vnd.oci.image.manifest.v1+json")
+                    self.send_header("Content-Length", "100000")
+                    self.end_headers()
+                    try:
+                        for _ in range(100000):
+                            self.wfile.write(b" ")
+                            self.wfile.flush()
+                            time.sleep(0.05)
+                    except OSError:
+                        pass
+                    return
                 if mode == "cfglist":
                     return self._send(200, json.dumps({"schemaVersion": 2, "config": [1], "layers": []}).encode(),
                                       {"Content-Type": "application/vnd.oci.image.manifest.v1+json"})
@@ -789,3 +802,20 @@ def test_a_hostile_registry_is_one_line(tmp_path, env, mode, words):
     finally:
         server.close()
     assert not (tmp_path / "x").exists()
+
+
+def test_a_registry_that_drips_its_manifest_is_stopped(tmp_path, env, monkeypatch):
+    """A manifest sent a byte at a time restarts the socket's read timeout for ever: past its deadline (120 s +
+    1 s per 50 kB; shortened here) the read stops in one line."""
+    from precast.runtime.api import UserError, open_bundle
+    from precast.runtime.oci import transport
+    monkeypatch.setattr(transport, "READ_GRACE_S", 2.0)
+    monkeypatch.setattr(transport, "MIN_RATE", 1e9)
+    server = _Hostile()
+    try:
+        t0 = time.time()
+        with pytest.raises(UserError, match="still sending: too slow, stopped"):
+            open_bundle(f"oci://{server.host}/drip/x:v1")
+        assert time.time() - t0 < 12
+    finally:
+        server.close()

@@ -42,13 +42,28 @@ def _short(e: BaseException, limit: int = 160) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+READ_GRACE_S, MIN_RATE = 120.0, 50_000     # an answer read into memory: done within 120 s + 1 s per 50 kB
+
+
 def read_body(r: requests.Response, limit: int, what: str) -> bytes:
-    """Up to `limit` bytes of a streamed answer; a connection that breaks or stalls on the way is one line."""
+    """Up to `limit` bytes of a streamed answer; a connection that breaks on the way, or drips (a byte a second
+    restarts the socket's timeout for ever), is one line."""
+    deadline = time.monotonic() + READ_GRACE_S + limit / MIN_RATE
+    parts, got = [], 0
     try:
-        return r.raw.read(limit, decode_content=True)
+        while got < limit:
+            chunk = r.raw.read1(min(1 << 20, limit - got), decode_content=True)
+            if not chunk:
+                break
+            parts.append(chunk)
+            got += len(chunk)
+            if time.monotonic() > deadline:
+                raise RegistryError(f"{what}: the registry sent {got} bytes in {READ_GRACE_S + limit / MIN_RATE:.0f} s "
+                                    "and is still sending: too slow, stopped; try again")
     except (*_TRANSIENT, requests.RequestException) as e:
         raise RegistryError(f"{what}: the connection broke while it was read ({type(e).__name__}); try again") \
             from None
+    return b"".join(parts)
 
 
 class RegistryError(UserError):
