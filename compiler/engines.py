@@ -18,7 +18,8 @@ from pathlib import Path
 from ..runtime.progress import heartbeat
 from .cache import Cache, Entry, cache_key, input_digest, outcome
 from .errors import BadInput
-from .exported import ExportedComponent, beside, within
+from .export_paths import beside, within
+from .exported import ExportedComponent
 from .foreign_onnx import is_foreign_folder, read_foreign
 from .profiles import ShapeProfile
 from .targets import BuildJob, TargetSpec, check_buildable, get_target

@@ -15,7 +15,8 @@ import json
 from pathlib import Path
 
 from .errors import BadInput
-from .exported import ExportedComponent, beside
+from .export_paths import beside
+from .exported import ExportedComponent
 from .families import detect_onnx_family
 
 COMPONENTS = ("text_encoder", "text_encoder_2", "unet", "vae_encoder", "vae_decoder")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Iterator, Protocol
 
 from ...runtime.fingerprint import Fingerprint
+from ..export_paths import beside
 
 POSITIONAL = {"tensorrt-rtx": "compute_capabilities", "openvino": "device", "migraphx": "gfx"}
 Shapes = dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
@@ -88,7 +89,6 @@ def required_inputs(job: BuildJob, folder: Path) -> Iterator[BuildJob]:
     for t in defaults:
         model.graph.initializer.remove(t)
     with tempfile.TemporaryDirectory(dir=folder, prefix=".required-") as tmp:
-        from ..exported import beside
         for name, tensor in {e.value: t.name for t in model.graph.initializer for e in t.external_data
                              if e.key == "location"}.items():
             # copied: onnx (hence onnxsim) refuses hard-linked weights, OpenVINO and onnx symlinks out of the folder

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BadInput
+from ..export_paths import beside
 from . import gguf_blocks
 from .onnx_weights import DataWriter, Initializers, link, nbytes, retype, row_part, slice_index, tensor_array
 
@@ -89,7 +90,6 @@ def weights_as_parts(source: Path, out_dir: Path, parts: dict | None = None) -> 
     model = onnx.load(str(source), load_external_data=False)
     reader = Initializers(model, Path(source).parent)
     inits = {t.name: t for t in model.graph.initializer}
-    from ..exported import beside
     for name, tensor in {e.value: t.name for t in inits.values() for e in t.external_data if e.key == "location"}.items():
         link(beside(Path(source), name, tensor), out_dir / name)
     half = (onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16)
