@@ -323,5 +323,5 @@ def _error_text(r: requests.Response) -> str:
     try:
         errors = r.json().get("errors") or []
         return ": " + "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors[:2]) if errors else ""
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, TypeError, RecursionError):    # a registry's error body, whatever it is
         return ""
